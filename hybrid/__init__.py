@@ -1,0 +1,35 @@
+"""hybrid-lm: build, run and evaluate language models that mix GQA attention with Mamba layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError
+from .config import AttentionConfig, ConfigError, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig
+from .model import HybridLM
+from .pattern import PatternError, attention_share, blocks_pattern, parse_pattern, ratio_pattern
+
+__version__ = "0.1.0"
+
+
+def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
+                    device: str | torch.device | None = None) -> HybridLM:
+    """Load a checkpoint folder: our own format (``save_pretrained``)."""
+    from .checkpoint import is_native, load_native
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory; give the checkpoint folder")
+    if is_native(path):
+        return load_native(path, dtype=dtype, device=device)
+    raise CheckpointError(f"{path} is not a hybrid-lm checkpoint (its config.json lacks "
+                          f'"format": "hybrid-lm")')
+
+
+__all__ = [
+    "AttentionConfig", "CheckpointError", "ConfigError", "HybridConfig", "HybridLM", "MLPConfig",
+    "Mamba1Config", "Mamba2Config", "PatternError", "attention_share", "blocks_pattern", "from_pretrained",
+    "parse_pattern", "ratio_pattern",
+]

@@ -1,0 +1,250 @@
+"""Typed, frozen, validated model configuration with a JSON round trip.
+
+Sizes a sub-config leaves as ``None`` (head dims, inner widths, MLP width) are derived from
+``d_model`` when the :class:`HybridConfig` is built, so a saved config states every size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .pattern import parse_pattern
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot describe a working model."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """GQA attention (``*``). ``n_kv_heads < n_heads`` is GQA, ``n_kv_heads == 1`` MQA."""
+
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None: same as n_heads (MHA)
+    head_dim: int | None = None  # None: d_model // n_heads
+    rope_theta: float = 10000.0
+    rotary_fraction: float = 1.0  # share of head_dim that is rotated; 0.0 = no RoPE (NemotronH)
+    sliding_window: int | None = None  # attend to at most this many most recent tokens (incl. self)
+    qkv_bias: bool = False
+    out_bias: bool = False
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_fraction) if self.head_dim else 0
+
+    def _validate(self) -> None:
+        _check(self.n_heads >= 1, f"attention.n_heads must be >= 1, got {self.n_heads}")
+        _check(self.n_kv_heads >= 1, f"attention.n_kv_heads must be >= 1, got {self.n_kv_heads}")
+        _check(self.n_heads % self.n_kv_heads == 0,
+               f"attention.n_heads ({self.n_heads}) must be a multiple of attention.n_kv_heads "
+               f"({self.n_kv_heads}) for grouped-query attention")
+        _check(self.head_dim >= 1, f"attention.head_dim must be >= 1, got {self.head_dim}")
+        _check(0.0 <= self.rotary_fraction <= 1.0,
+               f"attention.rotary_fraction must be in [0, 1], got {self.rotary_fraction}")
+        _check(self.rotary_dim % 2 == 0,
+               f"the rotary dim (head_dim {self.head_dim} x rotary_fraction {self.rotary_fraction} = "
+               f"{self.rotary_dim}) must be even")
+        _check(self.rope_theta > 0, f"attention.rope_theta must be > 0, got {self.rope_theta}")
+        _check(self.sliding_window is None or self.sliding_window >= 1,
+               f"attention.sliding_window must be None or >= 1, got {self.sliding_window}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba2Config:
+    """Mamba-2 mixer (``M``): SSD with scalar-per-head decay, in mamba_ssm's layout."""
+
+    d_state: int = 128
+    d_conv: int = 4
+    expand: int = 2
+    d_inner: int | None = None  # None: expand * d_model
+    head_dim: int = 64
+    n_groups: int = 1  # B/C groups (like KV heads in GQA)
+    chunk_size: int = 256
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    A_init_range: tuple[float, float] = (1.0, 16.0)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    norm_before_gate: bool = False  # gated RMSNorm: norm(y) * silu(z) if True else norm(y * silu(z))
+    norm_groups: int | None = None  # groups of the gated RMSNorm; None: n_groups (mamba_ssm)
+
+    @property
+    def n_heads(self) -> int:
+        return self.d_inner // self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    def _validate(self) -> None:
+        for name in ("d_state", "d_conv", "expand", "d_inner", "head_dim", "n_groups", "chunk_size",
+                     "norm_groups"):
+            _check(getattr(self, name) >= 1, f"mamba2.{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.d_inner % self.head_dim == 0,
+               f"mamba2.d_inner ({self.d_inner}) must be a multiple of mamba2.head_dim ({self.head_dim})")
+        _check(self.n_heads % self.n_groups == 0,
+               f"mamba2 heads (d_inner/head_dim = {self.n_heads}) must be a multiple of "
+               f"mamba2.n_groups ({self.n_groups})")
+        _check(self.d_inner % self.norm_groups == 0,
+               f"mamba2.d_inner ({self.d_inner}) must be a multiple of mamba2.norm_groups ({self.norm_groups})")
+        _check(0 < self.dt_min <= self.dt_max, f"need 0 < mamba2.dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
+        lo, hi = self.dt_limit
+        _check(0.0 <= lo < hi, f"mamba2.dt_limit must be (lo, hi) with 0 <= lo < hi, got {self.dt_limit}")
+        a, b = self.A_init_range
+        _check(0 < a <= b, f"mamba2.A_init_range must be (lo, hi) with 0 < lo <= hi, got {self.A_init_range}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba1Config:
+    """Mamba-1 mixer (``m``): selective scan with a per-channel, per-state decay."""
+
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    d_inner: int | None = None  # None: expand * d_model
+    dt_rank: int | None = None  # None: ceil(d_model / 16)
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    conv_bias: bool = True
+    proj_bias: bool = False
+    inner_norms: bool = False  # RMSNorm on dt, B and C before use (Jamba)
+
+    def _validate(self) -> None:
+        for name in ("d_state", "d_conv", "expand", "d_inner", "dt_rank"):
+            _check(getattr(self, name) >= 1, f"mamba1.{name} must be >= 1, got {getattr(self, name)}")
+        _check(0 < self.dt_min <= self.dt_max, f"need 0 < mamba1.dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLPConfig:
+    """MLP (``-``): ``down(act(gate(x)) * up(x))`` when gated (SwiGLU), else ``down(act(up(x)))``."""
+
+    d_ff: int | None = None  # None: 8/3 d_model (gated) or 4 d_model, rounded up to a multiple of 64
+    activation: str = "silu"
+    gated: bool = True
+    bias: bool = False
+
+    def _validate(self) -> None:
+        _check(self.d_ff >= 1, f"mlp.d_ff must be >= 1, got {self.d_ff}")
+        _check(self.activation in ACTIVATIONS,
+               f"mlp.activation {self.activation!r} is not supported; choose one of {ACTIVATIONS}")
+
+
+_SUBCONFIGS = {"attention": AttentionConfig, "mamba2": Mamba2Config, "mamba1": Mamba1Config, "mlp": MLPConfig}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridConfig:
+    """Whole-model configuration. ``pattern`` has one symbol per residual sub-layer
+    (``M`` Mamba-2, ``m`` Mamba-1, ``*`` attention, ``-`` MLP)."""
+
+    vocab_size: int
+    d_model: int
+    pattern: str
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    mamba2: Mamba2Config = field(default_factory=Mamba2Config)
+    mamba1: Mamba1Config = field(default_factory=Mamba1Config)
+    mlp: MLPConfig = field(default_factory=MLPConfig)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.vocab_size, int) and self.vocab_size >= 1,
+               f"vocab_size must be a positive int, got {self.vocab_size!r}")
+        _check(isinstance(self.d_model, int) and self.d_model >= 1,
+               f"d_model must be a positive int, got {self.d_model!r}")
+        _check(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
+        kinds = parse_pattern(self.pattern)
+        for name, cls in _SUBCONFIGS.items():
+            _check(isinstance(getattr(self, name), cls),
+                   f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        self._resolve_sizes()
+        for name in _SUBCONFIGS:
+            if name in kinds:  # sub-configs the pattern does not use are not validated
+                getattr(self, name)._validate()
+
+    def _resolve_sizes(self) -> None:
+        d = self.d_model
+        a = self.attention
+        n_kv = a.n_kv_heads if a.n_kv_heads is not None else a.n_heads
+        head_dim = a.head_dim if a.head_dim is not None else d // max(a.n_heads, 1)
+        object.__setattr__(self, "attention", dataclasses.replace(a, n_kv_heads=n_kv, head_dim=head_dim))
+        m2 = self.mamba2
+        d_inner2 = m2.d_inner if m2.d_inner is not None else m2.expand * d
+        norm_groups = m2.norm_groups if m2.norm_groups is not None else m2.n_groups
+        object.__setattr__(self, "mamba2", dataclasses.replace(
+            m2, d_inner=d_inner2, norm_groups=norm_groups, dt_limit=tuple(m2.dt_limit),
+            A_init_range=tuple(m2.A_init_range)))
+        m1 = self.mamba1
+        object.__setattr__(self, "mamba1", dataclasses.replace(
+            m1, d_inner=m1.d_inner if m1.d_inner is not None else m1.expand * d,
+            dt_rank=m1.dt_rank if m1.dt_rank is not None else math.ceil(d / 16)))
+        mlp = self.mlp
+        if mlp.d_ff is None:
+            raw = 8 * d / 3 if mlp.gated else 4 * d
+            object.__setattr__(self, "mlp", dataclasses.replace(mlp, d_ff=64 * math.ceil(raw / 64)))
+
+    # ---- pattern facts -------------------------------------------------------------------------
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return parse_pattern(self.pattern)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.pattern)
+
+    def count(self, kind: str) -> int:
+        return sum(k == kind for k in self.layer_kinds)
+
+    # ---- JSON round trip -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        # JSON has no infinity; store an open dt limit as null.
+        out["mamba2"]["dt_limit"] = [None if math.isinf(v) else v for v in self.mamba2.dt_limit]
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        _check(not unknown, f"unknown HybridConfig fields {unknown}; known: {sorted(known)}")
+        for name, sub_cls in _SUBCONFIGS.items():
+            if name in d and isinstance(d[name], dict):
+                sub = dict(d[name])
+                sub_known = {f.name for f in dataclasses.fields(sub_cls)}
+                bad = sorted(set(sub) - sub_known)
+                _check(not bad, f"unknown {name} fields {bad}; known: {sorted(sub_known)}")
+                for k, v in sub.items():
+                    if isinstance(v, list):
+                        sub[k] = tuple(math.inf if x is None else x for x in v)
+                d[name] = sub_cls(**sub)
+        return cls(**d)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> HybridConfig:
+        p = Path(text_or_path) if not str(text_or_path).lstrip().startswith("{") else None
+        text = p.read_text() if p is not None else str(text_or_path)
+        return cls.from_dict(json.loads(text))

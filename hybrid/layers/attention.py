@@ -1,0 +1,39 @@
+"""GQA attention sub-layer (``*``): projections, RoPE, and the causal attention op."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..config import AttentionConfig
+from .rope import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, cfg: AttentionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, d_model, bias=cfg.out_bias)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., L, d_model], positions [..., L] -> q [..., L, Hq, D], k, v [..., L, Hkv, D] (RoPE applied)."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        if self.rope.rotary_dim:
+            cos, sin = self.rope.cos_sin(positions, q.dtype)
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x.shape
+        q, k, v = self.qkv(x, torch.arange(L, device=x.device))
+        out = kernels.causal_attention(q, k, v, window=self.cfg.sliding_window)
+        return self.o_proj(out.reshape(B, L, -1))

@@ -1,0 +1,66 @@
+"""Mamba-1 mixer (``m``): in-projection to (x, z), causal conv, input-dependent (dt, B, C),
+selective scan, gating, out-projection. Names follow mamba_ssm's ``Mamba``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from ..config import Mamba1Config
+from .mamba2 import init_dt_bias
+from .norm import RMSNorm
+
+
+class Mamba1(nn.Module):
+    def __init__(self, d_model: int, cfg: Mamba1Config, norm_eps: float = 1e-5):
+        super().__init__()
+        self.cfg = cfg
+        self.d_inner, self.d_state, self.dt_rank = cfg.d_inner, cfg.d_state, cfg.dt_rank
+        self.in_proj = nn.Linear(d_model, 2 * cfg.d_inner, bias=cfg.proj_bias)
+        self.conv1d = nn.Conv1d(cfg.d_inner, cfg.d_inner, cfg.d_conv, groups=cfg.d_inner, bias=cfg.conv_bias)
+        self.x_proj = nn.Linear(cfg.d_inner, cfg.dt_rank + 2 * cfg.d_state, bias=False)
+        self.dt_proj = nn.Linear(cfg.dt_rank, cfg.d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(cfg.d_inner, cfg.d_state))
+        self.D = nn.Parameter(torch.ones(cfg.d_inner))
+        self.out_proj = nn.Linear(cfg.d_inner, d_model, bias=cfg.proj_bias)
+        if cfg.inner_norms:
+            self.dt_norm = RMSNorm(cfg.dt_rank, norm_eps)
+            self.B_norm = RMSNorm(cfg.d_state, norm_eps)
+            self.C_norm = RMSNorm(cfg.d_state, norm_eps)
+        self.reset_special_parameters()
+
+    def reset_special_parameters(self) -> None:
+        c = self.cfg
+        with torch.no_grad():
+            std = c.dt_rank ** -0.5
+            self.dt_proj.weight.uniform_(-std, std)
+            self.dt_proj.bias.copy_(init_dt_bias(c.d_inner, c.dt_min, c.dt_max, c.dt_init_floor))
+            # S4D-real init: A[d, n] = -(n + 1)
+            self.A_log.copy_(torch.log(torch.arange(1, c.d_state + 1, dtype=torch.float32)).repeat(c.d_inner, 1))
+            self.D.fill_(1.0)
+            self.conv1d.reset_parameters()
+            for name in ("dt_norm", "B_norm", "C_norm"):
+                if hasattr(self, name):
+                    getattr(self, name).weight.fill_(1.0)
+
+    def dt_B_C(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Post-conv x [..., d_inner] -> positive dt [..., d_inner] (fp32), B, C [..., d_state]."""
+        dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        if self.cfg.inner_norms:
+            dt, B, C = self.dt_norm(dt), self.B_norm(B), self.C_norm(C)
+        dt = F.softplus((dt @ self.dt_proj.weight.t()).float() + self.dt_proj.bias.float())
+        return dt, B, C
+
+    def A(self) -> torch.Tensor:
+        return -torch.exp(self.A_log.float())
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        x, z = self.in_proj(u).chunk(2, dim=-1)
+        x, _ = kernels.causal_conv1d(x, self.conv1d.weight[:, 0], self.conv1d.bias, activation="silu")
+        dt, B, C = self.dt_B_C(x)
+        y, _ = kernels.selective_scan(x, dt, self.A(), B, C, D=self.D)
+        return self.out_proj(y * F.silu(z))
+
+

@@ -1,0 +1,80 @@
+"""Mamba-2 mixer (``M``): in-projection, causal depthwise conv, SSD, gated RMSNorm, out-projection.
+
+Parameter names and layouts follow mamba_ssm's ``Mamba2`` (in_proj packs ``[z, x, B, C, dt]``),
+so checkpoints map over without reshuffling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from ..config import Mamba2Config
+from .norm import GatedRMSNorm
+
+
+def init_dt_bias(n: int, dt_min: float, dt_max: float, floor: float) -> torch.Tensor:
+    """dt log-uniform in [dt_min, dt_max], stored as its inverse softplus (mamba_ssm's init)."""
+    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+class Mamba2(nn.Module):
+    def __init__(self, d_model: int, cfg: Mamba2Config, norm_eps: float = 1e-5):
+        super().__init__()
+        self.cfg = cfg
+        self.d_inner, self.n_heads, self.head_dim = cfg.d_inner, cfg.n_heads, cfg.head_dim
+        self.n_groups, self.d_state = cfg.n_groups, cfg.d_state
+        self.in_proj = nn.Linear(d_model, 2 * cfg.d_inner + 2 * cfg.n_groups * cfg.d_state + cfg.n_heads,
+                                 bias=cfg.proj_bias)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim, bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(init_dt_bias(cfg.n_heads, cfg.dt_min, cfg.dt_max, cfg.dt_init_floor))
+        lo, hi = cfg.A_init_range
+        self.A_log = nn.Parameter(torch.log(torch.empty(cfg.n_heads).uniform_(lo, hi)))
+        self.D = nn.Parameter(torch.ones(cfg.n_heads))
+        self.norm = GatedRMSNorm(cfg.d_inner, eps=norm_eps, groups=cfg.norm_groups,
+                                 norm_before_gate=cfg.norm_before_gate)
+        self.out_proj = nn.Linear(cfg.d_inner, d_model, bias=cfg.proj_bias)
+
+    def reset_special_parameters(self) -> None:
+        """Re-draw the SSM parameters after a model-wide init has overwritten them."""
+        c = self.cfg
+        with torch.no_grad():
+            self.dt_bias.copy_(init_dt_bias(c.n_heads, c.dt_min, c.dt_max, c.dt_init_floor))
+            self.A_log.copy_(torch.log(torch.empty(c.n_heads).uniform_(*c.A_init_range)))
+            self.D.fill_(1.0)
+            self.conv1d.reset_parameters()
+
+    def split_projection(self, zxbcdt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> z [..., d_inner], xBC [..., conv_dim], raw dt [..., H]."""
+        return zxbcdt.split([self.d_inner, self.cfg.conv_dim, self.n_heads], dim=-1)
+
+    def dt_A(self, dt_raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positive, clamped dt (fp32) and the negative decay rates A [H]."""
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
+        lo, hi = self.cfg.dt_limit
+        if lo > 0.0 or hi != math.inf:
+            dt = dt.clamp(lo, hi)
+        return dt, -torch.exp(self.A_log.float())
+
+    def split_xBC(self, xBC: torch.Tensor):
+        """xBC [..., conv_dim] -> x [..., H, P], B [..., G, N], C [..., G, N]."""
+        gn = self.n_groups * self.d_state
+        x, B, C = xBC.split([self.d_inner, gn, gn], dim=-1)
+        lead = xBC.shape[:-1]
+        return (x.reshape(*lead, self.n_heads, self.head_dim), B.reshape(*lead, self.n_groups, self.d_state),
+                C.reshape(*lead, self.n_groups, self.d_state))
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        Bsz, L, _ = u.shape
+        z, xBC, dt_raw = self.split_projection(self.in_proj(u))
+        xBC, _ = kernels.causal_conv1d(xBC, self.conv1d.weight[:, 0], self.conv1d.bias, activation="silu")
+        x, B, C = self.split_xBC(xBC)
+        dt, A = self.dt_A(dt_raw)
+        y, _ = kernels.ssd_chunk_scan(x, dt, A, B, C, chunk_size=self.cfg.chunk_size, D=self.D)
+        y = self.norm(y.reshape(Bsz, L, self.d_inner), z)
+        return self.out_proj(y)

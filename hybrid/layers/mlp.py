@@ -1,0 +1,33 @@
+"""The MLP sub-layer (``-``): gated (SwiGLU, GeGLU) or plain (NemotronH's squared ReLU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MLPConfig
+
+
+def activation_fn(name: str):
+    return {
+        "silu": F.silu,
+        "gelu": F.gelu,
+        "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+        "relu": F.relu,
+        "relu2": lambda t: F.relu(t).square(),
+    }[name]
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, cfg: MLPConfig):
+        super().__init__()
+        self.act = activation_fn(cfg.activation)
+        self.gate_proj = nn.Linear(d_model, cfg.d_ff, bias=cfg.bias) if cfg.gated else None
+        self.up_proj = nn.Linear(d_model, cfg.d_ff, bias=cfg.bias)
+        self.down_proj = nn.Linear(cfg.d_ff, d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up_proj(x)
+        h = self.act(self.gate_proj(x)) * h if self.gate_proj is not None else self.act(h)
+        return self.down_proj(h)

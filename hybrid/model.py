@@ -1,0 +1,157 @@
+"""``HybridLM``: embeddings, one pre-norm residual sub-layer per pattern symbol, final norm, LM head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import HybridConfig
+from .layers.attention import Attention
+from .layers.mamba1 import Mamba1
+from .layers.mamba2 import Mamba2
+from .layers.mlp import MLP
+from .layers.norm import RMSNorm
+
+
+def build_mixer(kind: str, cfg: HybridConfig) -> nn.Module:
+    if kind == "attention":
+        return Attention(cfg.d_model, cfg.attention)
+    if kind == "mamba2":
+        return Mamba2(cfg.d_model, cfg.mamba2, cfg.norm_eps)
+    if kind == "mamba1":
+        return Mamba1(cfg.d_model, cfg.mamba1, cfg.norm_eps)
+    if kind == "mlp":
+        return MLP(cfg.d_model, cfg.mlp)
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+class Block(nn.Module):
+    """One pattern symbol: ``x + mixer(norm(x))``."""
+
+    def __init__(self, kind: str, cfg: HybridConfig):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = build_mixer(kind, cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mixer(self.norm(x))
+
+
+class HybridLM(nn.Module):
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"HybridLM needs a HybridConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(kind, config) for kind in config.layer_kinds)
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.init_weights()
+
+    # ---- init ----------------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        std = self.config.initializer_range
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, std=std)
+                if mod.bias is not None:
+                    nn.init.zeros_(mod.bias)
+            elif isinstance(mod, nn.Embedding):
+                nn.init.normal_(mod.weight, std=std)
+        for mod in self.modules():
+            if isinstance(mod, (Mamba1, Mamba2)):
+                mod.reset_special_parameters()
+
+    # ---- forward -------------------------------------------------------------------------------
+    def check_token_ids(self, input_ids: torch.Tensor) -> None:
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty: give at least one token")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is out of range for vocab_size {self.config.vocab_size} "
+                             f"(valid ids are 0..{self.config.vocab_size - 1}); check the tokenizer matches the model")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = self.norm_f(hidden)
+        return F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, L] -> logits [B, L, vocab] (no cache; training and scoring)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        self.check_token_ids(input_ids)
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.logits(x)
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+             ignore_index: int = -100) -> torch.Tensor:
+        """Mean next-token cross-entropy: position t predicts ``labels[:, t + 1]`` (``labels``
+        defaults to ``input_ids``; entries equal to ``ignore_index`` are skipped)."""
+        labels = input_ids if labels is None else labels
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        logits = self(input_ids)[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                               ignore_index=ignore_index)
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embeddings else n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token, averaged over a causal prefill of ``seq_len`` tokens.
+
+        Counts 2 FLOPs per multiply-add: every matmul weight (LM head included, embedding lookup
+        not), attention scores and values over the average visible context (sliding window
+        respected), the depthwise convs, and the SSM recurrence (about 6 per state element per
+        token: decay, input outer product, add, and the output contraction). Norms and
+        element-wise ops are left out.
+        """
+        cfg = self.config
+        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        if self.lm_head is None:
+            matmul += self.embed.weight.numel()
+        total = 2.0 * matmul
+        a = cfg.attention
+        w = min(a.sliding_window or seq_len, seq_len)
+        avg_ctx = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len  # mean over p = 1..L of min(p, w)
+        total += cfg.count("attention") * 4.0 * a.n_heads * a.head_dim * avg_ctx
+        m2, m1 = cfg.mamba2, cfg.mamba1
+        total += cfg.count("mamba2") * (6.0 * m2.d_inner * m2.d_state + 2.0 * m2.d_conv * m2.conv_dim)
+        total += cfg.count("mamba1") * (6.0 * m1.d_inner * m1.d_state + 2.0 * m1.d_conv * m1.d_inner)
+        return total
+
+    def kv_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """KV-cache bytes one token costs across all attention layers (grows with context)."""
+        a = self.config.attention
+        return self.config.count("attention") * 2 * a.n_kv_heads * a.head_dim * dtype.itemsize
+
+    def state_bytes_per_sequence(self, dtype: torch.dtype = torch.float32) -> int:
+        """Mamba conv + SSM state bytes one sequence holds, whatever its length."""
+        cfg = self.config
+        m2, m1 = cfg.mamba2, cfg.mamba1
+        per2 = m2.n_heads * m2.head_dim * m2.d_state + (m2.d_conv - 1) * m2.conv_dim
+        per1 = m1.d_inner * m1.d_state + (m1.d_conv - 1) * m1.d_inner
+        return (cfg.count("mamba2") * per2 + cfg.count("mamba1") * per1) * dtype.itemsize
+
+    # ---- save / load ---------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | Path) -> Path:
+        from .checkpoint import save_native
+        return save_native(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, *, dtype: torch.dtype | None = None,
+                        device: str | torch.device | None = None) -> HybridLM:
+        from .checkpoint import load_native
+        return load_native(directory, dtype=dtype, device=device)

@@ -1,0 +1,119 @@
+"""The one place that decides which implementation runs each op.
+
+Every op module registers its implementations here under a backend name (``torch``, ``triton``,
+``cuda``) with a probe that says whether the backend can run at all (and why not). The choice
+is made once per (op, device type, override) and cached; ``HYBRID_BACKEND=torch|triton|cuda``
+forces one backend for every op that has it, and :func:`use_backend` does so for a block of code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("cuda", "triton", "torch")
+# Preferred order per device type; CPU runs the pure-torch paths (Triton on CPU is only the
+# interpreter, which is for tests, and must be asked for explicitly).
+DEFAULT_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("torch",)}
+
+
+class BackendError(RuntimeError):
+    """No registered backend can run the requested op here."""
+
+
+@dataclass(frozen=True)
+class Impl:
+    fn: Callable
+    probe: Callable[[], str | None]  # returns None when usable, else the reason it is not
+
+
+_registry: dict[str, dict[str, Impl]] = {}
+_cache: dict[tuple[str, str, str | None], tuple[str, Callable]] = {}
+_local = threading.local()
+
+
+def _always() -> str | None:
+    return None
+
+
+def register(op: str, backend: str, fn: Callable, probe: Callable[[], str | None] = _always) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _registry.setdefault(op, {})[backend] = Impl(fn, probe)
+    _cache.clear()
+
+
+def ops() -> list[str]:
+    return sorted(_registry)
+
+
+def _override() -> str | None:
+    forced = getattr(_local, "forced", None) or os.environ.get("HYBRID_BACKEND") or None
+    if forced is not None and forced not in BACKENDS:
+        raise BackendError(f"HYBRID_BACKEND={forced!r} is not a backend; use one of {BACKENDS}")
+    return forced
+
+
+def choose(op: str, device_type: str) -> tuple[str, Callable]:
+    """Return ``(backend_name, fn)`` for ``op`` on ``device_type`` ("cpu", "cuda", ...)."""
+    forced = _override()
+    key = (op, device_type, forced)
+    hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    impls = _registry.get(op)
+    if not impls:
+        raise BackendError(f"no implementation registered for op {op!r}; known ops: {ops()}")
+    order = (forced,) if forced else DEFAULT_ORDER.get(device_type, ("torch",))
+    reasons = []
+    for name in order:
+        impl = impls.get(name)
+        if impl is None:
+            reasons.append(f"{name}: not implemented for {op}")
+            continue
+        why_not = impl.probe()
+        if why_not is None and name == "cuda" and device_type != "cuda":
+            why_not = f"tensors are on {device_type}, the cuda backend needs a GPU"
+        if why_not is None:
+            _cache[key] = (name, impl.fn)
+            return _cache[key]
+        reasons.append(f"{name}: {why_not}")
+    raise BackendError(f"no usable backend for {op!r} on {device_type}: " + "; ".join(reasons))
+
+
+def explain(device_type: str) -> list[tuple[str, str, str]]:
+    """``(op, chosen backend or '-', reasons)`` for every op, for ``hybrid doctor``."""
+    rows = []
+    for op in ops():
+        notes = []
+        for name, impl in sorted(_registry[op].items()):
+            why_not = impl.probe()
+            notes.append(f"{name}: {'ok' if why_not is None else why_not}")
+        try:
+            chosen, _ = choose(op, device_type)
+        except BackendError:
+            chosen = "-"
+        rows.append((op, chosen, "; ".join(notes)))
+    return rows
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Force ``name`` for every op inside the block (this thread only); ``None`` restores defaults."""
+    if name is not None and name not in BACKENDS:
+        raise BackendError(f"unknown backend {name!r}; use one of {BACKENDS}")
+    prev = getattr(_local, "forced", None)
+    _local.forced = name
+    try:
+        yield
+    finally:
+        _local.forced = prev
+
+
+def device_type(t: torch.Tensor) -> str:
+    return t.device.type

@@ -1,0 +1,121 @@
+"""Mamba-1 selective scan (prefill) and its one-step update (decode).
+
+Shapes: ``x, dt: [B, L, D]`` (dt already positive), ``A: [D, N]`` (negative), ``B, C: [B, L, N]``,
+state ``[B, D, N]`` fp32. Recurrence: ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t``,
+``y_t = h_t C_t + D x_t``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+
+# Within a sub-chunk the scan is h_t = e^{c_t} (h_0 + sum_{s<=t} e^{-c_s} u_s) with c the running
+# sum of log-decays. e^{-c_s} grows with the sub-chunk's total decay: past 60 fp32 could overflow
+# and the block is computed in fp64; past 600 even fp64 could, and the block runs the plain
+# recurrence (such decays zero the state within a token anyway; trained models rarely get there).
+_FP32_SAFE_LOG_RANGE = 60.0
+_FP64_SAFE_LOG_RANGE = 600.0
+_SUB = 16  # tokens per sub-chunk: a sequential step only every 16 tokens
+_BLOCK = 256  # tokens materialised at once ([B, BLOCK, D, N]) to bound memory
+
+
+def selective_scan_ref(x, dt, A, B, C, *, D=None, initial_state=None):
+    """Token-by-token recurrence in fp32: the reference."""
+    b, L, Dm = x.shape
+    h = torch.zeros(b, Dm, A.shape[1], device=x.device) if initial_state is None else initial_state.float().clone()
+    ys = []
+    for t in range(L):
+        h = torch.exp(dt[:, t, :, None].float() * A.float()) * h + \
+            (dt[:, t].float() * x[:, t].float())[..., None] * B[:, t, None, :].float()
+        ys.append(torch.einsum("bdn,bn->bd", h, C[:, t].float()))
+    y = torch.stack(ys, dim=1)
+    if D is not None:
+        y = y + x.float() * D.float()
+    return y.to(x.dtype), h
+
+
+def _scan_block(h0, x, dt, A, B, C):
+    """Scan one block of T tokens (T a multiple of _SUB) from state h0 [b, D, N]; returns y, h_end."""
+    b, T, Dm = x.shape
+    N = A.shape[1]
+    nS = T // _SUB
+    logdec = (dt[..., None] * A).view(b, nS, _SUB, Dm, N)
+    u = ((dt * x)[..., None] * B[:, :, None, :]).view(b, nS, _SUB, Dm, N)
+    cum = torch.cumsum(logdec, dim=2)
+    log_range = float(-cum[:, :, -1].detach().min())
+    if log_range > _FP64_SAFE_LOG_RANGE:
+        y, h = selective_scan_ref(x, dt, A, B, C, initial_state=h0)
+        return y, h
+    work = torch.float64 if log_range > _FP32_SAFE_LOG_RANGE else torch.float32
+    cum_w = cum.to(work)
+    local = torch.exp(cum_w) * torch.cumsum(torch.exp(-cum_w) * u.to(work), dim=2)  # from a zero state
+    decay = torch.exp(cum)  # [b, nS, SUB, D, N]
+    local = local.to(torch.float32)
+    # carry the state across sub-chunks: only nS small sequential steps
+    entering = []
+    h = h0
+    for s in range(nS):
+        entering.append(h)
+        h = decay[:, s, -1] * h + local[:, s, -1]
+    h_full = local + decay * torch.stack(entering, dim=1)[:, :, None]
+    y = torch.einsum("bstdn,bstn->bstd", h_full, C.view(b, nS, _SUB, N)).reshape(b, T, Dm)
+    return y, h
+
+
+def _selective_scan_torch(x, dt, A, B, C, *, D=None, initial_state=None):
+    b, L, Dm = x.shape
+    N = A.shape[1]
+    h = torch.zeros(b, Dm, N, device=x.device) if initial_state is None else initial_state.float()
+    Af = A.float()
+    ys = []
+    for start in range(0, L, _BLOCK):
+        end = min(start + _BLOCK, L)
+        n = end - start
+        pad = (-n) % _SUB
+        xs, dts, Bs, Cs = (t[:, start:end].float() for t in (x, dt, B, C))
+        if pad:  # dt = 0 on padding: decay 1, no input, so h is unchanged by it
+            xs, dts, Bs, Cs = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (xs, dts, Bs, Cs))
+        y, h = _scan_block(h, xs, dts, Af, Bs, Cs)
+        ys.append(y[:, :n])
+    y = torch.cat(ys, dim=1)
+    if D is not None:
+        y = y + x.float() * D.float()
+    return y.to(x.dtype), h
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   *, D: torch.Tensor | None = None,
+                   initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selective scan over whole sequences. Returns ``(y [B, L, D], final_state [B, D, N] fp32)``."""
+    if x.dim() != 3 or dt.shape != x.shape or A.dim() != 2 or A.shape[0] != x.shape[2]:
+        raise ValueError(f"selective_scan: need x, dt [B, L, D] and A [D, N]; got {tuple(x.shape)}, "
+                         f"{tuple(dt.shape)}, {tuple(A.shape)}")
+    if B.shape != C.shape or B.shape != (*x.shape[:2], A.shape[1]):
+        raise ValueError(f"selective_scan: B and C must be [B, L, N] = {(*x.shape[:2], A.shape[1])}, "
+                         f"got {tuple(B.shape)}, {tuple(C.shape)}")
+    _, fn = dispatch.choose("selective_scan", x.device.type)
+    return fn(x, dt, A, B, C, D=D, initial_state=initial_state)
+
+
+def selective_step_ref(state, x, dt, A, B, C, *, D=None):
+    """One token: state [B, D, N] (in place), x, dt [B, D], B, C [B, N] -> y [B, D]."""
+    new = torch.exp(dt.float()[..., None] * A.float()) * state.float() + \
+        (dt.float() * x.float())[..., None] * B.float()[:, None, :]
+    state.copy_(new)
+    y = torch.einsum("bdn,bn->bd", new, C.float())
+    if D is not None:
+        y = y + x.float() * D.float()
+    return y.to(x.dtype)
+
+
+def selective_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                   C: torch.Tensor, *, D: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of the selective scan; ``state`` [B, D, N] is updated in place."""
+    _, fn = dispatch.choose("selective_step", x.device.type)
+    return fn(state, x, dt, A, B, C, D=D)
+
+
+dispatch.register("selective_scan", "torch", _selective_scan_torch)
+dispatch.register("selective_step", "torch", selective_step_ref)

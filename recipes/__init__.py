@@ -1,0 +1,112 @@
+"""Named model configs: ``hybrid.recipes.get("hybrid-1to7-small")``.
+
+Each family comes at two sizes: ``tiny`` (d_model 64, byte vocab; for tests, seconds on a CPU)
+and ``small`` (d_model 768, 32k vocab, ~90-115M parameters, like mamba-130m / GPT-2 small).
+
+| family        | pattern                                   | after                         |
+|---------------|-------------------------------------------|-------------------------------|
+| llama         | ``*-`` repeated (GQA + SwiGLU)            | Llama                         |
+| mamba2        | ``M`` repeated                            | mamba_ssm Mamba-2             |
+| mamba1        | ``m`` repeated                            | mamba_ssm Mamba               |
+| hybrid-1to7   | 1 attention per 8 Mamba-2 blocks, + MLPs  | Bamba                         |
+| jamba         | 1 attention per 8 Mamba-1 blocks (4th)    | Jamba (dense MLP)             |
+| nemotronh     | ``M-M-M-M*-`` (no RoPE, squared-ReLU MLP) | NemotronH                     |
+| samba         | ``m-*-`` with sliding-window attention    | Samba                         |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..config import AttentionConfig, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig
+from ..pattern import blocks_pattern, ratio_pattern
+
+_SIZES = {
+    "tiny": dict(d_model=64, vocab_size=256, tie_embeddings=False,
+                 attention=AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=16),
+                 mamba2=Mamba2Config(d_state=16, head_dim=16, chunk_size=16),
+                 mamba1=Mamba1Config(d_state=8),
+                 mlp=MLPConfig(d_ff=128)),
+    "small": dict(d_model=768, vocab_size=32000, tie_embeddings=True,
+                  attention=AttentionConfig(n_heads=12, n_kv_heads=4, head_dim=64),
+                  mamba2=Mamba2Config(d_state=128, head_dim=64, chunk_size=256),
+                  mamba1=Mamba1Config(d_state=16),
+                  mlp=MLPConfig(d_ff=2048)),
+}
+# Depth per size: (blocks for families with MLPs, layers for pure Mamba stacks)
+_DEPTH = {"tiny": (4, 4), "small": (12, 24)}
+_WINDOW = {"tiny": 16, "small": 2048}
+
+
+def _make(size: str, pattern: str, **changes) -> HybridConfig:
+    base = dict(_SIZES[size])
+    base.update(changes)
+    return HybridConfig(pattern=pattern, **base)
+
+
+def _llama(size):
+    return _make(size, "*-" * _DEPTH[size][0])
+
+
+def _mamba2(size):
+    return _make(size, "M" * _DEPTH[size][1])
+
+
+def _mamba1(size):
+    return _make(size, "m" * _DEPTH[size][1])
+
+
+def _hybrid_1to7(size):
+    return _make(size, blocks_pattern(8, "M", attn_every=8))
+
+
+def _jamba(size):
+    return _make(size, blocks_pattern(8, "m", attn_every=8, attn_offset=4))
+
+
+def _nemotronh(size):
+    base = _SIZES[size]
+    d_ff = 4 * base["d_model"] if size == "small" else 256
+    return _make(size, "M-M-M-M*-" * (1 if size == "tiny" else 2),
+                 attention=AttentionConfig(n_heads=base["attention"].n_heads,
+                                           n_kv_heads=base["attention"].n_kv_heads,
+                                           head_dim=base["attention"].head_dim, rotary_fraction=0.0),
+                 mlp=MLPConfig(d_ff=d_ff, activation="relu2", gated=False))
+
+
+def _samba(size):
+    a = _SIZES[size]["attention"]
+    return _make(size, "m-*-" * (_DEPTH[size][0] // 2),
+                 attention=AttentionConfig(n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                                           sliding_window=_WINDOW[size]))
+
+
+_FAMILIES: dict[str, Callable[[str], HybridConfig]] = {
+    "llama": _llama,
+    "mamba2": _mamba2,
+    "mamba1": _mamba1,
+    "hybrid-1to7": _hybrid_1to7,
+    "jamba": _jamba,
+    "nemotronh": _nemotronh,
+    "samba": _samba,
+}
+
+
+def names() -> list[str]:
+    return [f"{fam}-{size}" for fam in _FAMILIES for size in _SIZES]
+
+
+def get(name: str) -> HybridConfig:
+    """The config of recipe ``name`` (e.g. ``"jamba-tiny"``); unknown names list the known ones."""
+    fam, _, size = name.rpartition("-")
+    if fam not in _FAMILIES or size not in _SIZES:
+        raise KeyError(f"unknown recipe {name!r}; known recipes: {', '.join(names())}")
+    return _FAMILIES[fam](size)
+
+
+def attention_family(size: str, share: float, n_blocks: int = 8) -> HybridConfig:
+    """One member of a same-width family whose attention share of mixers is ``share`` (0..1):
+    ``n_blocks`` blocks of (mixer, MLP), Mamba-2 mixers, attention spread evenly."""
+    if size not in _SIZES:
+        raise KeyError(f"unknown size {size!r}; known sizes: {list(_SIZES)}")
+    return _make(size, ratio_pattern(n_blocks, share, "M"))

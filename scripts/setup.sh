@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) with the CPU build of torch and hybrid-lm installed editable with its
+# dev extras. Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# The CPU wheel first: a bare `torch` requirement would resolve to a multi-GB CUDA build.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q "torch==2.13.0"
+fi
+if ! .venv/bin/python -c "import hybrid, lm_eval, transformers, pytest, hypothesis, triton" 2>/dev/null; then
+  .venv/bin/pip install -q -e ".[dev]"
+fi
