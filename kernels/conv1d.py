@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
+from .packing import check_cu_seqlens, sequences, step_on_slots
 
 _ACTIVATIONS = {None: lambda t: t, "silu": F.silu}
 
@@ -60,12 +61,48 @@ def causal_conv1d_step_ref(state, x, weight, bias=None, *, activation=None):
     return _ACTIVATIONS[activation](y).to(x.dtype)
 
 
+def _causal_conv1d_step_torch(state, x, weight, bias=None, *, activation=None, slots=None):
+    return step_on_slots(causal_conv1d_step_ref, state, slots, x, weight, bias, activation=activation)
+
+
 def causal_conv1d_step(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None = None, *, activation: str | None = None) -> torch.Tensor:
-    """One decode step of the causal conv; ``state`` [B, C, K-1] is updated in place."""
+                       bias: torch.Tensor | None = None, *, activation: str | None = None,
+                       slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of the causal conv, shifting the state in place: ``state`` [B, C, K-1], or
+    with ``slots`` a pool [S, C, K-1] whose rows ``slots`` belong to the batch. x [B, C] -> y [B, C]."""
     _, fn = dispatch.choose("causal_conv1d_step", x.device.type)
-    return fn(state, x, weight, bias, activation=activation)
+    return fn(state, x, weight, bias, activation=activation, slots=slots)
+
+
+def _varlen(conv, x, weight, bias, cu_seqlens, initial_states, activation):
+    y = torch.empty_like(x)
+    finals = []
+    for b, s in sequences(cu_seqlens):
+        init = None if initial_states is None else initial_states[b:b + 1]
+        yb, fb = conv(x[None, s], weight, bias, initial_state=init, activation=activation)
+        y[s] = yb[0]
+        finals.append(fb)
+    return y, torch.cat(finals)
+
+
+def causal_conv1d_varlen_ref(x, weight, bias, cu_seqlens, *, initial_states=None, activation=None):
+    return _varlen(causal_conv1d_ref, x, weight, bias, cu_seqlens, initial_states, activation)
+
+
+def _causal_conv1d_varlen_torch(x, weight, bias, cu_seqlens, *, initial_states=None, activation=None):
+    return _varlen(_causal_conv1d_torch, x, weight, bias, cu_seqlens, initial_states, activation)
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         cu_seqlens: torch.Tensor, *, initial_states: torch.Tensor | None = None,
+                         activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal conv over a packed batch: x [T, C], cu_seqlens [B+1], initial_states [B, C, K-1] or
+    None. Returns (y [T, C], final_states [B, C, K-1]); no tap reaches across a sequence boundary."""
+    check_cu_seqlens(cu_seqlens, x.shape[0], "causal_conv1d_varlen")
+    _, fn = dispatch.choose("causal_conv1d_varlen", x.device.type)
+    return fn(x, weight, bias, cu_seqlens, initial_states=initial_states, activation=activation)
 
 
 dispatch.register("causal_conv1d", "torch", _causal_conv1d_torch)
-dispatch.register("causal_conv1d_step", "torch", causal_conv1d_step_ref)
+dispatch.register("causal_conv1d_varlen", "torch", _causal_conv1d_varlen_torch)
+dispatch.register("causal_conv1d_step", "torch", _causal_conv1d_step_torch)

@@ -3,7 +3,9 @@
 Every op module registers its implementations here under a backend name (``torch``, ``triton``,
 ``cuda``) with a probe that says whether the backend can run at all (and why not). The choice
 is made once per (op, device type, override) and cached; ``HYBRID_BACKEND=torch|triton|cuda``
-forces one backend for every op that has it, and :func:`use_backend` does so for a block of code.
+forces one backend for every op that implements it (an op that does not keeps its default order,
+and ``hybrid doctor`` shows which), and :func:`use_backend` does so for a block of code. A forced
+backend that is implemented but cannot run here (package missing, tensors on CPU) is an error.
 """
 
 from __future__ import annotations
@@ -69,7 +71,13 @@ def choose(op: str, device_type: str) -> tuple[str, Callable]:
     impls = _registry.get(op)
     if not impls:
         raise BackendError(f"no implementation registered for op {op!r}; known ops: {ops()}")
-    order = (forced,) if forced else DEFAULT_ORDER.get(device_type, ("torch",))
+    default = DEFAULT_ORDER.get(device_type, ("torch",))
+    if forced and forced in impls:
+        order = (forced,)  # asked for and implemented: use it or fail saying why, never fall back silently
+    elif forced:
+        order = tuple(b for b in default if b != forced)  # this op has no such backend: `hybrid doctor` shows it
+    else:
+        order = default
     reasons = []
     for name in order:
         impl = impls.get(name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
+from .packing import check_cu_seqlens, sequences, step_on_slots
 
 # Within a sub-chunk the scan is h_t = e^{c_t} (h_0 + sum_{s<=t} e^{-c_s} u_s) with c the running
 # sum of log-decays. e^{-c_s} grows with the sub-chunk's total decay: past 60 fp32 could overflow
@@ -110,12 +111,48 @@ def selective_step_ref(state, x, dt, A, B, C, *, D=None):
     return y.to(x.dtype)
 
 
+def _selective_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
+    return step_on_slots(selective_step_ref, state, slots, x, dt, A, B, C, D=D)
+
+
 def selective_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                   C: torch.Tensor, *, D: torch.Tensor | None = None) -> torch.Tensor:
-    """One decode step of the selective scan; ``state`` [B, D, N] is updated in place."""
+                   C: torch.Tensor, *, D: torch.Tensor | None = None,
+                   slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of the selective scan, updating the state in place: ``state`` [B, D, N], or
+    with ``slots`` a pool [S, D, N] whose rows ``slots`` belong to the batch. Returns y [B, D]."""
     _, fn = dispatch.choose("selective_step", x.device.type)
-    return fn(state, x, dt, A, B, C, D=D)
+    return fn(state, x, dt, A, B, C, D=D, slots=slots)
+
+
+def _varlen(scan, x, dt, A, B, C, cu_seqlens, D, initial_states):
+    y = torch.empty_like(x)
+    finals = []
+    for b, s in sequences(cu_seqlens):
+        init = None if initial_states is None else initial_states[b:b + 1]
+        yb, fb = scan(x[None, s], dt[None, s], A, B[None, s], C[None, s], D=D, initial_state=init)
+        y[s] = yb[0]
+        finals.append(fb)
+    return y, torch.cat(finals)
+
+
+def selective_varlen_scan_ref(x, dt, A, B, C, cu_seqlens, *, D=None, initial_states=None):
+    return _varlen(selective_scan_ref, x, dt, A, B, C, cu_seqlens, D, initial_states)
+
+
+def _selective_varlen_scan_torch(x, dt, A, B, C, cu_seqlens, *, D=None, initial_states=None):
+    return _varlen(_selective_scan_torch, x, dt, A, B, C, cu_seqlens, D, initial_states)
+
+
+def selective_varlen_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                          cu_seqlens: torch.Tensor, *, D: torch.Tensor | None = None,
+                          initial_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selective scan over a packed batch: x, dt [T, D], B/C [T, N], cu_seqlens [B+1], initial_states
+    [B, D, N] or None. Returns (y [T, D], final_states [B, D, N] fp32)."""
+    check_cu_seqlens(cu_seqlens, x.shape[0], "selective_varlen_scan")
+    _, fn = dispatch.choose("selective_varlen_scan", x.device.type)
+    return fn(x, dt, A, B, C, cu_seqlens, D=D, initial_states=initial_states)
 
 
 dispatch.register("selective_scan", "torch", _selective_scan_torch)
-dispatch.register("selective_step", "torch", selective_step_ref)
+dispatch.register("selective_varlen_scan", "torch", _selective_varlen_scan_torch)
+dispatch.register("selective_step", "torch", _selective_step_torch)

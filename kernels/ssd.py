@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
+from .packing import check_cu_seqlens, sequences, step_on_slots
+
+_TORCH_MAX_CHUNK = 128
 
 
 def ssd_scan_ref(x, dt, A, B, C, *, D=None, initial_state=None):
@@ -49,7 +52,9 @@ def _ssd_chunk_scan_torch(x, dt, A, B, C, *, chunk_size, D=None, initial_state=N
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     hpg = H // G
-    T = min(chunk_size, L)  # the chunk size changes only the cost, never the result
+    # The chunk size changes only the cost, never the result: on this path 64-128 beats the 256
+    # that GPU kernels like (the [T, T] decay matrices grow with T), so cap it there.
+    T = min(chunk_size, _TORCH_MAX_CHUNK, L)
     pad = (-L) % T
     xf, dtf, Bf, Cf = x.float(), dt.float(), B.float(), C.float()
     if pad:
@@ -124,12 +129,56 @@ def ssd_step_ref(state, x, dt, A, B, C, *, D=None):
     return y.to(x.dtype)
 
 
+def _ssd_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
+    return step_on_slots(ssd_step_ref, state, slots, x, dt, A, B, C, D=D)
+
+
 def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-             C: torch.Tensor, *, D: torch.Tensor | None = None) -> torch.Tensor:
-    """One decode step of SSD; ``state`` [B, H, P, N] is updated in place. Returns y [B, H, P]."""
+             C: torch.Tensor, *, D: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of SSD, updating the state in place. Returns y [B, H, P].
+
+    ``state`` is [B, H, P, N], or with ``slots`` ([B] int64) a pool [S, H, P, N] whose rows
+    ``slots`` belong to the batch (mamba_ssm's ``state_batch_indices``).
+    """
     _, fn = dispatch.choose("ssd_step", x.device.type)
-    return fn(state, x, dt, A, B, C, D=D)
+    return fn(state, x, dt, A, B, C, D=D, slots=slots)
+
+
+def _ssd_varlen_scan_torch(x, dt, A, B, C, cu_seqlens, *, chunk_size, D=None, initial_states=None):
+    y = torch.empty_like(x)
+    finals = []
+    for b, s in sequences(cu_seqlens):
+        init = None if initial_states is None else initial_states[b:b + 1]
+        yb, fb = _ssd_chunk_scan_torch(x[None, s], dt[None, s], A, B[None, s], C[None, s], chunk_size=chunk_size,
+                                       D=D, initial_state=init)
+        y[s] = yb[0]
+        finals.append(fb)
+    return y, torch.cat(finals)
+
+
+def ssd_varlen_scan_ref(x, dt, A, B, C, cu_seqlens, *, D=None, initial_states=None):
+    y = torch.empty_like(x)
+    finals = []
+    for b, s in sequences(cu_seqlens):
+        init = None if initial_states is None else initial_states[b:b + 1]
+        yb, fb = ssd_scan_ref(x[None, s], dt[None, s], A, B[None, s], C[None, s], D=D, initial_state=init)
+        y[s] = yb[0]
+        finals.append(fb)
+    return y, torch.cat(finals)
+
+
+def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                    cu_seqlens: torch.Tensor, *, chunk_size: int = 256, D: torch.Tensor | None = None,
+                    initial_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SSD over a packed batch: x [T, H, P], dt [T, H], B/C [T, G, N], cu_seqlens [B+1];
+    initial_states [B, H, P, N] or None (zeros). Returns (y [T, H, P], final_states [B, H, P, N] fp32).
+    The state never crosses a sequence boundary."""
+    _check_ssd_shapes(x[None], dt[None], A, B[None], C[None])
+    check_cu_seqlens(cu_seqlens, x.shape[0], "ssd_varlen_scan")
+    _, fn = dispatch.choose("ssd_varlen_scan", x.device.type)
+    return fn(x, dt, A, B, C, cu_seqlens, chunk_size=chunk_size, D=D, initial_states=initial_states)
 
 
 dispatch.register("ssd_chunk_scan", "torch", _ssd_chunk_scan_torch)
-dispatch.register("ssd_step", "torch", ssd_step_ref)  # already O(1) per token: the reference is the fast path
+dispatch.register("ssd_varlen_scan", "torch", _ssd_varlen_scan_torch)
+dispatch.register("ssd_step", "torch", _ssd_step_torch)

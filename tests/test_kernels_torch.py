@@ -120,18 +120,6 @@ def test_causal_attention_matches_naive(Hq, Hkv, window):
     assert rel_err(kernels.causal_attention_ref(q, k, v, window=window), ref) < 1e-5
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_matches_last_row_of_prefill(window):
-    q, k, v = torch.randn(3, 20, 8, 16), torch.randn(3, 20, 2, 16), torch.randn(3, 20, 2, 16)
-    lens = torch.tensor([20, 11, 1])
-    out = kernels.decode_attention(q[torch.arange(3), lens - 1], k, v, lens, window=window)
-    for b, n in enumerate(lens.tolist()):
-        full = _naive_attention(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], window)
-        assert rel_err(out[b], full[0, -1]) < 1e-5
-    ref = kernels.decode_attention_ref(q[torch.arange(3), lens - 1], k, v, lens, window=window)
-    assert rel_err(out, ref) < 1e-5
-
-
 def test_ops_validate_shapes():
     with pytest.raises(ValueError, match="multiple of"):
         kernels.causal_attention(torch.randn(1, 4, 3, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8))
@@ -144,3 +132,92 @@ def test_backend_override_rejects_unknown(monkeypatch):
     monkeypatch.setenv("HYBRID_BACKEND", "fortran")
     with pytest.raises(kernels.BackendError, match="not a backend"):
         kernels.causal_conv1d(torch.randn(1, 3, 2), torch.randn(2, 4))
+
+
+# ---- packed (varlen) and paged forms ------------------------------------------------------------
+
+CU = torch.tensor([0, 7, 8, 30], dtype=torch.int32)  # three sequences: 7, 1 and 22 tokens
+
+
+def test_varlen_ops_equal_each_sequence_alone():
+    T = int(CU[-1])
+    x, dt, A, B, C, D, _ = _ssd_inputs(1, T, 4, 8, 2, 16, init=False)
+    s0 = torch.randn(3, 4, 8, 16)
+    y, fin = kernels.ssd_varlen_scan(x[0], dt[0], A, B[0], C[0], CU, chunk_size=4, D=D, initial_states=s0)
+    xs, dts, As, Bs, Cs, Ds, h0 = _scan_inputs(1, T, 12, 8)
+    h0 = torch.randn(3, 12, 8)
+    ys, fins = kernels.selective_varlen_scan(xs[0], dts[0], As, Bs[0], Cs[0], CU, D=Ds, initial_states=h0)
+    xc, w, bc, c0 = torch.randn(T, 6), torch.randn(6, 4), torch.randn(6), torch.randn(3, 6, 3)
+    yc, finc = kernels.causal_conv1d_varlen(xc, w, bc, CU, initial_states=c0, activation="silu")
+    for b, (lo, hi) in enumerate(zip(CU[:-1].tolist(), CU[1:].tolist(), strict=True)):
+        r, f = kernels.ssd_scan_ref(x[:, lo:hi], dt[:, lo:hi], A, B[:, lo:hi], C[:, lo:hi], D=D,
+                                    initial_state=s0[b:b + 1])
+        assert rel_err(y[lo:hi], r[0]) < 1e-5 and rel_err(fin[b], f[0]) < 1e-5
+        r, f = kernels.selective_scan_ref(xs[:, lo:hi], dts[:, lo:hi], As, Bs[:, lo:hi], Cs[:, lo:hi], D=Ds,
+                                          initial_state=h0[b:b + 1])
+        assert rel_err(ys[lo:hi], r[0]) < 1e-5 and rel_err(fins[b], f[0]) < 1e-5
+        r, f = kernels.causal_conv1d_ref(xc[None, lo:hi], w, bc, initial_state=c0[b:b + 1], activation="silu")
+        assert rel_err(yc[lo:hi], r[0]) < 1e-6 and torch.equal(finc[b], f[0])
+
+
+def test_varlen_rejects_bad_cu_seqlens():
+    with pytest.raises(ValueError, match="rise strictly from 0 to the 5 packed tokens"):
+        kernels.causal_conv1d_varlen(torch.randn(5, 2), torch.randn(2, 3), None, torch.tensor([0, 3, 3, 5]))
+
+
+def test_steps_on_slots_touch_only_their_rows():
+    pool = torch.randn(5, 4, 8, 16)
+    before = pool.clone()
+    slots = torch.tensor([3, 0])
+    x, dt, A, B, C, D, _ = _ssd_inputs(2, 1, 4, 8, 2, 16, init=False)
+    own = pool[slots].clone()
+    y = kernels.ssd_step(pool, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=D, slots=slots)
+    y_ref = kernels.ssd_step_ref(own, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=D)
+    assert torch.equal(y, y_ref) and torch.equal(pool[slots], own)
+    assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]])
+
+
+def _paged_pool(seqs_k, seqs_v, block_size, num_blocks):
+    """Write each sequence's K/V into a shuffled set of pool blocks; return pools and block tables."""
+    Hkv, D = seqs_k[0].shape[1:]
+    k_pool = torch.zeros(num_blocks, block_size, Hkv, D)
+    v_pool = torch.zeros_like(k_pool)
+    free = torch.randperm(num_blocks).tolist()
+    max_blocks = max((len(k) + block_size - 1) // block_size for k in seqs_k)
+    tables = torch.zeros(len(seqs_k), max_blocks, dtype=torch.int32)
+    for b, (k, v) in enumerate(zip(seqs_k, seqs_v, strict=True)):
+        nb = (len(k) + block_size - 1) // block_size
+        tables[b, :nb] = torch.tensor([free.pop() for _ in range(nb)], dtype=torch.int32)
+        pos = torch.arange(len(k))
+        slots = tables[b, pos // block_size].long() * block_size + pos % block_size
+        kernels.write_kv(k_pool, v_pool, k, v, slots)
+    return k_pool, v_pool, tables
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_prefill_and_decode_equal_contiguous(window):
+    lens, new = [9, 1, 20], [3, 1, 20]  # a chunk on a cached prefix, a first token, a whole prompt
+    Hq, Hkv, D = 8, 2, 16
+    ks = [torch.randn(n, Hkv, D) for n in lens]
+    vs = [torch.randn(n, Hkv, D) for n in lens]
+    qs = [torch.randn(m, Hq, D) for m in new]
+    k_pool, v_pool, tables = _paged_pool(ks, vs, block_size=4, num_blocks=16)
+    cu = torch.tensor([0, 3, 4, 24], dtype=torch.int32)
+    out = kernels.paged_prefill_attention(torch.cat(qs), k_pool, v_pool, cu, torch.tensor(lens), tables,
+                                          window=window)
+    for b in range(3):
+        ref = kernels.causal_attention_ref(qs[b][None], ks[b][None], vs[b][None], window=window)[0]
+        assert rel_err(out[cu[b]:cu[b + 1]], ref) < 1e-5
+    q1 = torch.stack([q[-1] for q in qs])
+    dec = kernels.paged_decode_attention(q1, k_pool, v_pool, torch.tensor(lens), tables, window=window)
+    ref = kernels.paged_decode_attention_ref(q1, k_pool, v_pool, torch.tensor(lens), tables, window=window)
+    assert rel_err(dec, ref) < 1e-5
+    assert rel_err(dec, torch.stack([out[cu[b + 1] - 1] for b in range(3)])) < 1e-5
+
+
+def test_varlen_attention_equals_each_sequence_alone():
+    q, k, v = torch.randn(30, 8, 16), torch.randn(30, 2, 16), torch.randn(30, 2, 16)
+    out = kernels.varlen_attention(q, k, v, CU, window=5)
+    for lo, hi in zip(CU[:-1].tolist(), CU[1:].tolist(), strict=True):
+        ref = _naive_attention(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], 5)[0]
+        assert rel_err(out[lo:hi], ref) < 1e-5
