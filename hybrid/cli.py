@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 
@@ -48,16 +49,66 @@ def cmd_info(args) -> None:
 def cmd_bench(args) -> None:
     import torch
 
-    from .eval.prefill_bench import sweep
-    from .report import format_table
+    from .eval.prefill_bench import matmul_peak_flops, sweep, time_decode
+    from .eval.tables import markdown, write_rows
 
     if args.threads:
         torch.set_num_threads(args.threads)
     models = _models_from_args(args)
-    rows = sweep(models, args.lengths, batch=args.batch, warmup=args.warmup, repeats=args.repeats)
-    print(f"# prefill on {args.device}, {torch.get_num_threads()} threads, dtype {args.dtype}, "
-          f"median of {args.repeats}")
-    print(format_table(rows))
+    dtype = getattr(torch, args.dtype)
+    peak = matmul_peak_flops(args.device, dtype) if args.peak else None
+    rows = sweep(models, args.lengths, batch=args.batch, warmup=args.warmup, repeats=args.repeats, peak_flops=peak)
+    if args.decode_tokens:
+        for name, model in models.items():
+            decode = time_decode(model, args.decode_ctx, args.decode_tokens, batch=args.batch,
+                                 warmup=args.warmup, repeats=args.repeats)
+            rows.append({"model": name, **decode})
+    header = {"device": args.device, "threads": torch.get_num_threads(), "dtype": args.dtype,
+              "repeats": args.repeats, "matmul_peak_GFLOP/s": round(peak / 1e9, 2) if peak else None}
+    print(f"# prefill on {args.device}, {header['threads']} threads, dtype {args.dtype}, median of {args.repeats}"
+          + (f"; matmul peak {header['matmul_peak_GFLOP/s']} GFLOP/s" if peak else ""))
+    print(markdown(rows))
+    if args.output:
+        print(f"wrote {write_rows(rows, args.output, **header)}")
+
+
+def cmd_eval(args) -> None:
+    from .eval.lm_eval_run import run, write_results
+
+    if (args.model is None) == (args.recipe is None):
+        raise SystemExit("give exactly one of --model DIR (a checkpoint folder) or --recipe NAME")
+    from lm_eval.utils import make_table
+
+    results = run(args.model, recipe=args.recipe, tasks=args.tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+                  mmlu_dir=args.mmlu_dir, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                  max_length=args.max_length, backend=args.backend)
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    name = args.model or args.recipe
+    print(f"wrote {write_results(results, args.output, name.rstrip('/').split('/')[-1])}")
+
+
+def cmd_tradeoff(args) -> None:
+    import torch
+
+    from .eval import mqar
+    from .eval.tables import markdown
+    from .eval.tradeoff import run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train = mqar.TrainConfig(steps=args.steps, batch_size=args.train_batch, lr=args.lr, vocab_size=args.mqar_vocab,
+                             train_kv_pairs=tuple(args.kv_pairs), eval_kv_pairs=tuple(args.kv_pairs),
+                             eval_sequences=args.eval_sequences, seed=args.seed)
+    result, paths = run(checkpoints=args.checkpoints, tasks=args.tasks, num_fewshot=args.num_fewshot,
+                        limit=args.limit, mmlu_dir=args.mmlu_dir, eval_batch_size=args.batch_size, size=args.size,
+                        n_blocks=args.n_blocks, shares=tuple(args.shares), train=train, lengths=tuple(args.lengths),
+                        repeats=args.repeats, warmup=args.warmup, device=args.device, dtype=args.dtype,
+                        seed=args.seed, output=args.output)
+    print(markdown([{k: v for k, v in r.items() if k != "pattern"} for r in result.rows]))
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +128,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--decode-tokens", type=int, default=0,
+                   help="also time decoding this many tokens per sequence through the engine (0: skip)")
+    p.add_argument("--decode-ctx", type=int, default=512, help="prompt length before the timed decode")
+    p.add_argument("--no-peak", dest="peak", action="store_false",
+                   help="skip measuring the matmul peak that achieved FLOP/s is compared with")
+    p.add_argument("--output", help="also write the rows to this .json or .csv file")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("eval", help="lm-eval tasks (e.g. mmlu_local, offline MMLU) on a checkpoint or recipe")
+    p.add_argument("--model", help="checkpoint folder")
+    p.add_argument("--recipe", help="recipe name (random weights; for checking the pipeline)")
+    p.add_argument("--tasks", nargs="+", default=["mmlu_local"], help="lm-eval task or group names")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (mmlu: 5)")
+    p.add_argument("--limit", type=float, default=None, help="questions per task (for quick checks)")
+    p.add_argument("--mmlu-dir", help="MMLU folder (dev/, test/) for mmlu_local; default $HYBRID_MMLU_DIR "
+                                      "or ../shared/data/mmlu")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", choices=["torch", "triton", "cuda"], help="force a kernel backend")
+    p.add_argument("--output", default="out/eval", help="folder for lm-eval's results JSON")
+    p.set_defaults(func=cmd_eval)
+
+    from .eval.mqar import TrainConfig  # its defaults are the command's (shown in --help)
+
+    MQAR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    p = sub.add_parser("tradeoff", help="prefill speed vs accuracy over attention shares (MQAR by default)")
+    p.add_argument("--checkpoints", nargs="+", help="checkpoint folders scored with lm-eval --tasks instead of "
+                                                     "training the MQAR family")
+    p.add_argument("--tasks", nargs="+", default=["mmlu_local"], help="lm-eval tasks for --checkpoints")
+    p.add_argument("--num-fewshot", type=int, default=5)
+    p.add_argument("--limit", type=float, default=None)
+    p.add_argument("--mmlu-dir")
+    p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size")
+    p.add_argument("--size", default="tiny", help="width of the MQAR family (recipes.attention_family size)")
+    p.add_argument("--n-blocks", type=int, default=8)
+    p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.125, 0.25, 0.5, 1.0])
+    p.add_argument("--steps", type=int, default=MQAR_DEFAULTS["steps"], help="MQAR training steps per model")
+    p.add_argument("--train-batch", type=int, default=MQAR_DEFAULTS["batch_size"])
+    p.add_argument("--lr", type=float, default=MQAR_DEFAULTS["lr"])
+    p.add_argument("--mqar-vocab", type=int, default=MQAR_DEFAULTS["vocab_size"])
+    p.add_argument("--kv-pairs", type=int, nargs="+", default=list(MQAR_DEFAULTS["train_kv_pairs"]),
+                   help="numbers of key-value pairs to train and score on")
+    p.add_argument("--eval-sequences", type=int, default=MQAR_DEFAULTS["eval_sequences"])
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192], help="prefill context lengths")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="out/tradeoff", help="folder for tradeoff.{json,csv,md,png}")
+    p.set_defaults(func=cmd_tradeoff)
     return parser
 
 

@@ -1,0 +1,64 @@
+"""Run lm-eval tasks on a hybrid model, with this package's tasks (``mmlu_local``) on the task path."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..model import HybridLM
+from .tasks import TASKS_DIR
+
+
+def run(model: str | HybridLM | None = None, *, recipe: str | None = None, tasks: list[str],
+        num_fewshot: int | None = None, limit: int | float | None = None, mmlu_dir: str | None = None,
+        batch_size: int = 8, device: str = "cpu", dtype: str = "float32", max_length: int = 2048,
+        backend: str | None = None, tokenizer: str | None = None, log_samples: bool = False) -> dict:
+    """lm-eval's results dict for ``tasks`` on ``model`` (a checkpoint folder or a HybridLM) or
+    ``recipe``. ``mmlu_dir`` is where ``mmlu_local`` reads MMLU from (else $HYBRID_MMLU_DIR, else
+    ../shared/data/mmlu beside the repository)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from .lm_eval_model import HybridEvalLM
+
+    lm = HybridEvalLM(pretrained=model, recipe=recipe, tokenizer=tokenizer, dtype=dtype, device=device,
+                      batch_size=batch_size, max_length=max_length, backend=backend)
+    metadata = {"mmlu_dir": str(mmlu_dir)} if mmlu_dir is not None else None
+    # indexing lm-eval's own ~15k task configs takes tens of seconds; do it only when asked for one
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
+    if not all(t in manager.all_tasks for t in tasks):
+        manager = TaskManager(include_path=str(TASKS_DIR), metadata=metadata)
+    unknown = [t for t in tasks if t not in manager.all_tasks and not any(c in t for c in "*?[/")]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task(s) {unknown}; this package ships mmlu_local (and "
+                         f"mmlu_local_<subject>); lm-eval's own tasks are there too (`lm_eval ls tasks`)")
+    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                      task_manager=manager, log_samples=log_samples, bootstrap_iters=0)
+    results["config"]["model"] = "hybrid"
+    results["config"]["model_args"] = {"pretrained": model if isinstance(model, str) else None, "recipe": recipe,
+                                       "dtype": dtype, "device": device, "batch_size": batch_size,
+                                       "max_length": max_length, "backend": backend}
+    return results
+
+
+def task_accuracy(results: dict, task: str) -> float:
+    """``acc`` of ``task`` (a task or a group) from lm-eval's results dict."""
+    for section in ("groups", "results"):
+        entry = results.get(section, {}).get(task)
+        if entry and "acc,none" in entry:
+            return float(entry["acc,none"])
+    raise KeyError(f"no acc for {task!r} in the results (have: {sorted(results.get('results', {}))})")
+
+
+def write_results(results: dict, output_dir: str | Path, name: str) -> Path:
+    """lm-eval's results JSON (samples left out) as ``output_dir/results_<name>.json``."""
+    from lm_eval.utils import handle_non_serializable
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "model"
+    path = out / f"results_{safe}.json"
+    body = {k: v for k, v in results.items() if k != "samples"}
+    path.write_text(json.dumps(body, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    return path

@@ -1,0 +1,150 @@
+"""Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): the recall test that
+separates attention from fixed-size recurrent state.
+
+A sequence lists ``n`` key-value pairs, then asks for ``q`` of the keys again, each followed by its
+value: ``k1 v1 k2 v2 ... kn vn | ka va kb vb ...``. The model is scored (and trained) only on
+predicting each queried value from its key, so it must have kept every pair it has seen. Keys
+are unique within a sequence and every query is one of its keys. Keys come from the low half of
+the vocabulary, values from the high half (token 0 is never used).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from ..model import HybridLM
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class MQARBatch:
+    """``inputs``/``labels`` [B, L]; ``labels`` hold the value at each position whose next token is a
+    queried value (next-token convention of ``HybridLM.loss``: position t predicts labels[t + 1])."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    num_kv_pairs: int
+
+
+def key_value_ranges(vocab_size: int) -> tuple[range, range]:
+    """Token ids used for keys and for values: two halves of 1..vocab_size-1."""
+    half = (vocab_size - 1) // 2
+    if half < 2:
+        raise ValueError(f"vocab_size {vocab_size} is too small for MQAR; need at least 5 tokens")
+    return range(1, 1 + half), range(1 + half, 1 + 2 * half)
+
+
+def make_batch(batch_size: int, num_kv_pairs: int, vocab_size: int, *, num_queries: int | None = None,
+               generator: torch.Generator | None = None) -> MQARBatch:
+    """``batch_size`` MQAR sequences of ``num_kv_pairs`` pairs and ``num_queries`` queries (default:
+    every key once, in random order); length ``2 * (num_kv_pairs + num_queries)``."""
+    keys, values = key_value_ranges(vocab_size)
+    q = num_kv_pairs if num_queries is None else num_queries
+    if not 1 <= num_kv_pairs <= len(keys):
+        raise ValueError(f"num_kv_pairs must be in 1..{len(keys)} (distinct keys in vocab {vocab_size}), "
+                         f"got {num_kv_pairs}")
+    if not 1 <= q <= num_kv_pairs:
+        raise ValueError(f"num_queries must be in 1..num_kv_pairs ({num_kv_pairs}), got {q}")
+    B, n = batch_size, num_kv_pairs
+    # distinct keys per row: the first n of a random permutation of the key range
+    k = torch.rand(B, len(keys), generator=generator).argsort(dim=1)[:, :n] + keys.start
+    v = torch.randint(values.start, values.stop, (B, n), generator=generator)
+    asked = torch.rand(B, n, generator=generator).argsort(dim=1)[:, :q]
+    qk, qv = k.gather(1, asked), v.gather(1, asked)
+    context = torch.stack([k, v], dim=2).reshape(B, 2 * n)
+    queries = torch.stack([qk, qv], dim=2).reshape(B, 2 * q)
+    inputs = torch.cat([context, queries], dim=1)
+    labels = torch.full_like(inputs, IGNORE)
+    labels[:, 2 * n + 1::2] = qv
+    return MQARBatch(inputs, labels, n)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400
+    batch_size: int = 64
+    vocab_size: int = 64  # MQAR tokens (<= the model's vocabulary): keys 1..31, values 32..62
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup: int = 20
+    train_kv_pairs: tuple[int, ...] = (4, 8, 16, 32)  # each step draws one of these
+    eval_kv_pairs: tuple[int, ...] = (4, 8, 16, 32)
+    eval_sequences: int = 256
+    seed: int = 0
+
+
+def accuracy(model: HybridLM, batch: MQARBatch) -> float:
+    """Share of queried values the model predicts exactly (argmax) from their key."""
+    with torch.inference_mode():
+        logits = model(batch.inputs)[:, :-1]
+    target = batch.labels[:, 1:]
+    asked = target != IGNORE
+    return float((logits.argmax(-1)[asked] == target[asked]).float().mean())
+
+
+def evaluate(model: HybridLM, cfg: TrainConfig) -> dict[int, float]:
+    """Accuracy at each number of key-value pairs, on fixed held-out sequences (seeded apart from training)."""
+    model.eval()
+    out = {}
+    for n in cfg.eval_kv_pairs:
+        g = torch.Generator().manual_seed(10_000 + cfg.seed * 1000 + n)
+        out[n] = accuracy(model, make_batch(cfg.eval_sequences, n, cfg.vocab_size, generator=g))
+    return out
+
+
+def train(model: HybridLM, cfg: TrainConfig, *, desc: str = "mqar", progress: bool = True) -> list[float]:
+    """AdamW with linear warm-up and cosine decay on freshly drawn MQAR batches; returns the losses."""
+    if cfg.vocab_size > model.config.vocab_size:
+        raise ValueError(f"MQAR vocab_size {cfg.vocab_size} exceeds the model's vocab_size {model.config.vocab_size}")
+    g = torch.Generator().manual_seed(cfg.seed)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    model.train()
+    losses = []
+    bar = tqdm(range(cfg.steps), desc=desc, unit="step", disable=not progress, leave=False)
+    for step in bar:
+        n = cfg.train_kv_pairs[int(torch.randint(len(cfg.train_kv_pairs), (1,), generator=g))]
+        batch = make_batch(cfg.batch_size, n, cfg.vocab_size, generator=g)
+        loss = model.loss(batch.inputs, batch.labels, ignore_index=IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+def check_batch(batch: MQARBatch) -> None:
+    """Raise if a batch breaks MQAR's rules (keys distinct, each query asks a key and is labelled
+    with that key's value). Used by tests and cheap enough to run on any batch."""
+    n = batch.num_kv_pairs
+    for row, lab in zip(batch.inputs.tolist(), batch.labels.tolist(), strict=True):
+        keys, vals = row[0:2 * n:2], row[1:2 * n:2]
+        if len(set(keys)) != n:
+            raise AssertionError(f"repeated key in {keys}")
+        pairs = dict(zip(keys, vals, strict=True))
+        for t in range(2 * n, len(row), 2):
+            if row[t] not in pairs:
+                raise AssertionError(f"query key {row[t]} at position {t} is not in the context")
+            if lab[t + 1] != pairs[row[t]] or row[t + 1] != pairs[row[t]]:
+                raise AssertionError(f"query at {t} is labelled {lab[t + 1]}, its value is {pairs[row[t]]}")
+        if any(x != IGNORE for x in lab[:2 * n + 1] + lab[2 * n + 2::2]):
+            raise AssertionError("labels set outside the queried values")
