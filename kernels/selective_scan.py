@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch
+from . import dispatch, triton_support
 from .packing import check_cu_seqlens, sequences, step_on_slots
+from .triton_state_update import selective_state_update
+from .triton_support import needs_grad
 
 # Within a sub-chunk the scan is h_t = e^{c_t} (h_0 + sum_{s<=t} e^{-c_s} u_s) with c the running
 # sum of log-decays. e^{-c_s} grows with the sub-chunk's total decay: past 60 fp32 could overflow
@@ -156,3 +158,16 @@ def selective_varlen_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
 dispatch.register("selective_scan", "torch", _selective_scan_torch)
 dispatch.register("selective_varlen_scan", "torch", _selective_varlen_scan_torch)
 dispatch.register("selective_step", "torch", _selective_step_torch)
+
+
+# --- Triton: the decode step (kernel shared with Mamba-2 in triton_state_update.py) ------------------
+# The prefill scan has no Triton kernel: the triton backend is not registered for selective_scan /
+# selective_varlen_scan, so they keep the default order (cuda's selective_scan_fn on a GPU, else torch).
+
+def _selective_step_triton(state, x, dt, A, B, C, *, D=None, slots=None):
+    if needs_grad(x, dt, A, B, C, D):  # forward-only kernel
+        return _selective_step_torch(state, x, dt, A, B, C, D=D, slots=slots)
+    return selective_state_update(state, x, dt, A, B, C, D=D, slots=slots)
+
+
+dispatch.register("selective_step", "triton", _selective_step_triton, triton_support.probe)
