@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, triton_support
+from . import cuda_backend, dispatch, triton_support
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl, triton
 
 _LOG2E = 1.4426950408889634  # the kernels use exp2: softmax(s) = 2^(s log2 e - max)
@@ -202,3 +202,5 @@ def _causal_attention_triton(q, k, v, *, window=None, scale=None):
 
 
 dispatch.register("causal_attention", "triton", _causal_attention_triton, triton_support.probe)
+dispatch.register("causal_attention", "cuda", cuda_backend.causal_attention, cuda_backend.probe("flash_attn"),
+                  cuda_backend.supports_flash)

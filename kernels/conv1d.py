@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, triton_support
+from . import cuda_backend, dispatch, triton_support
 from .packing import check_cu_seqlens, sequences, step_on_slots
 from .triton_support import INTERPRET, jit, needs_grad, next_pow2, tl, triton
 
@@ -266,3 +266,9 @@ def _causal_conv1d_step_triton(state, x, weight, bias=None, *, activation=None, 
 dispatch.register("causal_conv1d", "triton", _causal_conv1d_triton, triton_support.probe)
 dispatch.register("causal_conv1d_varlen", "triton", _causal_conv1d_varlen_triton, triton_support.probe)
 dispatch.register("causal_conv1d_step", "triton", _causal_conv1d_step_triton, triton_support.probe)
+
+_conv = cuda_backend.probe("causal_conv1d")
+dispatch.register("causal_conv1d", "cuda", cuda_backend.causal_conv1d, _conv, cuda_backend.supports_conv)
+dispatch.register("causal_conv1d_varlen", "cuda", cuda_backend.causal_conv1d_varlen, _conv,
+                  cuda_backend.supports_conv_varlen)
+dispatch.register("causal_conv1d_step", "cuda", cuda_backend.causal_conv1d_step, _conv, cuda_backend.supports_conv_step)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from . import dispatch, triton_support
+from . import cuda_backend, dispatch, triton_support
 from .attention import _LOG2E, causal_attention, causal_attention_ref, flash_attention_triton
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl
 
@@ -291,3 +291,10 @@ def _paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, *,
 dispatch.register("varlen_attention", "triton", _varlen_attention_triton, triton_support.probe)
 dispatch.register("paged_prefill_attention", "triton", _paged_prefill_attention_triton, triton_support.probe)
 dispatch.register("paged_decode_attention", "triton", _paged_decode_attention_triton, triton_support.probe)
+
+_flash = cuda_backend.probe("flash_attn")
+dispatch.register("varlen_attention", "cuda", cuda_backend.varlen_attention, _flash, cuda_backend.supports_flash)
+dispatch.register("paged_prefill_attention", "cuda", cuda_backend.paged_prefill_attention, _flash,
+                  cuda_backend.supports_flash_paged)
+dispatch.register("paged_decode_attention", "cuda", cuda_backend.paged_decode_attention, _flash,
+                  cuda_backend.supports_flash_paged)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch, triton_support
+from . import cuda_backend, dispatch, triton_support
 from .packing import check_cu_seqlens, sequences, step_on_slots
 from .triton_state_update import selective_state_update
 from .triton_support import needs_grad
@@ -171,3 +171,9 @@ def _selective_step_triton(state, x, dt, A, B, C, *, D=None, slots=None):
 
 
 dispatch.register("selective_step", "triton", _selective_step_triton, triton_support.probe)
+
+_mamba = cuda_backend.probe("mamba_ssm")
+dispatch.register("selective_scan", "cuda", cuda_backend.selective_scan, _mamba, cuda_backend.supports_no_initial_state)
+dispatch.register("selective_varlen_scan", "cuda", cuda_backend.selective_varlen_scan, _mamba,
+                  cuda_backend.supports_no_initial_state)
+dispatch.register("selective_step", "cuda", cuda_backend.selective_step, _mamba)

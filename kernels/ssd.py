@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, triton_support
+from . import cuda_backend, dispatch, triton_support
 from .packing import check_cu_seqlens, sequences, step_on_slots
 from .triton_state_update import ssd_state_update
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl, triton
@@ -307,3 +307,8 @@ def _ssd_step_triton(state, x, dt, A, B, C, *, D=None, slots=None):
 dispatch.register("ssd_chunk_scan", "triton", _ssd_chunk_scan_triton, triton_support.probe)
 dispatch.register("ssd_varlen_scan", "triton", _ssd_varlen_scan_triton, triton_support.probe)
 dispatch.register("ssd_step", "triton", _ssd_step_triton, triton_support.probe)
+
+_mamba = cuda_backend.probe("mamba_ssm")
+dispatch.register("ssd_chunk_scan", "cuda", cuda_backend.ssd_chunk_scan, _mamba)
+dispatch.register("ssd_varlen_scan", "cuda", cuda_backend.ssd_varlen_scan, _mamba, cuda_backend.supports_packed_ssd)
+dispatch.register("ssd_step", "cuda", cuda_backend.ssd_step, _mamba)
