@@ -282,12 +282,15 @@ def causal_conv1d_varlen(x, weight, bias, cu_seqlens, *, initial_states=None, ac
     seq_idx = torch.repeat_interleave(torch.arange(nseq, device=x.device, dtype=torch.int32),
                                       (cu[1:] - cu[:-1]).long(), output_size=x.shape[0])
     y = _fns("causal_conv1d")["fn"](x.T[None], weight, bias, seq_idx=seq_idx[None], activation=activation)
-    # The package returns no final states with seq_idx: each is the sequence's last K-1 inputs, zeros
-    # standing in for positions before its start.
-    src = cu[1:, None].long() - (K - 1) + torch.arange(K - 1, device=x.device)  # [B, K-1]
-    inside = src >= cu[:-1, None]
-    final = (x[src.clamp(min=0)] * inside[..., None]).transpose(1, 2).contiguous()
-    return y[0].T, final
+    return y[0].T, last_inputs(x, cu, K - 1)
+
+
+def last_inputs(x: torch.Tensor, cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
+    """The final conv states the package does not return with seq_idx: each sequence's last ``n``
+    inputs, zeros before its start. x [T, C] -> [B, C, n]."""
+    src = cu_seqlens[1:, None].long() - n + torch.arange(n, device=x.device)  # [B, n]
+    inside = src >= cu_seqlens[:-1, None]
+    return (x[src.clamp(min=0)] * inside[..., None]).transpose(1, 2).contiguous()
 
 
 def causal_conv1d_step(state, x, weight, bias=None, *, activation=None, slots=None):

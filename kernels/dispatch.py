@@ -142,7 +142,11 @@ def explain(device_type: str) -> list[tuple[str, str, str]]:
     rows = []
     for op in ops():
         notes = []
-        for name, impl in sorted(_registry[op].items()):
+        for name in BACKENDS:
+            impl = _registry[op].get(name)
+            if impl is None:
+                notes.append(f"{name}: not implemented")
+                continue
             why_not = _why_not(name, impl, device_type)
             note = "ok" if why_not is None else why_not
             if impl.supports is not None and impl.supports.__doc__:
