@@ -3,11 +3,11 @@
 import pytest
 import torch
 from conftest import rel_err
+from hybrid.kernels import use_backend
+from hybrid.kernels.paged_attention import paged_decode_attention_triton
 from triton_cases import DEVICE, TOL, needs_triton
 
 from hybrid import kernels
-from hybrid.kernels import use_backend
-from hybrid.kernels.paged_attention import paged_decode_attention_triton
 
 pytestmark = needs_triton
 

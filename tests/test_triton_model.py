@@ -3,11 +3,11 @@
 import pytest
 import torch
 from conftest import rel_err
+from hybrid.kernels import dispatch, use_backend
 from triton_cases import DEVICE, needs_triton
 
 import hybrid
 from hybrid import HybridConfig, HybridLM, Mamba2Config, recipes
-from hybrid.kernels import dispatch, use_backend
 
 pytestmark = needs_triton
 

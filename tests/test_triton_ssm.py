@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import rel_err
+from hybrid.kernels import use_backend
 from triton_cases import DEVICE, TOL, needs_triton
 
 from hybrid import kernels
-from hybrid.kernels import use_backend
 
 pytestmark = needs_triton
 
@@ -50,7 +50,7 @@ def test_ssd_packed_equals_each_sequence_alone_and_batched():
     cu = _cu(lens)
     with use_backend("triton"):
         y, s = kernels.ssd_varlen_scan(x, dt, A, B, C, cu, D=D, initial_states=s0)
-        for b, n in enumerate(lens):
+        for b in range(len(lens)):
             sl = slice(int(cu[b]), int(cu[b + 1]))
             yb, sb = kernels.ssd_chunk_scan(x[None, sl], dt[None, sl], A, B[None, sl], C[None, sl], D=D,
                                             initial_state=s0[b:b + 1])

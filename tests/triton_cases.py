@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from hybrid.kernels import triton_support
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
