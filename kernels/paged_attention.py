@@ -17,6 +17,7 @@ import torch
 
 from . import cuda_backend, dispatch, triton_support
 from .attention import _LOG2E, causal_attention, causal_attention_ref, flash_attention_triton
+from .packing import check_cu_seqlens, sequences
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl
 
 
@@ -104,22 +105,19 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return fn(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale)
 
 
-def varlen_attention_ref(q, k, v, cu_seqlens, *, window=None, scale=None):
+def _each_sequence(attend, q, k, v, cu_seqlens, window, scale):
     out = torch.empty_like(q)
-    cu = cu_seqlens.tolist()
-    for b in range(len(cu) - 1):
-        s = slice(cu[b], cu[b + 1])
-        out[s] = causal_attention_ref(q[None, s], k[None, s], v[None, s], window=window, scale=scale)[0]
+    for _, s in sequences(cu_seqlens):
+        out[s] = attend(q[None, s], k[None, s], v[None, s], window=window, scale=scale)[0]
     return out
+
+
+def varlen_attention_ref(q, k, v, cu_seqlens, *, window=None, scale=None):
+    return _each_sequence(causal_attention_ref, q, k, v, cu_seqlens, window, scale)
 
 
 def _varlen_attention_torch(q, k, v, cu_seqlens, *, window=None, scale=None):
-    out = torch.empty_like(q)
-    cu = cu_seqlens.tolist()
-    for b in range(len(cu) - 1):
-        s = slice(cu[b], cu[b + 1])
-        out[s] = causal_attention(q[None, s], k[None, s], v[None, s], window=window, scale=scale)[0]
-    return out
+    return _each_sequence(causal_attention, q, k, v, cu_seqlens, window, scale)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
@@ -131,6 +129,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if q.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1]:
         raise ValueError(f"varlen_attention: need q [T, Hq, D], k/v [T, Hkv, D] with Hq % Hkv == 0; "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    check_cu_seqlens(cu_seqlens, q.shape[0], "varlen_attention")
     _, fn = dispatch.choose("varlen_attention", q.device.type)
     return fn(q, k, v, cu_seqlens, window=window, scale=scale)
 
