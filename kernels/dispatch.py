@@ -117,6 +117,12 @@ def _why_not(name: str, impl: Impl, device_type: str) -> str | None:
     return why_not
 
 
+def why_not(op: str, backend: str, device_type: str) -> str | None:
+    """None when ``backend`` can run ``op`` on ``device_type`` (per-call checks aside), else why not."""
+    impl = _registry.get(op, {}).get(backend)
+    return f"{backend}: not implemented for {op}" if impl is None else _why_not(backend, impl, device_type)
+
+
 def _with_fallbacks(op: str, usable: list[tuple[str, Impl]], forced: str | None) -> Callable:
     """The first backend's fn, wrapped in its per-call check when it has one."""
     (name, impl), rest = usable[0], usable[1:]

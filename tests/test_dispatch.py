@@ -138,7 +138,7 @@ def test_doctor_prints_every_op(capsys):
 def test_gpu_backends_bf16(backend):
     """On a GPU: each backend's attention and SSD in bf16 against the fp32 references (skips a backend
     whose package is missing)."""
-    if dispatch._why_not(backend, dispatch._registry["varlen_attention"][backend], "cuda"):
+    if dispatch.why_not("varlen_attention", backend, "cuda") or dispatch.why_not("ssd_varlen_scan", backend, "cuda"):
         pytest.skip(f"{backend} not usable here")
     dev = "cuda"
     lens = [257, 63]
