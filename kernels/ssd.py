@@ -276,7 +276,8 @@ def ssd_varlen_scan_triton(x, dt, A, B, C, cu_seqlens, *, D=None, initial_states
         y.stride(0), y.stride(1), *(s0.stride()[:3] if s0 is not None else (0, 0, 0)), *final.stride()[:3],
         P, N, HEADS_PER_GROUP=H // G, BLOCK_T=32 if INTERPRET else 64, BLOCK_P=block_p,
         BLOCK_N=next_pow2(N, 16), HAS_D=D is not None, HAS_S0=s0 is not None,
-        PRECISION=dot_precision(x.dtype), num_warps=4,
+        # the [P, N] state, the [T, T] decay and the [T, N] B/C tiles all live in registers
+        PRECISION=dot_precision(x.dtype), num_warps=8 if block_p * next_pow2(N, 16) >= 8192 else 4,
     )
     return y, final
 
