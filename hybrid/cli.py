@@ -111,6 +111,12 @@ def cmd_tradeoff(args) -> None:
         print(f"wrote {kind}: {path}")
 
 
+def cmd_doctor(args) -> None:
+    from .kernels.doctor import report
+
+    print(report())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="out/tradeoff", help="folder for tradeoff.{json,csv,md,png}")
     p.set_defaults(func=cmd_tradeoff)
+
+    p = sub.add_parser("doctor", help="which kernel backend each op uses here, and why not the others")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 

@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from hybrid.eval.lm_eval_model import HybridEvalLM
+from hybrid.eval.lm_eval_run import run, task_accuracy, write_results
 from lm_eval.api.instance import Instance
 
 from hybrid import HybridLM, recipes
-from hybrid.eval.lm_eval_model import HybridEvalLM
-from hybrid.eval.lm_eval_run import run, task_accuracy, write_results
 
 QUESTIONS = [
     ["What is the largest bone?", "Femur", "Stapes", "None", "Ulna", "0"],

@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-
 from hybrid.eval.tasks import TASKS_DIR
 from hybrid.eval.tasks.mmlu_local_data import DEFAULT_DIR, ENV_VAR, MMLUDataError, load_subject
 
