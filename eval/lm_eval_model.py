@@ -21,18 +21,13 @@ from tqdm import tqdm
 
 from ..kernels.dispatch import use_backend
 from ..model import HybridLM
+from ..tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # generation kwargs lm-eval tasks send that map onto hybrid.generate
 _GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k"}
-
-
-def _load_tokenizer(path):
-    from ..tokenizer import load_tokenizer
-
-    return load_tokenizer(path)
 
 
 @register_model("hybrid")
@@ -69,7 +64,7 @@ class HybridEvalLM(TemplateLM):
         self._device = torch.device(device)
         self.model = self._build_model(pretrained, recipe, DTYPES[dtype])
         tok_source = tokenizer if tokenizer is not None else (pretrained if isinstance(pretrained, str) else None)
-        self.tokenizer = _load_tokenizer(tok_source)
+        self.tokenizer = load_tokenizer(tok_source)
         self.name = pretrained if isinstance(pretrained, str) else recipe or type(pretrained).__name__
 
     def _build_model(self, pretrained, recipe, dtype) -> HybridLM:
@@ -198,7 +193,7 @@ class HybridEvalLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Continue each context until a stop string, the end-of-text token or ``max_gen_toks``;
         the returned text ends before the first stop string."""
-        from ..generate import generate
+        from .. import generate
 
         groups: dict[str, list[int]] = {}  # requests with the same settings run as one engine batch
         settings = []

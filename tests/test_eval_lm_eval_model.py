@@ -121,3 +121,31 @@ def test_bad_model_args_are_clear():
         HybridEvalLM(recipe="llama-tiny", batch_size="auto")
     with pytest.raises(KeyError, match="unknown recipe"):
         HybridEvalLM(recipe="nope-tiny")
+
+
+def test_generate_until_stops_at_stop_strings(model):
+    lm = HybridEvalLM(pretrained=model, max_gen_toks=24)
+    prompts = ["Once upon a time", "The answer is"]
+
+    def gen(until, max_gen_toks=24):
+        reqs = [Instance("generate_until", {}, (p, {"until": until, "max_gen_toks": max_gen_toks}), i)
+                for i, p in enumerate(prompts)]
+        return lm.generate_until(reqs, disable_tqdm=True)
+
+    free = gen([])
+    # greedy output equals the model's own argmax continuation, token by token (up to EOS)
+    ids = lm.tok_encode(prompts[0])
+    start = len(ids)
+    with torch.no_grad():
+        for _ in range(24):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            if ids[-1] == lm.eot_token_id:
+                ids.pop()
+                break
+    assert free[0] == lm.tok_decode(ids[start:])
+    assert gen([], max_gen_toks=5)[0] == lm.tok_decode(ids[start:start + 5])
+    for i, text in enumerate(free):
+        assert len(text) >= 6, "the random model should produce a few characters"
+        stop = text[3:5]
+        got = gen([stop, "never-appears"])[i]
+        assert stop not in got and got == text.split(stop)[0]
