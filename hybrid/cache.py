@@ -80,7 +80,7 @@ class PagedKVCache:
         self.block_size, self.dtype = block_size, dtype
         self.num_blocks = num_blocks if self.layer_indices else 0
         shape = (self.num_blocks, block_size, a.n_kv_heads, a.head_dim)
-        self.pools = {i: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.pools = {i: tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
                       for i in self.layer_indices}
         self.allocator = BlockAllocator(self.num_blocks)
         self.tables: dict[int, list[int]] = {}

@@ -168,7 +168,8 @@ class Engine:
 
     def _admit(self, req: Request, n: int) -> bool:
         kv = self.cache.kv
-        if len(self.running) >= self.max_seqs or self.cache.ssm.num_free == 0 or kv.blocks_for(n) > kv.allocator.num_free:
+        full = len(self.running) >= self.max_seqs or self.cache.ssm.num_free == 0
+        if full or kv.blocks_for(n) > kv.allocator.num_free:
             return False
         self.cache.ssm.allocate(req.request_id)
         if kv.enabled:

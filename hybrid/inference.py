@@ -15,6 +15,7 @@ import torch
 
 from .cache import HybridCache
 
+
 @dataclass(frozen=True)
 class SeqChunk:
     """New tokens of one sequence for this step: ``tokens`` go at positions ``start..start+len-1``

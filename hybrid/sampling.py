@@ -43,7 +43,8 @@ class SamplingParams:
             (self.top_k >= 0, f"top_k must be >= 0 (0 is off), got {self.top_k}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}"),
+            (self.repetition_penalty > 0.0,
+             f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty, got {self.stop!r}"),
         ]
         for ok, msg in checks:

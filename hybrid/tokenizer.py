@@ -19,7 +19,7 @@ class ByteTokenizer:
 
     The fallback when a checkpoint has no tokenizer. No BOS is added unless ``add_bos`` (byte-vocab
     models of 256 ids have no room for it). Ids past the specials, which a model with a larger
-    vocabulary can emit, decode to U+FFFD.
+    vocabulary can emit, decode to ``<unk:ID>`` (not U+FFFD, which streaming reads as a cut character).
     """
 
     bos_token_id, eos_token_id, pad_token_id = 256, 257, 258
@@ -49,7 +49,7 @@ class ByteTokenizer:
             if i in self._SPECIALS:
                 out.append("" if skip_special_tokens else self._SPECIALS[i])
             else:
-                out.append(REPLACEMENT)
+                out.append(f"<unk:{i}>")
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
