@@ -231,8 +231,7 @@ class Engine:
             if req.num_computed == len(req.tokens):
                 rows.append(b)
                 sampled.append(req)
-        new_ids = sample_tokens(logits[rows], [r.params for r in sampled],
-                                [torch.tensor(r.tokens, device=logits.device) for r in sampled],
+        new_ids = sample_tokens(logits[rows], [r.params for r in sampled], [_context(r) for r in sampled],
                                 [r.generator for r in sampled]) if rows else []
         outputs = [self._append(req, tok) for req, tok in zip(sampled, new_ids, strict=True)]
         n_tokens = sum(n for _, n in plan)
@@ -275,6 +274,11 @@ class Engine:
         while self.has_unfinished():
             self.step()
         return self.requests
+
+
+def _context(req: Request) -> torch.Tensor:
+    """The ids the repetition penalty looks at (none when it is off: no O(context) copy per token)."""
+    return torch.tensor(req.tokens if req.params.repetition_penalty != 1.0 else [], dtype=torch.long)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -97,7 +97,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
                   generators: list[torch.Generator]) -> list[int]:
     """One next token per row. logits [B, V]; ``contexts[b]`` holds row b's prompt and output ids
     (for the repetition penalty); ``generators[b]`` its RNG (CPU)."""
-    logits = logits.float()
+    logits = logits.float().cpu()
     argmax = logits.argmax(dim=-1).tolist()  # the plain greedy rows, in one call
     out = []
     for b, p in enumerate(params):
@@ -108,5 +108,5 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
         if p.greedy:
             out.append(int(torch.argmax(row)))
         else:
-            out.append(draw(filtered_probs(row.cpu(), p), generators[b]))
+            out.append(draw(filtered_probs(row, p), generators[b]))
     return out

@@ -232,6 +232,22 @@ def test_request_errors():
     assert not engine.has_unfinished()
 
 
+def test_engine_greedy_equals_transformers_generate():
+    """16 greedy tokens through the engine equal transformers' generate on the same Llama weights."""
+    pytest.importorskip("transformers")
+    from hybrid.eval.engine_bench import llama_pair
+
+    hf, ours = llama_pair(recipes.get("llama-tiny"))
+    with torch.no_grad():  # sharper logits than the 0.02 init, so argmax is far from ties
+        hf.lm_head.weight.mul_(20)
+        ours.lm_head.weight.mul_(20)
+    prompts = prompts_of([12, 5], seed=8)
+    ours_out = hybrid.generate(ours, prompts, max_new_tokens=16)
+    for p, out in zip(prompts, ours_out, strict=True):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert out == ref[0, len(p):].tolist()
+
+
 def test_generate_api_ids_and_strings():
     model = tiny_model("jamba-tiny")
     prompts = prompts_of([4, 9], seed=6)
