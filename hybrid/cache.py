@@ -68,7 +68,9 @@ class PagedKVCache:
 
     ``pools[layer_index] = (k_pool, v_pool)`` keyed by the model's layer index. Token ``p`` of
     a sequence lives at slot ``table[p // block_size] * block_size + p % block_size``.
-    A model without attention layers gets no pools and unlimited token capacity.
+    A model without attention layers gets no pools and unlimited token capacity. With sliding-window
+    attention, :meth:`trim` hands back the blocks no future token can see (their table entries
+    become ``None``), so a sequence holds about ``window`` tokens however long it grows.
     """
 
     def __init__(self, config: HybridConfig, num_blocks: int, *, block_size: int = 16,
@@ -78,12 +80,13 @@ class PagedKVCache:
         a = config.attention
         self.layer_indices = [i for i, k in enumerate(config.layer_kinds) if k == "attention"]
         self.block_size, self.dtype = block_size, dtype
+        self.window = a.sliding_window if self.layer_indices else None
         self.num_blocks = num_blocks if self.layer_indices else 0
         shape = (self.num_blocks, block_size, a.n_kv_heads, a.head_dim)
         self.pools = {i: tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
                       for i in self.layer_indices}
         self.allocator = BlockAllocator(self.num_blocks)
-        self.tables: dict[int, list[int]] = {}
+        self.tables: dict[int, list[int | None]] = {}
         self.bytes_per_token = len(self.layer_indices) * 2 * a.n_kv_heads * a.head_dim * dtype.itemsize
         self.bytes_per_block = self.bytes_per_token * block_size
 
@@ -114,8 +117,29 @@ class PagedKVCache:
         if need > 0:
             table.extend(self.allocator.allocate(need))
 
+    def blocks_held_at_most(self, n_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence growing to ``n_tokens`` in steps of at most ``chunk`` new
+        tokens holds at once (all of them, unless a sliding window lets :meth:`trim` drop some)."""
+        full = self.blocks_for(n_tokens)
+        if self.window is None:
+            return full
+        # window - 1 visible earlier tokens + the chunk, over at most one partial block at each end
+        return min(full, self.blocks_for(self.window - 1 + min(chunk, n_tokens)) + 1)
+
+    def trim(self, seq_id: int, next_pos: int) -> None:
+        """Release the blocks of ``seq_id`` that lie wholly before the window of any token at
+        ``next_pos`` or later (a no-op without a sliding window)."""
+        if self.window is None:
+            return
+        table = self.tables[seq_id]
+        dead = [j for j in range(min(len(table), max(0, next_pos - self.window + 1) // self.block_size))
+                if table[j] is not None]
+        self.allocator.release([table[j] for j in dead])
+        for j in dead:
+            table[j] = None
+
     def free_sequence(self, seq_id: int) -> None:
-        self.allocator.release(self.tables.pop(seq_id))
+        self.allocator.release([b for b in self.tables.pop(seq_id) if b is not None])
 
     def slots(self, seq_id: int, start: int, end: int) -> list[int]:
         """Pool slots of token positions ``start..end-1`` of ``seq_id``."""

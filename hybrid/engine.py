@@ -117,13 +117,14 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {list(params.stop)} need a tokenizer: pass tokenizer= to the Engine")
         need = len(prompt) + params.max_new_tokens - 1  # the last sampled token is never cached
-        capacity = self.cache.kv.capacity_tokens
-        if need > capacity:
-            kv = self.cache.kv
+        kv = self.cache.kv
+        if kv.enabled and kv.blocks_held_at_most(need, self.max_batch_tokens) > kv.num_blocks:
+            held = kv.blocks_held_at_most(need, self.max_batch_tokens)
             raise ValueError(
-                f"request needs {need} cached tokens ({len(prompt)} prompt + {params.max_new_tokens} new - 1) "
-                f"but the whole KV cache holds {capacity} ({kv.num_blocks} blocks of {kv.block_size}); "
-                "shorten the prompt, lower max_new_tokens or give the engine a bigger cache")
+                f"request needs {need} cached tokens ({len(prompt)} prompt + {params.max_new_tokens} new - 1), "
+                f"{held} KV blocks at once, but the whole KV cache holds {kv.capacity_tokens} tokens "
+                f"({kv.num_blocks} blocks of {kv.block_size}); shorten the prompt, lower max_new_tokens "
+                "or give the engine a bigger cache")
         stop_ids = set(params.stop_token_ids)
         if self.tokenizer is not None and not params.ignore_eos:
             stop_ids.update(getattr(self.tokenizer, "eos_token_ids", ()) or ())
@@ -228,6 +229,8 @@ class Engine:
         rows, sampled = [], []
         for b, (req, n) in enumerate(plan):
             req.num_computed += n
+            if self.cache.kv.enabled:
+                self.cache.kv.trim(req.request_id, req.num_computed)
             if req.num_computed == len(req.tokens):
                 rows.append(b)
                 sampled.append(req)

@@ -76,7 +76,8 @@ def build_batch(cache: HybridCache, chunks: list[SeqChunk]) -> PackedBatch:
     width = max(1, max(len(t) for t in tables))
     table = torch.zeros(len(chunks), width, dtype=torch.int32)
     for b, t in enumerate(tables):
-        table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        # blocks a sliding window has dropped (None) are never read; any valid id stands in
+        table[b, :len(t)] = torch.tensor([0 if x is None else x for x in t], dtype=torch.int32)
     state_slots = [cache.ssm.owner.get(c.seq_id, 0) for c in chunks]
 
     def tensor(values, dtype):

@@ -134,3 +134,22 @@ def test_sizing_errors_give_the_numbers():
     with pytest.raises(ValueError, match="num_slots"):
         HybridCache(recipes.get("llama-tiny"), num_blocks=4, max_seqs=0)
     assert math.isinf(HybridCache(recipes.get("mamba1-tiny"), num_blocks=4).kv.capacity_tokens)
+
+
+def test_sliding_window_trim_releases_blocks_behind_the_window():
+    cache = HybridCache(recipes.get("samba-tiny"), num_blocks=10, block_size=4, max_seqs=1)  # window 16
+    kv = cache.kv
+    kv.add_sequence(0)
+    kv.reserve(0, 30)
+    kv.trim(0, 30)  # the next token (position 30) sees positions 15..30: blocks 0-2 (positions 0-11) go
+    assert kv.tables[0][:3] == [None, None, None] and None not in kv.tables[0][3:]
+    assert kv.allocator.num_free == 10 - 5
+    assert kv.slots(0, 28, 30) == [kv.tables[0][7] * 4, kv.tables[0][7] * 4 + 1]
+    kv.free_sequence(0)
+    assert kv.allocator.num_free == 10
+    assert kv.blocks_held_at_most(1000, chunk=8) == 7  # ceil((15 + 8) / 4) + 1
+    plain = HybridCache(recipes.get("llama-tiny"), num_blocks=10, block_size=4, max_seqs=1).kv
+    plain.add_sequence(0)
+    plain.reserve(0, 30)
+    plain.trim(0, 30)
+    assert None not in plain.tables[0] and plain.blocks_held_at_most(1000, chunk=8) == 250

@@ -166,6 +166,25 @@ def test_preemption_gives_the_unconstrained_outputs(name):
     assert tight_out == free_out
 
 
+def test_sliding_window_sequences_outgrow_the_cache():
+    """samba-tiny attends to the last 16 tokens: blocks behind the window go back to the pool, so
+    sequences far longer than the cache decode, with the naive loop's tokens."""
+    model = tiny_model("samba-tiny")
+    prompts = prompts_of([30, 9], seed=9)
+    engine = Engine(model, num_blocks=12, block_size=4, max_batch_tokens=8)  # 48 tokens in all
+    held = []
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=40)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+        held.append(engine.cache.kv.allocator.num_blocks - engine.cache.kv.allocator.num_free)
+    assert engine.stats.preemptions == 0 and max(held) <= 12
+    for rid, p in zip(ids, prompts, strict=True):
+        assert engine.requests[rid].output == greedy_reference(model, p, 40)[0]
+    llama = Engine(tiny_model("llama-tiny"), num_blocks=12, block_size=4, max_batch_tokens=8)
+    with pytest.raises(ValueError, match="needs 69 cached tokens"):
+        llama.add_request(prompts[0], SamplingParams(max_new_tokens=40))
+
+
 def test_continuous_batching_mixes_prefill_and_decode_and_frees_at_once():
     model = tiny_model("hybrid-1to7-tiny")
     engine = Engine(model, num_blocks=32, block_size=4, max_seqs=4, max_batch_tokens=12)
@@ -221,7 +240,7 @@ def test_request_errors():
         engine.add_request([1, 256])
     with pytest.raises(ValueError, match="token id -1"):
         engine.add_request([-1])
-    with pytest.raises(ValueError, match=r"needs 20 cached tokens .* holds 16 \(4 blocks of 4\)"):
+    with pytest.raises(ValueError, match=r"needs 20 cached tokens .* 5 KV blocks at once, .* \(4 blocks of 4\)"):
         engine.add_request(list(range(20)), SamplingParams(max_new_tokens=1))
     with pytest.raises(ValueError, match=r"needs 17 cached tokens \(10 prompt \+ 8 new - 1\)"):
         engine.add_request(list(range(10)), SamplingParams(max_new_tokens=8))

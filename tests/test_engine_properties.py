@@ -2,6 +2,8 @@
 a KV block or a state slot, free everything at the end, and give every request that was not
 aborted the output it gets alone in a roomy cache."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,10 +17,11 @@ CFG = HybridConfig(vocab_size=64, d_model=32, pattern="M*-m",
 NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS = 6, 4, 3
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=[None, 5], ids=["full", "window5"])
+def model(request):
     torch.manual_seed(0)
-    m = HybridLM(CFG).eval()
+    cfg = dataclasses.replace(CFG, attention=dataclasses.replace(CFG.attention, sliding_window=request.param))
+    m = HybridLM(cfg).eval()
     with torch.no_grad():  # sharper logits than the 0.02 init: greedy picks are far from ties
         m.lm_head.weight.mul_(30)
     return m
@@ -36,14 +39,17 @@ def check_invariants(engine: Engine) -> None:
     kv, ssm = engine.cache.kv, engine.cache.ssm
     live = {r.request_id for r in engine.running}
     assert set(kv.tables) == live == set(ssm.owner)
-    blocks = [b for table in kv.tables.values() for b in table]
+    blocks = [b for table in kv.tables.values() for b in table if b is not None]  # None: left the window
     assert len(blocks) == len(set(blocks)), "a block belongs to two live sequences"
     assert all(kv.allocator.ref_counts[b] == 1 for b in blocks)
     assert sorted(kv.allocator._free) == sorted(set(range(NUM_BLOCKS)) - set(blocks)), "a block leaked"
     slots = list(ssm.owner.values())
     assert len(slots) == len(set(slots)) and ssm.num_free + len(slots) == MAX_SEQS
     for r in engine.running:
-        assert len(kv.tables[r.request_id]) * BLOCK_SIZE >= r.num_computed
+        table = kv.tables[r.request_id]
+        assert len(table) * BLOCK_SIZE >= r.num_computed
+        held = len([b for b in table if b is not None])
+        assert held <= kv.blocks_held_at_most(len(r.tokens), engine.max_batch_tokens)
         assert not r.finished
     for r in engine.waiting:
         assert r.num_computed == 0 and r.request_id not in live
