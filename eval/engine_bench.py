@@ -72,13 +72,16 @@ def decode_speed(model: HybridLM, batch: int, prompt_len: int, steps: int) -> di
             "decode_tok/s": round(batch / med, 1)}
 
 
-def memory_rows(names: list[str], context: int, seq_len: int, cache_gib: float) -> list[dict]:
+def memory_rows(names: list[str], context: int, seq_len: int, cache_gib: float, chunk: int) -> list[dict]:
+    """KV and state bytes per sequence, and how many ``seq_len``-token sequences fit in the cache
+    (prefilled ``chunk`` tokens per step: sliding-window models keep only their window's blocks)."""
     rows = []
     for name in names:
         cfg = recipes.get(name)
         kv = PagedKVCache(cfg, 0, dtype=torch.bfloat16, device="meta").bytes_per_token
         state = SSMStateCache(cfg, 1, conv_dtype=torch.bfloat16, device="meta").bytes_per_sequence
-        fits = sequences_that_fit(cfg, int(cache_gib * 2**30), seq_len, block_size=BLOCK, kv_dtype=torch.bfloat16)
+        fits = sequences_that_fit(cfg, int(cache_gib * 2**30), seq_len, block_size=BLOCK, kv_dtype=torch.bfloat16,
+                                  chunk=chunk)
         rows.append({"model": name, "KV_bytes/token(bf16)": kv, f"KV_MiB@{context}": round(kv * context / 2**20, 2),
                      "state_MiB/seq": round(state / 2**20, 3),
                      f"seqs_of_{seq_len}_in_{cache_gib:g}GiB": fits})
@@ -98,7 +101,9 @@ def llama_pair(cfg) -> tuple[torch.nn.Module, HybridLM]:
                          num_hidden_layers=len(cfg.pattern) // 2, num_attention_heads=a.n_heads,
                          num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim, rms_norm_eps=cfg.norm_eps,
                          rope_theta=a.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-                         max_position_embeddings=8192)
+                         max_position_embeddings=8192,
+                         # no EOS: LlamaConfig's default (id 2) would stop generate, or be banned by min_new_tokens
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     hf = LlamaForCausalLM(hf_cfg).eval()
     ours = HybridLM(cfg).eval()
     src = hf.state_dict()
@@ -120,11 +125,13 @@ def llama_pair(cfg) -> tuple[torch.nn.Module, HybridLM]:
 @torch.inference_mode()
 def versus_transformers(cfg, prompt_len: int, new_tokens: int) -> dict:
     hf, ours = llama_pair(cfg)
+    for m in (hf, ours):  # random weights give near-uniform logits; sharpen them so greedy ties are rare
+        (m.lm_head if m.lm_head is not None else m.get_input_embeddings()).weight.mul_(20)
     prompt = _prompt(ours, prompt_len, 0)
     ids = torch.tensor([prompt])
     hf.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up
     t0 = time.perf_counter()
-    hf_out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    hf_out = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False)
     hf_s = time.perf_counter() - t0
     engine = Engine(ours, num_blocks=-(-(prompt_len + new_tokens) // BLOCK), block_size=BLOCK, max_seqs=1,
                     max_batch_tokens=prompt_len)
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-context", type=int, default=8192, help="context for the KV bytes per sequence")
     ap.add_argument("--fit-seq-len", type=int, default=4096)
     ap.add_argument("--cache-gib", type=float, default=4.0)
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk assumed for the memory table")
     ap.add_argument("--memory-recipes", nargs="+", default=None,
                     help="recipes for the memory table (default: --recipes)")
     ap.add_argument("--hf-recipe", default=None, help="Llama recipe to race against transformers "
@@ -177,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
         row = (prefill_speed(m, x, args.repeats) if kind == "prefill"
                else decode_speed(m, x, args.decode_context, args.decode_steps))
         speed[kind].append({"model": name, **row})
-    memory = memory_rows(args.memory_recipes or args.recipes, args.kv_context, args.fit_seq_len, args.cache_gib)
+    memory = memory_rows(args.memory_recipes or args.recipes, args.kv_context, args.fit_seq_len, args.cache_gib,
+                         args.chunk)
     hf_name = args.hf_recipe or next((n for n in args.recipes if n.startswith("llama-")), "none")
     hf_rows = []
     if hf_name != "none":

@@ -276,10 +276,12 @@ class HybridCache:
 
 def sequences_that_fit(config: HybridConfig, cache_bytes: int, seq_len: int, *, block_size: int = 16,
                        kv_dtype: torch.dtype = torch.bfloat16, ssm_dtype: torch.dtype = torch.float32,
-                       conv_dtype: torch.dtype | None = None) -> int:
+                       conv_dtype: torch.dtype | None = None, chunk: int | None = None) -> int:
     """How many sequences of ``seq_len`` tokens a cache of ``cache_bytes`` holds at once
-    (each needs its KV blocks and one state slot)."""
+    (each needs its KV blocks and one state slot). With ``chunk`` (the engine's token budget per
+    step) a sliding-window model is counted with only the blocks its window keeps."""
     kv = PagedKVCache(config, 0, block_size=block_size, dtype=kv_dtype, device="meta")
     ssm = SSMStateCache(config, 1, ssm_dtype=ssm_dtype, conv_dtype=conv_dtype or kv_dtype, device="meta")
-    per_seq = kv.blocks_for(seq_len) * kv.bytes_per_block + ssm.bytes_per_sequence
+    blocks = kv.blocks_for(seq_len) if chunk is None else kv.blocks_held_at_most(seq_len, chunk)
+    per_seq = blocks * kv.bytes_per_block + ssm.bytes_per_sequence
     return cache_bytes // per_seq

@@ -90,9 +90,14 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
     # Batched over sequences: walk the block tables a group of columns at a time with an online
     # softmax, so K/V are read through the tables and at most `group_tokens` positions per
     # sequence are gathered at once (never a padded copy of every whole history), and there is
-    # no Python loop over sequences.
-    group_tokens = 1024
+    # no Python loop over sequences. A few sequences are cheaper one by one (gather + SDPA: fewer,
+    # larger ops; measured crossover on CPU near 8 sequences).
+    group_tokens, per_sequence_below = 1024, 5
     B, Hq, D = q.shape
+    if B < per_sequence_below:
+        cu = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+        return _paged_prefill_attention_torch(q, k_pool, v_pool, cu, seq_lens, block_tables, window=window,
+                                              scale=scale)
     BS, Hkv = k_pool.shape[1], k_pool.shape[2]
     rep = Hq // Hkv
     qf = q.float().view(B, Hkv, rep, D) * (D ** -0.5 if scale is None else scale)

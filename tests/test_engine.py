@@ -263,7 +263,7 @@ def test_engine_greedy_equals_transformers_generate():
     prompts = prompts_of([12, 5], seed=8)
     ours_out = hybrid.generate(ours, prompts, max_new_tokens=16)
     for p, out in zip(prompts, ours_out, strict=True):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)
         assert out == ref[0, len(p):].tolist()
 
 

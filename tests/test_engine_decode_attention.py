@@ -1,4 +1,5 @@
-"""The batched torch decode-attention path over long, uneven histories (several column groups)."""
+"""The torch decode-attention paths over long, uneven histories: the batched block walk (several
+column groups of 1024 tokens) and the per-sequence path for a few sequences."""
 
 import pytest
 import torch
@@ -7,9 +8,10 @@ from conftest import rel_err
 from hybrid import kernels
 
 
+@pytest.mark.parametrize("lens", [[1500, 3, 1030, 17, 700, 1], [1500, 3]], ids=["batched-walk", "few-sequences"])
 @pytest.mark.parametrize("window", [None, 700])
-def test_decode_attention_over_many_block_groups_equals_reference(window):
-    lens, bs, Hq, Hkv, D = [1500, 3, 1030], 16, 4, 2, 8
+def test_decode_attention_over_many_block_groups_equals_reference(window, lens):
+    bs, Hq, Hkv, D = 16, 4, 2, 8
     num_blocks = sum(-(-n // bs) for n in lens) + 4
     k_pool, v_pool = torch.randn(num_blocks, bs, Hkv, D), torch.randn(num_blocks, bs, Hkv, D)
     order = torch.randperm(num_blocks).tolist()
