@@ -21,16 +21,17 @@ __version__ = "0.1.0"
 
 def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
                     device: str | torch.device | None = None) -> HybridLM:
-    """Load a checkpoint folder: our own format (``save_pretrained``)."""
+    """Load a checkpoint folder: our own format (``save_pretrained``), or a Hugging Face /
+    mamba_ssm checkpoint through the converter for its architecture (``hybrid.interop``)."""
     from .checkpoint import is_native, load_native
+    from .interop import load_foreign
 
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; give the checkpoint folder")
     if is_native(path):
         return load_native(path, dtype=dtype, device=device)
-    raise CheckpointError(f"{path} is not a hybrid-lm checkpoint (its config.json lacks "
-                          f'"format": "hybrid-lm")')
+    return load_foreign(path, dtype=dtype, device=device)
 
 
 __all__ = [

@@ -94,11 +94,17 @@ def cmd_generate(args) -> None:
             sys.stdout.write(out.text)
             sys.stdout.flush()
     s = engine.stats
-    print(file=sys.stdout)
+    print(file=sys.stdout, flush=True)
     print(f"prefill: {s.prefill_tokens} tokens in {s.prefill_seconds:.3f} s "
           f"({s.prefill_tokens / max(s.prefill_seconds, 1e-9):.1f} tok/s); "
           f"decode: {s.decode_tokens} tokens in {s.decode_seconds:.3f} s "
           f"({s.decode_tokens / max(s.decode_seconds, 1e-9):.1f} tok/s)", file=sys.stderr)
+
+
+def cmd_doctor(args) -> None:
+    from .kernels.doctor import report
+
+    print(report())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("doctor", help="which kernel backend each op uses here, and why not the others")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 

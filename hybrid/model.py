@@ -153,9 +153,14 @@ class HybridLM(nn.Module):
         return (cfg.count("mamba2") * per2 + cfg.count("mamba1") * per1) * dtype.itemsize
 
     # ---- save / load ---------------------------------------------------------------------------
-    def save_pretrained(self, directory: str | Path) -> Path:
-        from .checkpoint import save_native
-        return save_native(self, directory)
+    def save_pretrained(self, directory: str | Path, format: str = "hybrid") -> Path:
+        """Write ``directory``: ``format="hybrid"`` (ours: config.json + model.safetensors) or the name
+        of an export format of ``hybrid.interop`` (a checkpoint its home library loads)."""
+        if format == "hybrid":
+            from .checkpoint import save_native
+            return save_native(self, directory)
+        from .interop import export
+        return export(self, directory, format)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: torch.dtype | None = None,

@@ -98,8 +98,13 @@ def test_load_lists_missing_unexpected_and_misshaped(tmp_path):
 def test_load_errors_on_non_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="not a directory"):
         hybrid.from_pretrained(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        hybrid.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="not a hybrid-lm checkpoint"):
+    with pytest.raises(CheckpointError, match="names no architecture"):
+        hybrid.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(CheckpointError, match="architecture 'GPT2LMHeadModel' is not supported"):
         hybrid.from_pretrained(tmp_path)
 
 
