@@ -106,6 +106,8 @@ class Engine:
         outside the vocabulary, stop strings without a tokenizer, or a request the cache can
         never hold."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
         if not prompt:
@@ -221,6 +223,10 @@ class Engine:
         (requests that only advanced a prompt chunk get none and are not listed)."""
         plan = self._schedule()
         if not plan:
+            if self.has_unfinished():  # add_request's size check makes this unreachable; never spin silently
+                raise RuntimeError(f"the scheduler could not place any of {len(self.waiting)} waiting requests "
+                                   f"({self.cache.kv.allocator.num_free} KV blocks, {self.cache.ssm.num_free} "
+                                   "state slots free)")
             return []
         t0 = time.perf_counter()
         chunks = [SeqChunk(r.request_id, r.tokens[r.num_computed:r.num_computed + n], r.num_computed)
