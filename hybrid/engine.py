@@ -53,6 +53,22 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache: 1 while decoding, more while (re)filling a prompt."""
+        return self.num_tokens - self.num_computed
+
+    def pending(self, n: int) -> list[int]:
+        """The next ``n`` tokens to compute (without copying the whole sequence)."""
+        start, cut = self.num_computed, len(self.prompt)
+        if start >= cut:
+            return self.output[start - cut:start - cut + n]
+        return self.prompt[start:start + n] + self.output[:max(0, start + n - cut)]
+
+    @property
     def text(self) -> str:
         return self.decoder.text if self.decoder is not None else ""
 
@@ -185,12 +201,12 @@ class Engine:
         budget = self.max_batch_tokens
         plan: dict[Request, int] = {}
         kv = self.cache.kv
-        decoding = [r for r in self.running if len(r.tokens) - r.num_computed == 1]
-        prefilling = [r for r in self.running if len(r.tokens) - r.num_computed > 1]
+        decoding = [r for r in self.running if r.num_pending == 1]
+        prefilling = [r for r in self.running if r.num_pending > 1]
         for req in decoding + prefilling:
             if req not in self.running:  # preempted this step to make room for an older sequence
                 continue
-            n = min(len(req.tokens) - req.num_computed, budget)
+            n = min(req.num_pending, budget)
             if n == 0:
                 break
             while kv.enabled and not kv.can_hold(req.request_id, req.num_computed + n):
@@ -207,7 +223,7 @@ class Engine:
             budget -= n
         while budget and self.waiting:
             req = self.waiting[0]
-            n = min(len(req.tokens), budget)
+            n = min(req.num_tokens, budget)
             if not self._admit(req, n):
                 break
             self.waiting.popleft()
@@ -229,15 +245,14 @@ class Engine:
                                    "state slots free)")
             return []
         t0 = time.perf_counter()
-        chunks = [SeqChunk(r.request_id, r.tokens[r.num_computed:r.num_computed + n], r.num_computed)
-                  for r, n in plan]
+        chunks = [SeqChunk(r.request_id, r.pending(n), r.num_computed) for r, n in plan]
         logits = self.model.forward_packed(build_batch(self.cache, chunks), self.cache)
         rows, sampled = [], []
         for b, (req, n) in enumerate(plan):
             req.num_computed += n
             if self.cache.kv.enabled:
                 self.cache.kv.trim(req.request_id, req.num_computed)
-            if req.num_computed == len(req.tokens):
+            if req.num_pending == 0:
                 rows.append(b)
                 sampled.append(req)
         new_ids = sample_tokens(logits[rows], [r.params for r in sampled], [_context(r) for r in sampled],
