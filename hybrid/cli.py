@@ -83,7 +83,8 @@ def cmd_generate(args) -> None:
         tokenizer = load_tokenizer(args.model)
     prompt = tokenizer.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed, stop=tuple(args.stop or ()))
     block_size = 16
     engine = Engine(model, num_blocks=-(-(len(prompt) + args.max_new_tokens) // block_size), block_size=block_size,
                     max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer)
@@ -134,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 is off")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is off")
+    p.add_argument("--stop", nargs="*", help="stop when the text contains any of these strings")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per step)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
