@@ -103,14 +103,12 @@ def forward_packed(model, batch: PackedBatch, cache: HybridCache, *, all_logits:
     """
     x = model.embed(batch.tokens)
     for i, layer in enumerate(model.layers):
-        h = layer.norm(x)
         if layer.kind == "attention":
-            h = layer.mixer.forward_packed(h, batch, *cache.kv.pools[i])
+            x = x + layer.mixer.forward_packed(layer.norm(x), batch, *cache.kv.pools[i])
         elif layer.kind in ("mamba2", "mamba1"):
-            h = layer.mixer.forward_packed(h, batch, *cache.ssm.pools[i])
-        else:  # token-wise sub-layers see the packed tokens as one sequence
-            h = layer.mixer(h[None])[0]
-        x = x + h
+            x = x + layer.mixer.forward_packed(layer.norm(x), batch, *cache.ssm.pools[i])
+        else:  # token-wise sub-layers (MLP, experts, ...) run their own forward on the packed tokens
+            x = layer(x[None])[0]
     if not all_logits:
         x = x[batch.cu_seqlens[1:].long() - 1]
     return model.logits(x)
