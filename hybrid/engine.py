@@ -145,7 +145,7 @@ class Engine:
                 "or give the engine a bigger cache")
         stop_ids = set(params.stop_token_ids)
         if self.tokenizer is not None and not params.ignore_eos:
-            stop_ids.update(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+            stop_ids.update(_eos_ids(self.tokenizer))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         rid = self._next_id
         self._next_id += 1
@@ -165,6 +165,14 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def forget(self, request_id: int) -> Request:
+        """Drop a finished request from ``requests`` (a long-running server calls this once it
+        has read the result) and return it."""
+        req = self.requests[request_id]
+        if not req.finished:
+            raise ValueError(f"request {request_id} has not finished; abort it first")
+        return self.requests.pop(request_id)
 
     # ---- scheduling ------------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
@@ -298,6 +306,15 @@ class Engine:
         while self.has_unfinished():
             self.step()
         return self.requests
+
+
+def _eos_ids(tokenizer) -> tuple[int, ...]:
+    """Every end-of-sequence id of ``tokenizer`` (ours list them all; others give one or none)."""
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        ids = () if eos is None else (eos,)
+    return tuple(ids)
 
 
 def _context(req: Request) -> torch.Tensor:

@@ -206,6 +206,9 @@ def test_continuous_batching_mixes_prefill_and_decode_and_frees_at_once():
     assert [o.finished for o in outs if o.request_id == a] == [True]
     assert a not in engine.cache.ssm.owner and a not in engine.cache.kv.tables
     assert b in engine.cache.ssm.owner
+    with pytest.raises(ValueError, match="has not finished"):
+        engine.forget(b)
+    assert len(engine.forget(a).output) == 4 and a not in engine.requests
     engine.run()
     assert max(n for n, _, _ in seen) <= 12
     assert engine.cache.kv.allocator.num_free == 32 and engine.cache.ssm.num_free == 4
