@@ -245,7 +245,7 @@ class HybridCache:
         if (num_blocks is None) == (cache_bytes is None):
             raise ValueError("size the cache with exactly one of num_blocks= or cache_bytes=")
         conv_dtype = conv_dtype or kv_dtype
-        self.config = config
+        self.config, self.device = config, torch.device(device)
         self.ssm = SSMStateCache(config, max_seqs, ssm_dtype=ssm_dtype, conv_dtype=conv_dtype, device=device)
         if num_blocks is None:
             probe = PagedKVCache(config, 0, block_size=block_size, dtype=kv_dtype, device="meta")

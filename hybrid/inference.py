@@ -64,21 +64,24 @@ def build_batch(cache: HybridCache, chunks: list[SeqChunk]) -> PackedBatch:
     num_decodes = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
     if any(n == 1 for n in lengths[num_decodes:]):
         raise ValueError("build_batch: put the one-token (decode) sequences first")
-    device = next(iter(cache.kv.pools.values()))[0].device if cache.kv.enabled else _state_device(cache)
-    kv = cache.kv
+    device, kv = cache.device, cache.kv
+    missing = [c.seq_id for c in chunks
+               if c.seq_id not in cache.ssm.owner or (kv.enabled and c.seq_id not in kv.tables)]
+    if missing:
+        raise ValueError(f"build_batch: sequences {missing} hold no state slot / block table in this cache")
     tokens, positions, slots, cu = [], [], [], [0]
     for c in chunks:
         tokens.extend(c.tokens)
         positions.extend(range(c.start, c.start + len(c.tokens)))
         slots.extend(kv.slots(c.seq_id, c.start, c.start + len(c.tokens)))
         cu.append(cu[-1] + len(c.tokens))
-    tables = [kv.tables.get(c.seq_id, []) for c in chunks] if kv.enabled else [[] for _ in chunks]
+    tables = [kv.tables[c.seq_id] if kv.enabled else [] for c in chunks]
     width = max(1, max(len(t) for t in tables))
     table = torch.zeros(len(chunks), width, dtype=torch.int32)
     for b, t in enumerate(tables):
         # blocks a sliding window has dropped (None) are never read; any valid id stands in
         table[b, :len(t)] = torch.tensor([0 if x is None else x for x in t], dtype=torch.int32)
-    state_slots = [cache.ssm.owner.get(c.seq_id, 0) for c in chunks]
+    state_slots = [cache.ssm.owner[c.seq_id] for c in chunks]
 
     def tensor(values, dtype):
         return torch.tensor(values, dtype=dtype, device=device)
@@ -88,11 +91,6 @@ def build_batch(cache: HybridCache, chunks: list[SeqChunk]) -> PackedBatch:
                        seq_lens=tensor([c.start + len(c.tokens) for c in chunks], torch.int32),
                        block_tables=table.to(device), slot_mapping=tensor(slots, torch.long),
                        state_slots=tensor(state_slots, torch.long), num_decodes=num_decodes)
-
-
-def _state_device(cache: HybridCache) -> torch.device:
-    pools = next(iter(cache.ssm.pools.values()), None)
-    return pools[0].device if pools is not None else torch.device("cpu")
 
 
 def forward_packed(model, batch: PackedBatch, cache: HybridCache, *, all_logits: bool = False) -> torch.Tensor:
