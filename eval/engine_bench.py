@@ -74,10 +74,18 @@ def decode_speed(model: HybridLM, batch: int, prompt_len: int, steps: int) -> di
 
 def memory_rows(names: list[str], context: int, seq_len: int, cache_gib: float, chunk: int) -> list[dict]:
     """KV and state bytes per sequence, and how many ``seq_len``-token sequences fit in the cache
-    (prefilled ``chunk`` tokens per step: sliding-window models keep only their window's blocks)."""
-    rows = []
+    (prefilled ``chunk`` tokens per step: sliding-window models keep only their window's blocks).
+
+    Beside each ``hybrid-1to7-SIZE`` comes ``attn-only-8-SIZE``: the same 8 blocks and width with
+    attention in every block, the fair attention-only counterpart of the 1:7 hybrid."""
+    configs = {}
     for name in names:
-        cfg = recipes.get(name)
+        configs[name] = recipes.get(name)
+        if name.startswith("hybrid-1to7-"):
+            size = name.rpartition("-")[2]
+            configs[f"attn-only-8-{size}"] = recipes.attention_family(size, 1.0, n_blocks=8)
+    rows = []
+    for name, cfg in configs.items():
         kv = PagedKVCache(cfg, 0, dtype=torch.bfloat16, device="meta").bytes_per_token
         state = SSMStateCache(cfg, 1, conv_dtype=torch.bfloat16, device="meta").bytes_per_sequence
         fits = sequences_that_fit(cfg, int(cache_gib * 2**30), seq_len, block_size=BLOCK, kv_dtype=torch.bfloat16,

@@ -20,8 +20,11 @@ def test_engine_bench_runs_and_reports_every_table(tmp_path, capsys):
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert [r["batch"] for r in rows["decode"]] == [1, 3, 1, 3]
     assert all(r["prefill_tok/s"] > 0 for r in rows["prefill"])
-    llama, hyb = rows["memory"]
+    mem = {r["model"]: r for r in rows["memory"]}
+    assert list(mem) == ["llama-small", "hybrid-1to7-small", "attn-only-8-small"]
+    llama, hyb, attn8 = mem.values()
     assert llama["KV_bytes/token(bf16)"] == 12 * hyb["KV_bytes/token(bf16)"]  # 12 attention layers vs 1
-    assert hyb["seqs_of_4096_in_4GiB"] > 4 * llama["seqs_of_4096_in_4GiB"]
+    assert attn8["KV_bytes/token(bf16)"] == 8 * hyb["KV_bytes/token(bf16)"]  # same 8 blocks, all attention
+    assert hyb["seqs_of_4096_in_4GiB"] > 3 * attn8["seqs_of_4096_in_4GiB"]
     assert rows["transformers"][0]["same_greedy_tokens"] is True
     assert (tmp_path / "decode.png").stat().st_size > 0
