@@ -58,18 +58,19 @@ def cmd_bench(args) -> None:
     dtype = getattr(torch, args.dtype)
     peak = matmul_peak_flops(args.device, dtype) if args.peak else None
     rows = sweep(models, args.lengths, batch=args.batch, warmup=args.warmup, repeats=args.repeats, peak_flops=peak)
-    if args.decode_tokens:
-        for name, model in models.items():
-            decode = time_decode(model, args.decode_ctx, args.decode_tokens, batch=args.batch,
-                                 warmup=args.warmup, repeats=args.repeats)
-            rows.append({"model": name, **decode})
+    decode = [{"model": name, **time_decode(model, args.decode_ctx, args.decode_tokens, batch=args.batch,
+                                            warmup=args.warmup, repeats=args.repeats)}
+              for name, model in models.items()] if args.decode_tokens else []
     header = {"device": args.device, "threads": torch.get_num_threads(), "dtype": args.dtype,
               "repeats": args.repeats, "matmul_peak_GFLOP/s": round(peak / 1e9, 2) if peak else None}
     print(f"# prefill on {args.device}, {header['threads']} threads, dtype {args.dtype}, median of {args.repeats}"
           + (f"; matmul peak {header['matmul_peak_GFLOP/s']} GFLOP/s" if peak else ""))
     print(markdown(rows))
+    if decode:
+        print(f"\n# decode through the engine: {args.decode_tokens} tokens after a {args.decode_ctx}-token prompt")
+        print(markdown(decode))
     if args.output:
-        print(f"wrote {write_rows(rows, args.output, **header)}")
+        print(f"wrote {write_rows(rows + decode, args.output, **header)}")
 
 
 def cmd_eval(args) -> None:

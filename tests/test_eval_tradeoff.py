@@ -34,9 +34,10 @@ def test_bench_writes_json_and_csv(tmp_path, capsys):
     assert [(r["model"], r["seq_len"]) for r in report["rows"]] == [
         ("llama-tiny", 16), ("llama-tiny", 32), ("mamba2-tiny", 16), ("mamba2-tiny", 32)]
     assert all(r["prefill_ms"] > 0 and 0 < r["of_peak"] and r["cache_MB/seq"] > 0 for r in report["rows"])
-    main(["bench", "--recipe", "llama-tiny", "--lengths", "16", "--repeats", "1", "--no-peak",
-          "--output", str(tmp_path / "bench.csv")])
+    main(["bench", "--recipe", "llama-tiny", "--lengths", "16", "--repeats", "1", "--no-peak", "--decode-tokens", "3",
+          "--decode-ctx", "8", "--output", str(tmp_path / "bench.csv")])
     with open(tmp_path / "bench.csv") as f:
         rows = list(csv.DictReader(f))
     assert rows[0]["model"] == "llama-tiny" and "of_peak" not in rows[0]
+    assert rows[1]["decode_ctx"] == "8" and float(rows[1]["decode_tokens_per_s"]) > 0
     assert "prefill_ms" in capsys.readouterr().out
