@@ -41,3 +41,26 @@ def test_bench_writes_json_and_csv(tmp_path, capsys):
     assert rows[0]["model"] == "llama-tiny" and "of_peak" not in rows[0]
     assert rows[1]["decode_ctx"] == "8" and float(rows[1]["decode_tokens_per_s"]) > 0
     assert "prefill_ms" in capsys.readouterr().out
+
+
+def test_tradeoff_on_checkpoints_scores_them_with_lm_eval(tmp_path):
+    from hybrid import HybridLM, recipes
+
+    mmlu = tmp_path / "mmlu"
+    for split in ("dev", "test"):
+        (mmlu / split).mkdir(parents=True)
+        (mmlu / split / f"anatomy_{split}.csv").write_text(
+            "question,choice0,choice1,choice2,choice3,answer\nWhich bone?,Femur,None,Ulna,Skull,0\n"
+            "Which organ?,Liver,Heart,Lung,Kidney,1\n")
+    paths = []
+    for name in ("llama-tiny", "mamba2-tiny"):
+        HybridLM(recipes.get(name)).save_pretrained(tmp_path / name)
+        paths.append(str(tmp_path / name))
+    out = tmp_path / "report"
+    main(["tradeoff", "--checkpoints", *paths, "--tasks", "mmlu_local_anatomy", "--num-fewshot", "1",
+          "--mmlu-dir", str(mmlu), "--lengths", "16", "--repeats", "1", "--warmup", "0", "--output", str(out)])
+    report = json.loads((out / "tradeoff.json").read_text())
+    assert report["settings"]["source"] == "lm-eval"
+    assert [r["model"] for r in report["rows"]] == paths
+    assert all(r["acc"] in (0.0, 0.5, 1.0) and r["prefill_ms@16"] > 0 for r in report["rows"])
+    assert len(list((out / "lm_eval").glob("results_*.json"))) == 2 and (out / "tradeoff.png").is_file()
