@@ -128,8 +128,7 @@ def plot(result: TradeoffResult, metric: str, path: Path) -> Path:
         if at_longest:
             ax_acc.scatter(at_longest, [row[metric]], s=50)
             ax_acc.annotate(row["model"], (at_longest[0], row[metric]), textcoords="offset points", xytext=(5, 5))
-    ax_acc.set_xscale("log")
-    ax_acc.set_xlabel(f"prefill latency at {longest} tokens (ms, log)")
+    ax_acc.set_xlabel(f"prefill latency at {longest} tokens (ms)")
     ax_acc.set_ylabel(metric)
     ax_acc.set_title("accuracy vs prefill latency")
     ax_acc.grid(True, alpha=0.3)
