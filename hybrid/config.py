@@ -39,6 +39,9 @@ class AttentionConfig:
     sliding_window: int | None = None  # attend to at most this many most recent tokens (incl. self)
     qkv_bias: bool = False
     out_bias: bool = False
+    # RoPE frequency scaling in Hugging Face's form, e.g. {"rope_type": "linear", "factor": 4.0} or Llama-3's
+    # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}.
+    rope_scaling: dict | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -59,6 +62,28 @@ class AttentionConfig:
         _check(self.rope_theta > 0, f"attention.rope_theta must be > 0, got {self.rope_theta}")
         _check(self.sliding_window is None or self.sliding_window >= 1,
                f"attention.sliding_window must be None or >= 1, got {self.sliding_window}")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
+
+
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _check_rope_scaling(rs: dict) -> None:
+    kind = rs.get("rope_type") if isinstance(rs, dict) else None
+    _check(kind in ROPE_SCALING_KEYS,
+           f"attention.rope_scaling must be a dict with rope_type in {sorted(ROPE_SCALING_KEYS)}, got {rs!r}")
+    need = set(ROPE_SCALING_KEYS[kind])
+    have = set(rs) - {"rope_type"}
+    _check(have == need, f"attention.rope_scaling of type {kind!r} needs exactly the keys {sorted(need)}, "
+                         f"got {sorted(have)}")
+    _check(rs["factor"] > 0, f"attention.rope_scaling factor must be > 0, got {rs['factor']}")
+    if kind == "llama3":
+        _check(rs["high_freq_factor"] > rs["low_freq_factor"] > 0,
+               f"attention.rope_scaling needs high_freq_factor > low_freq_factor > 0, got {rs}")
 
 
 @dataclass(frozen=True, kw_only=True)

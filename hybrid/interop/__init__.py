@@ -37,7 +37,10 @@ class Converter:
 
 CONVERTERS: dict[str, Converter] = {}  # by architecture name
 FORMATS: dict[str, Converter] = {}  # by export format name
-_MODULES: tuple[str, ...] = ()  # converter modules in this package, e.g. ("llama", "mamba")
+_MODULES: tuple[str, ...] = ("llama", "mamba", "mamba_ssm")  # converter modules in this package
+# format="hf" tries these in order and takes the first that represents the model exactly; formats not
+# listed come after, alphabetically.
+HF_PREFERENCE: tuple[str, ...] = ("llama", "mistral", "qwen2", "mamba2", "mamba", "nemotron_h", "bamba", "jamba")
 
 
 def register(conv: Converter) -> Converter:
@@ -89,9 +92,11 @@ def load_foreign(path: str | Path, *, dtype: torch.dtype | None = None,
 def export(model, directory: str | Path, fmt: str) -> Path:
     """Write ``model`` as a checkpoint of format ``fmt`` (a converter name) that its home library loads."""
     _ensure_loaded()
+    if fmt == "hf":
+        fmt = pick_hf_format(model.config)
     conv = FORMATS.get(fmt)
     if conv is None:
-        raise CheckpointError(f"unknown export format {fmt!r}; known: {sorted(FORMATS)} (or 'hybrid')")
+        raise CheckpointError(f"unknown export format {fmt!r}; known: {sorted(FORMATS)} (or 'hybrid', 'hf')")
     why_not = conv.export_refusal(model.config) if conv.export_refusal else None
     if why_not:
         raise CheckpointError(f"cannot export this model as {fmt!r} exactly: {why_not}")
@@ -99,5 +104,21 @@ def export(model, directory: str | Path, fmt: str) -> Path:
     return write_checkpoint(directory, conv.config_to_hf(model.config), conv.state_to_hf(state, model.config))
 
 
+def pick_hf_format(config: HybridConfig) -> str:
+    """The first export format (in :data:`HF_PREFERENCE` order) that represents ``config`` exactly, or an
+    error giving each format's reason."""
+    _ensure_loaded()
+    order = [f for f in HF_PREFERENCE if f in FORMATS] + sorted(set(FORMATS) - set(HF_PREFERENCE))
+    reasons = {}
+    for fmt in order:
+        refusal = FORMATS[fmt].export_refusal
+        why_not = refusal(config) if refusal else None
+        if not why_not:
+            return fmt
+        reasons[fmt] = why_not
+    lines = "\n  ".join(f"{f}: {r}" for f, r in reasons.items())
+    raise CheckpointError(f"no Hugging Face format represents this model exactly:\n  {lines}")
+
+
 __all__ = ["CONVERTERS", "FORMATS", "MAMBA_SSM", "Converter", "architecture_of", "export", "load_foreign",
-           "register", "read_config", "read_state", "write_checkpoint"]
+           "pick_hf_format", "register", "read_config", "read_state", "write_checkpoint"]

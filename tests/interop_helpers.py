@@ -1,0 +1,59 @@
+"""Shared checks for the interop tests: our logits and greedy tokens against a transformers model."""
+
+from __future__ import annotations
+
+import torch
+from conftest import rel_err
+
+LOGIT_TOL = 1e-4  # max abs diff relative to the logit scale, fp32
+N_GREEDY = 16
+
+
+def randomize_(model: torch.nn.Module, scale: float = 0.5) -> torch.nn.Module:
+    """Give every parameter non-trivial random values (HF inits norms to 1 and biases to 0, which would
+    hide a norm or bias that is mapped to the wrong place). Mamba's A_log/dt stay in a sane range."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(1.0, 8.0)))
+            elif name.endswith(("dt_bias", "dt_proj.bias")):
+                p.copy_(torch.empty_like(p).uniform_(-4.0, -1.0))
+            elif "norm" in name and p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(scale * torch.randn_like(p) / max(p.shape[-1], 1) ** 0.5)
+    return model
+
+
+def ours_greedy(model, ids: torch.Tensor, n: int = N_GREEDY) -> torch.Tensor:
+    """Greedy continuation by re-running our full forward for each new token."""
+    out = ids
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(out)[:, -1].argmax(-1, keepdim=True)
+            out = torch.cat([out, nxt], dim=1)
+    return out[:, ids.shape[1]:]
+
+
+def hf_greedy(hf_model, ids: torch.Tensor, n: int = N_GREEDY) -> torch.Tensor:
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(ids).logits
+
+
+def assert_matches_hf(ours, hf_model, vocab: int, length: int = 20, batch: int = 2, greedy: bool = True) -> None:
+    ids = torch.randint(0, vocab, (batch, length))
+    with torch.no_grad():
+        got = ours(ids)
+    ref = hf_logits(hf_model, ids)
+    err = rel_err(got, ref)
+    assert err < LOGIT_TOL, f"logits differ: max abs diff / scale = {err:.2e}"
+    if greedy:
+        prompt = ids[:1, :8]
+        assert torch.equal(ours_greedy(ours, prompt), hf_greedy(hf_model, prompt))
