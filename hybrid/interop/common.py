@@ -65,5 +65,12 @@ def drop_tied_head(arch: str, state: dict[str, torch.Tensor], head: str, embed: 
         del state[head]
 
 
+def hf_float(v) -> float:
+    """A float from a config.json: transformers 5 writes infinities as {"__float__": "Infinity"}."""
+    if isinstance(v, dict) and "__float__" in v:
+        return float(v["__float__"])
+    return float(v)
+
+
 def split_rows(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return [p.contiguous() for p in torch.split(t, sizes, dim=0)]

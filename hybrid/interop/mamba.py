@@ -16,7 +16,7 @@ import re
 
 from ..config import HybridConfig, Mamba1Config, Mamba2Config
 from . import Converter, register
-from .common import drop_tied_head, refuse
+from .common import drop_tied_head, hf_float, refuse
 
 _LAYER = re.compile(r"backbone\.layers\.(\d+)\.(norm|mixer)\.(.+)")
 _TOP = {"backbone.embeddings.weight": "embed.weight", "backbone.embedding.weight": "embed.weight",
@@ -63,7 +63,7 @@ def mamba2_config_from_hf(hf: dict) -> HybridConfig:
     lo, hi = hf.get("time_step_limit") or (0.0, math.inf)
     m2 = Mamba2Config(d_state=hf.get("state_size", 128), d_conv=hf.get("conv_kernel", 4), d_inner=d_inner,
                       head_dim=head_dim, n_groups=hf.get("n_groups", 1), chunk_size=hf.get("chunk_size", 256),
-                      dt_limit=(float(lo), math.inf if hi is None else float(hi)),
+                      dt_limit=(hf_float(lo), math.inf if hi is None else hf_float(hi)),
                       conv_bias=bool(hf.get("use_conv_bias", True)), proj_bias=bool(hf.get("use_bias", False)),
                       norm_before_gate=False)  # MambaRMSNormGated: norm(x * silu(z)), grouped by n_groups
     return HybridConfig(vocab_size=hf["vocab_size"], d_model=d, pattern="M" * hf["num_hidden_layers"], mamba2=m2,
