@@ -60,6 +60,20 @@ def cmd_bench(args) -> None:
     print(format_table(rows))
 
 
+def cmd_convert(args) -> None:
+    import torch
+
+    from . import CheckpointError, ConfigError, from_pretrained
+
+    try:
+        model = from_pretrained(args.src, dtype=getattr(torch, args.dtype) if args.dtype else None)
+        out = model.save_pretrained(args.dst, format=args.format)
+    except (CheckpointError, ConfigError) as e:
+        raise SystemExit(f"hybrid convert: {e}") from e
+    print(f"{args.src} -> {out} (format {args.format}; pattern {model.config.pattern!r}, "
+          f"{model.num_parameters() / 1e6:.1f}M parameters)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("convert", help="load any supported checkpoint folder and write it in another format")
+    p.add_argument("src", help="checkpoint folder: ours, Hugging Face (Llama, Qwen2, Mistral, Mamba, Mamba2, ...) "
+                               "or mamba_ssm")
+    p.add_argument("dst", help="output folder")
+    p.add_argument("--format", default="hybrid",
+                   help="hybrid (ours, default), an export format (llama, mistral, qwen2, mamba, mamba2, ...), "
+                        "or hf: the first Hugging Face format that represents the model exactly")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="cast the weights before writing (default: keep the checkpoint's)")
+    p.set_defaults(func=cmd_convert)
     return parser
 
 

@@ -77,7 +77,10 @@ def load_foreign(path: str | Path, *, dtype: torch.dtype | None = None,
     conv = CONVERTERS.get(arch)
     if conv is None:
         raise CheckpointError(f"architecture {arch!r} is not supported; supported: {sorted(CONVERTERS)}")
-    cfg = conv.config_from_hf(hf)
+    try:
+        cfg = conv.config_from_hf(hf)
+    except KeyError as e:
+        raise CheckpointError(f"{Path(path) / 'config.json'} ({arch}) lacks the required key {e}") from None
     state = conv.state_from_hf(read_state(path), hf, cfg)
     with torch.device("meta"):
         model = HybridLM(cfg)
