@@ -74,6 +74,12 @@ def cmd_convert(args) -> None:
           f"{model.num_parameters() / 1e6:.1f}M parameters)")
 
 
+def cmd_doctor(args) -> None:
+    from .kernels.doctor import report
+
+    print(report())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="cast the weights before writing (default: keep the checkpoint's)")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("doctor", help="which kernel backend each op uses here, and why not the others")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 
