@@ -68,3 +68,22 @@ def test_window_is_exercised(tmp_path):
         full = ours(ids)
     assert not torch.allclose(windowed[:, 6:], full[:, 6:])
     assert torch.allclose(windowed[:, :6], full[:, :6], atol=1e-6)
+
+
+def test_rope_scaling_config_round_trip_and_validation(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cfg = hybrid.HybridConfig(vocab_size=64, d_model=32, pattern="*-",
+                              attention=hybrid.AttentionConfig(n_heads=4, rope_scaling=scaling))
+    assert hybrid.HybridConfig.from_json(cfg.to_json()) == cfg
+    model = hybrid.HybridLM(cfg).eval()
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(hybrid.from_pretrained(tmp_path)(ids), model(ids))
+    for bad, msg in (({"rope_type": "yarn", "factor": 2.0}, "rope_type in"),
+                     ({"rope_type": "linear"}, "needs exactly the keys"),
+                     ({**scaling, "low_freq_factor": 5.0}, "high_freq_factor > low_freq_factor")):
+        with pytest.raises(hybrid.ConfigError, match=msg):
+            hybrid.HybridConfig(vocab_size=64, d_model=32, pattern="*-",
+                                attention=hybrid.AttentionConfig(n_heads=4, rope_scaling=bad))
