@@ -56,6 +56,12 @@ def _ensure_loaded() -> None:
         importlib.import_module(f"{__name__}.{mod}")
 
 
+def export_formats() -> list[str]:
+    """Names ``save_pretrained(format=...)`` accepts besides "hybrid" and "hf"."""
+    _ensure_loaded()
+    return sorted(FORMATS)
+
+
 def architecture_of(hf_config: dict) -> str:
     archs = hf_config.get("architectures") or []
     if archs:
@@ -123,5 +129,5 @@ def pick_hf_format(config: HybridConfig) -> str:
     raise CheckpointError(f"no Hugging Face format represents this model exactly:\n  {lines}")
 
 
-__all__ = ["CONVERTERS", "FORMATS", "MAMBA_SSM", "Converter", "architecture_of", "export", "load_foreign",
-           "pick_hf_format", "register", "read_config", "read_state", "write_checkpoint"]
+__all__ = ["CONVERTERS", "FORMATS", "MAMBA_SSM", "Converter", "architecture_of", "export", "export_formats",
+           "load_foreign", "pick_hf_format", "register", "read_config", "read_state", "write_checkpoint"]
