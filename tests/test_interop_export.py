@@ -104,3 +104,11 @@ def test_export_refusals_name_the_reason(cfg, fmt, why, tmp_path):
 def test_unknown_export_format():
     with pytest.raises(CheckpointError, match="unknown export format 'gguf'.*llama"):
         HybridLM(MODELS["llama"]).save_pretrained("unused", format="gguf")
+
+
+def test_bf16_export_keeps_its_dtype(tmp_path):
+    ours = HybridLM(MODELS["llama"]).to(torch.bfloat16)
+    ours.save_pretrained(tmp_path, format="llama")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert ref.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert hybrid.from_pretrained(tmp_path).embed.weight.dtype == torch.bfloat16

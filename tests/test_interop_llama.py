@@ -87,3 +87,10 @@ def test_rope_scaling_config_round_trip_and_validation(tmp_path):
         with pytest.raises(hybrid.ConfigError, match=msg):
             hybrid.HybridConfig(vocab_size=64, d_model=32, pattern="*-",
                                 attention=hybrid.AttentionConfig(n_heads=4, rope_scaling=bad))
+
+
+def test_sharded_checkpoint(tmp_path):
+    ref = build_hf("llama-gqa")
+    ref.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert_matches_hf(hybrid.from_pretrained(tmp_path), ref, V, greedy="forward")

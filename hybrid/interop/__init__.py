@@ -110,7 +110,10 @@ def export(model, directory: str | Path, fmt: str) -> Path:
     if why_not:
         raise CheckpointError(f"cannot export this model as {fmt!r} exactly: {why_not}")
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    return write_checkpoint(directory, conv.config_to_hf(model.config), conv.state_to_hf(state, model.config))
+    hf_config = conv.config_to_hf(model.config)
+    # what transformers loads the weights as by default: the embedding's dtype (the model's, bar fp32 SSM params)
+    hf_config.setdefault("dtype", str(model.embed.weight.dtype).removeprefix("torch."))
+    return write_checkpoint(directory, hf_config, conv.state_to_hf(state, model.config))
 
 
 def pick_hf_format(config: HybridConfig) -> str:

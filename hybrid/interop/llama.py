@@ -150,7 +150,7 @@ def _config_to_hf(cfg: HybridConfig, arch: str, model_type: str) -> dict:
         "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
         "hidden_act": ACTIVATIONS_TO_HF[cfg.mlp.activation], "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "rope_parameters": rope_to_hf(a.rope_theta, a.rope_scaling),
-        "initializer_range": cfg.initializer_range, "torch_dtype": "float32",
+        "initializer_range": cfg.initializer_range,
     }
     if arch == "LlamaForCausalLM":
         out.update(attention_bias=a.qkv_bias, mlp_bias=cfg.mlp.bias)

@@ -112,7 +112,7 @@ def _mamba1_config_to_hf(cfg: HybridConfig) -> dict:
             "conv_kernel": m.d_conv, "expand": m.d_inner // cfg.d_model, "time_step_rank": m.dt_rank,
             "use_bias": m.proj_bias, "use_conv_bias": m.conv_bias, "hidden_act": "silu",
             "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-            "residual_in_fp32": True, "torch_dtype": "float32"}
+            "residual_in_fp32": True}
 
 
 def _mamba2_config_to_hf(cfg: HybridConfig) -> dict:
@@ -124,7 +124,7 @@ def _mamba2_config_to_hf(cfg: HybridConfig) -> dict:
             "head_dim": m.head_dim, "n_groups": m.n_groups, "chunk_size": m.chunk_size,
             "time_step_limit": [lo, hi], "use_bias": m.proj_bias, "use_conv_bias": m.conv_bias,
             "hidden_act": "silu", "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-            "residual_in_fp32": True, "torch_dtype": "float32"}
+            "residual_in_fp32": True}
 
 
 register(Converter(name="mamba", architectures=("MambaForCausalLM",), config_from_hf=mamba1_config_from_hf,
