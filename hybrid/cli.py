@@ -64,14 +64,16 @@ def cmd_convert(args) -> None:
     import torch
 
     from . import CheckpointError, ConfigError, from_pretrained
+    from .interop.io import copy_tokenizer_files
 
     try:
         model = from_pretrained(args.src, dtype=getattr(torch, args.dtype) if args.dtype else None)
         out = model.save_pretrained(args.dst, format=args.format)
     except (CheckpointError, ConfigError) as e:
         raise SystemExit(f"hybrid convert: {e}") from e
+    tok = copy_tokenizer_files(args.src, out)
     print(f"{args.src} -> {out} (format {args.format}; pattern {model.config.pattern!r}, "
-          f"{model.num_parameters() / 1e6:.1f}M parameters)")
+          f"{model.num_parameters() / 1e6:.1f}M parameters; tokenizer files: {', '.join(tok) or 'none'})")
 
 
 def cmd_doctor(args) -> None:

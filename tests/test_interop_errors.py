@@ -120,9 +120,12 @@ def test_not_a_folder_incomplete_config_and_no_weights(llama_dir, tmp_path):
 
 
 def test_cli_convert(llama_dir, tmp_path, capsys):
+    (llama_dir / "tokenizer.json").write_text("{}")  # copied along, byte for byte
     cli_main(["convert", str(llama_dir), str(tmp_path / "ours")])
     cli_main(["convert", str(tmp_path / "ours"), str(tmp_path / "back"), "--format", "hf"])
     assert "format hf" in capsys.readouterr().out
+    assert (tmp_path / "back" / "tokenizer.json").read_text() == "{}"
+    (llama_dir / "tokenizer.json").unlink()
     ref = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert type(again).__name__ == "LlamaForCausalLM"
