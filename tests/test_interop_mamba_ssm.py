@@ -5,8 +5,8 @@ same weights:
 - pure Mamba-1 / Mamba-2: transformers' MambaForCausalLM / Mamba2ForCausalLM;
 - Mamba-2 + MHA (half rotary) + GatedMLP hybrids: transformers' BambaForCausalLM, which has exactly that
   structure (Bamba rotates half of each head, one bias flag for q, k, v and o);
-- Mamba-1 + MHA hybrids: transformers has no equivalent (Jamba's Mamba has inner norms and always an
-  MLP), so there the reference is our own model built directly from the same weights.
+- Mamba-1 + MHA hybrids: transformers has no such model class (Jamba's Mamba has inner norms and always
+  an MLP), so the reference is assembled from transformers' own MambaMixer and Qwen2Attention modules.
 """
 
 import json
@@ -14,11 +14,11 @@ import json
 import pytest
 import torch
 from conftest import rel_err
-from interop_helpers import LOGIT_TOL, assert_matches_hf, randomize_
+from interop_helpers import LOGIT_TOL, assert_matches_hf, ours_greedy, randomize_
 from safetensors.torch import save_file
 
 import hybrid
-from hybrid import AttentionConfig, HybridConfig, HybridLM, Mamba1Config
+from hybrid import AttentionConfig, HybridConfig, Mamba1Config
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,45 +144,67 @@ def test_mamba2_attention_mlp_hybrid_matches_bamba(tmp_path, case):
     assert_matches_hf(ours, ref, 112, length=20, greedy="generate" if groups == 1 else "forward")
 
 
-def _ours_to_mamba_ssm(model: HybridLM) -> dict:
-    """Our names -> mamba_ssm's for a (mixer, no MLP) model; attention q, k, v packed into in_proj."""
-    sd, out = model.state_dict(), {}
-    for k, v in sd.items():
-        if k.startswith("layers."):
-            _, j, rest = k.split(".", 2)
-            if rest.startswith("mixer.k_proj") or rest.startswith("mixer.v_proj"):
-                continue
-            if rest.startswith("mixer.q_proj"):
-                kind = rest.rsplit(".", 1)[1]
-                v = torch.cat([sd[f"layers.{j}.mixer.{p}_proj.{kind}"] for p in "qkv"])
-                rest = f"mixer.in_proj.{kind}"
-            rest = rest.replace("mixer.o_proj", "mixer.out_proj")
-            out[f"backbone.layers.{j}.{rest}"] = v
-        else:
-            out[{"embed.weight": "backbone.embedding.weight", "norm_f.weight": "backbone.norm_f.weight"}.get(k, k)] = v
-    return out
+class Mamba1AttentionReference(torch.nn.Module):
+    """A Mamba-1 + attention hybrid assembled from transformers' own modules: MambaRMSNorm + MambaMixer
+    blocks, and Qwen2RMSNorm + Qwen2Attention (bias on q, k, v only; RoPE from Qwen2RotaryEmbedding) with
+    SDPA's causal mask. transformers has no such model class (Jamba's Mamba adds inner norms and always an
+    MLP), so this is the independent reference."""
+
+    def __init__(self, pattern: str, vocab: int, d: int, mamba_kw: dict, attn_kw: dict):
+        super().__init__()
+        from transformers.models.mamba.modeling_mamba import MambaMixer, MambaRMSNorm
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
+
+        mcfg = transformers.MambaConfig(hidden_size=d, num_hidden_layers=len(pattern), **mamba_kw)
+        qcfg = transformers.Qwen2Config(hidden_size=d, num_hidden_layers=len(pattern), **attn_kw)
+        qcfg._attn_implementation = "sdpa"
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.norms = torch.nn.ModuleList(MambaRMSNorm(d, eps=1e-5) for _ in pattern)
+        self.mixers = torch.nn.ModuleList(
+            Qwen2Attention(qcfg, i) if s == "*" else MambaMixer(mcfg, i) for i, s in enumerate(pattern))
+        self.norm_f = MambaRMSNorm(d, eps=1e-5)
+        self.rotary = Qwen2RotaryEmbedding(qcfg)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        cos_sin = self.rotary(x, torch.arange(ids.shape[1])[None])
+        for norm, mixer in zip(self.norms, self.mixers, strict=True):
+            h = norm(x)
+            x = x + (mixer(h, position_embeddings=cos_sin, attention_mask=None)[0]
+                     if hasattr(mixer, "q_proj") else mixer(h))
+        return torch.nn.functional.linear(self.norm_f(x), self.embed.weight)
 
 
 @pytest.mark.parametrize("attn_idx", [[0], [1, 2]])
-def test_mamba1_attention_hybrid_matches_our_direct_build(tmp_path, attn_idx):
-    """No transformers model is a Mamba-1 + attention hybrid without inner norms; the reference is our
-    model constructed directly (so this checks the config and name mapping, not the layers)."""
-    n_layer = 3
-    cfg = HybridConfig(vocab_size=64, d_model=32, norm_eps=1e-5, tie_embeddings=True,
-                       pattern="".join("*" if i in attn_idx else "m" for i in range(n_layer)),
-                       attention=AttentionConfig(n_heads=4, n_kv_heads=1, head_dim=8, rotary_fraction=1.0,
-                                                 rope_theta=10000.0, qkv_bias=True, out_bias=False),
-                       mamba1=Mamba1Config(d_state=4, dt_rank=3))
-    direct = randomize_(HybridLM(cfg)).eval()
+def test_mamba1_attention_hybrid_matches_transformers_modules(tmp_path, attn_idx):
+    n_layer, d = 3, 32
+    pattern = "".join("*" if i in attn_idx else "m" for i in range(n_layer))
+    ref = Mamba1AttentionReference(pattern, 64, d, dict(state_size=4, expand=2, time_step_rank=3),
+                                   dict(num_attention_heads=4, num_key_value_heads=1, head_dim=8, rope_theta=500.0))
+    randomize_(ref).eval()
+    state = {"backbone.embedding.weight": ref.embed.weight, "backbone.norm_f.weight": ref.norm_f.weight}
+    for i, (norm, mixer) in enumerate(zip(ref.norms, ref.mixers, strict=True)):
+        state[f"backbone.layers.{i}.norm.weight"] = norm.weight
+        if pattern[i] == "*":  # mamba_ssm's MHA: in_proj packs [q, k, v]; out_proj has no bias here
+            for kind in ("weight", "bias"):
+                state[f"backbone.layers.{i}.mixer.in_proj.{kind}"] = torch.cat(
+                    [getattr(getattr(mixer, f"{p}_proj"), kind) for p in "qkv"])
+            state[f"backbone.layers.{i}.mixer.out_proj.weight"] = mixer.o_proj.weight
+        else:
+            state.update({f"backbone.layers.{i}.mixer.{k}": v for k, v in mixer.state_dict().items()})
     write_mamba_ssm(tmp_path, {
-        "d_model": 32, "d_intermediate": 0, "n_layer": n_layer, "vocab_size": 60,
+        "d_model": d, "d_intermediate": 0, "n_layer": n_layer, "vocab_size": 60,
         "ssm_cfg": {"layer": "Mamba1", "d_state": 4, "dt_rank": 3}, "attn_layer_idx": attn_idx,
-        "attn_cfg": {"causal": True, "num_heads": 4, "num_heads_kv": 1, "rotary_emb_dim": 8,
+        "attn_cfg": {"causal": True, "num_heads": 4, "num_heads_kv": 1, "rotary_emb_dim": 8, "rotary_emb_base": 500,
                      "qkv_proj_bias": True, "out_proj_bias": False},
         "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True, "pad_vocab_size_multiple": 16,
-        "tie_embeddings": True}, _ours_to_mamba_ssm(direct))
+        "tie_embeddings": True}, {k: v.detach() for k, v in state.items()})
     ours = hybrid.from_pretrained(tmp_path)
-    assert ours.config == cfg
+    assert ours.config == HybridConfig(
+        vocab_size=64, d_model=d, norm_eps=1e-5, tie_embeddings=True, pattern=pattern,
+        attention=AttentionConfig(n_heads=4, n_kv_heads=1, head_dim=8, rope_theta=500.0, qkv_bias=True),
+        mamba1=Mamba1Config(d_state=4, d_inner=64, dt_rank=3))
     ids = torch.randint(0, 60, (2, 17))
     with torch.no_grad():
-        assert rel_err(ours(ids), direct(ids)) < LOGIT_TOL
+        assert rel_err(ours(ids), ref(ids)) < LOGIT_TOL
+        assert torch.equal(ours_greedy(ours, ids[:1, :6]), ours_greedy(ref, ids[:1, :6]))
