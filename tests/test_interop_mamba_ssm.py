@@ -150,8 +150,9 @@ class Mamba1AttentionReference(torch.nn.Module):
     SDPA's causal mask. transformers has no such model class (Jamba's Mamba adds inner norms and always an
     MLP), so this is the independent reference."""
 
-    def __init__(self, pattern: str, vocab: int, d: int, mamba_kw: dict, attn_kw: dict):
+    def __init__(self, pattern: str, vocab: int, d: int, mamba_kw: dict, attn_kw: dict, rope: bool):
         super().__init__()
+        self.rope = rope
         from transformers.models.mamba.modeling_mamba import MambaMixer, MambaRMSNorm
         from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
 
@@ -167,7 +168,8 @@ class Mamba1AttentionReference(torch.nn.Module):
 
     def forward(self, ids):
         x = self.embed(ids)
-        cos_sin = self.rotary(x, torch.arange(ids.shape[1])[None])
+        cos, sin = self.rotary(x, torch.arange(ids.shape[1])[None])
+        cos_sin = (cos, sin) if self.rope else (torch.ones_like(cos), torch.zeros_like(sin))  # no RoPE: identity
         for norm, mixer in zip(self.norms, self.mixers, strict=True):
             h = norm(x)
             x = x + (mixer(h, position_embeddings=cos_sin, attention_mask=None)[0]
@@ -175,12 +177,13 @@ class Mamba1AttentionReference(torch.nn.Module):
         return torch.nn.functional.linear(self.norm_f(x), self.embed.weight)
 
 
-@pytest.mark.parametrize("attn_idx", [[0], [1, 2]])
-def test_mamba1_attention_hybrid_matches_transformers_modules(tmp_path, attn_idx):
+@pytest.mark.parametrize("attn_idx, rope", [([0], True), ([1, 2], True), ([1], False)])
+def test_mamba1_attention_hybrid_matches_transformers_modules(tmp_path, attn_idx, rope):
     n_layer, d = 3, 32
     pattern = "".join("*" if i in attn_idx else "m" for i in range(n_layer))
     ref = Mamba1AttentionReference(pattern, 64, d, dict(state_size=4, expand=2, time_step_rank=3),
-                                   dict(num_attention_heads=4, num_key_value_heads=1, head_dim=8, rope_theta=500.0))
+                                   dict(num_attention_heads=4, num_key_value_heads=1, head_dim=8, rope_theta=500.0),
+                                   rope)
     randomize_(ref).eval()
     state = {"backbone.embedding.weight": ref.embed.weight, "backbone.norm_f.weight": ref.norm_f.weight}
     for i, (norm, mixer) in enumerate(zip(ref.norms, ref.mixers, strict=True)):
@@ -195,14 +198,16 @@ def test_mamba1_attention_hybrid_matches_transformers_modules(tmp_path, attn_idx
     write_mamba_ssm(tmp_path, {
         "d_model": d, "d_intermediate": 0, "n_layer": n_layer, "vocab_size": 60,
         "ssm_cfg": {"layer": "Mamba1", "d_state": 4, "dt_rank": 3}, "attn_layer_idx": attn_idx,
-        "attn_cfg": {"causal": True, "num_heads": 4, "num_heads_kv": 1, "rotary_emb_dim": 8, "rotary_emb_base": 500,
+        "attn_cfg": {"causal": True, "num_heads": 4, "num_heads_kv": 1, "rotary_emb_dim": 8 if rope else 0,
+                     "rotary_emb_base": 500,
                      "qkv_proj_bias": True, "out_proj_bias": False},
         "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True, "pad_vocab_size_multiple": 16,
         "tie_embeddings": True}, {k: v.detach() for k, v in state.items()})
     ours = hybrid.from_pretrained(tmp_path)
     assert ours.config == HybridConfig(
         vocab_size=64, d_model=d, norm_eps=1e-5, tie_embeddings=True, pattern=pattern,
-        attention=AttentionConfig(n_heads=4, n_kv_heads=1, head_dim=8, rope_theta=500.0, qkv_bias=True),
+        attention=AttentionConfig(n_heads=4, n_kv_heads=1, head_dim=8, rope_theta=500.0, qkv_bias=True,
+                                  rotary_fraction=1.0 if rope else 0.0),
         mamba1=Mamba1Config(d_state=4, d_inner=64, dt_rank=3))
     ids = torch.randint(0, 60, (2, 17))
     with torch.no_grad():
