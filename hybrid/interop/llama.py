@@ -19,6 +19,7 @@ from ..config import AttentionConfig, HybridConfig, MLPConfig
 from . import Converter, register
 from .common import ACTIVATIONS_TO_HF, activation_from_hf, drop_tied_head, refuse, rope_from_hf, rope_to_hf
 
+EXPORT_MAX_POSITIONS = 131072
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)\.(.+)")
 _OURS = re.compile(r"layers\.(\d+)\.(norm|mixer)\.(.+)")
 _TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm_f.weight",
@@ -151,6 +152,9 @@ def _config_to_hf(cfg: HybridConfig, arch: str, model_type: str) -> dict:
         "hidden_act": ACTIVATIONS_TO_HF[cfg.mlp.activation], "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "rope_parameters": rope_to_hf(a.rope_theta, a.rope_scaling),
         "initializer_range": cfg.initializer_range,
+        # Our models have no length limit; serving stacks (vLLM) cap the context at this value, so it is
+        # written generously rather than left to each architecture's small default.
+        "max_position_embeddings": EXPORT_MAX_POSITIONS,
     }
     if arch == "LlamaForCausalLM":
         out.update(attention_bias=a.qkv_bias, mlp_bias=cfg.mlp.bias)
