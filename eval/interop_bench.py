@@ -31,8 +31,13 @@ from ..report import format_table
 
 
 def _bamba_like(cfg: HybridConfig) -> HybridConfig:
-    # transformers' Bamba always rotates half of each head
+    # Bamba checkpoints rotate half of each head (transformers' default for them)
     return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, rotary_fraction=0.5))
+
+
+def _untied(cfg: HybridConfig) -> HybridConfig:
+    # transformers' NemotronH never ties the LM head to the embeddings
+    return dataclasses.replace(cfg, tie_embeddings=False)
 
 
 # name -> (our recipe, export format, adjustment making the recipe representable in that format)
@@ -40,7 +45,7 @@ ENTRIES: dict[str, tuple[str, str, Callable[[HybridConfig], HybridConfig] | None
     "llama": ("llama-small", "llama", None),
     "mamba2": ("mamba2-small", "mamba2", None),
     "bamba": ("hybrid-1to7-small", "bamba", _bamba_like),
-    "nemotron_h": ("nemotronh-small", "nemotron_h", None),
+    "nemotron_h": ("nemotronh-small", "nemotron_h", _untied),
 }
 
 

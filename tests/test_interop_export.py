@@ -70,15 +70,16 @@ def test_hf_format_writes_the_picked_target(tmp_path):
 
 
 def test_hf_format_refuses_with_every_reason():
-    cfg = HybridConfig(vocab_size=V, d_model=32, pattern="*-*-",
-                       attention=dataclasses.replace(ATTN, rotary_fraction=0.5), mlp=MLPConfig(d_ff=48))
+    # mamba_ssm's norm_before_gate=True gated norm: every HF Mamba-2 model computes norm(y * silu(z))
+    cfg = HybridConfig(vocab_size=V, d_model=32, pattern="MM",
+                       mamba2=Mamba2Config(head_dim=16, d_state=8, norm_before_gate=True))
     with pytest.raises(CheckpointError) as e:
         HybridLM(cfg).save_pretrained("unused", format="hf")
     msg = str(e.value)
     assert "no Hugging Face format represents this model exactly" in msg
     for fmt in ("llama", "mistral", "qwen2", "mamba2", "mamba"):
         assert f"{fmt}:" in msg
-    assert "rotary_fraction=0.5" in msg
+    assert "norm_before_gate=True" in msg
 
 
 @pytest.mark.parametrize("cfg, fmt, why", [
