@@ -1,6 +1,7 @@
 """Llama / Qwen2 / Mistral checkpoints written by transformers load with matching logits and greedy tokens."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -94,3 +95,18 @@ def test_sharded_checkpoint(tmp_path):
     ref.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert_matches_hf(hybrid.from_pretrained(tmp_path), ref, V, greedy="forward")
+
+
+def test_transformers4_style_rope_config(tmp_path):
+    """Checkpoints written before transformers 5 keep rope_theta and rope_scaling at the top level."""
+    ref = build_hf("llama-head_dim-llama3-rope")
+    ref.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = params
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ours = hybrid.from_pretrained(tmp_path)
+    assert ours.config.attention.rope_theta == 500000.0
+    assert ours.config.attention.rope_scaling["rope_type"] == "llama3"
+    assert_matches_hf(ours, ref, V, greedy="forward")
