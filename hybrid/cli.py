@@ -73,7 +73,7 @@ def cmd_convert(args) -> None:
         raise SystemExit(f"hybrid convert: {e}") from e
     tok = copy_tokenizer_files(args.src, out)
     print(f"{args.src} -> {out} (format {args.format}; pattern {model.config.pattern!r}, "
-          f"{model.num_parameters() / 1e6:.1f}M parameters; tokenizer files: {', '.join(tok) or 'none'})")
+          f"{model.num_parameters():,} parameters; tokenizer files: {', '.join(tok) or 'none'})")
 
 
 def cmd_doctor(args) -> None:
