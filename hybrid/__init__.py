@@ -6,10 +6,15 @@ from pathlib import Path
 
 import torch
 
+from .cache import CacheFullError, HybridCache, PagedKVCache, SSMStateCache
 from .checkpoint import CheckpointError
 from .config import AttentionConfig, ConfigError, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig
+from .engine import Engine, RequestOutput
+from .generate import generate
 from .model import HybridLM
 from .pattern import PatternError, attention_share, blocks_pattern, parse_pattern, ratio_pattern
+from .sampling import SamplingParams
+from .tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
 
 __version__ = "0.1.0"
 
@@ -33,4 +38,7 @@ __all__ = [
     "AttentionConfig", "CheckpointError", "ConfigError", "HybridConfig", "HybridLM", "MLPConfig",
     "Mamba1Config", "Mamba2Config", "PatternError", "attention_share", "blocks_pattern", "from_pretrained",
     "parse_pattern", "ratio_pattern",
+    # inference engine
+    "ByteTokenizer", "CacheFullError", "Engine", "HFTokenizer", "HybridCache", "PagedKVCache", "RequestOutput",
+    "SSMStateCache", "SamplingParams", "StreamDecoder", "generate", "load_tokenizer",
 ]

@@ -76,6 +76,48 @@ def cmd_convert(args) -> None:
           f"{model.num_parameters():,} parameters; tokenizer files: {', '.join(tok) or 'none'})")
 
 
+def cmd_generate(args) -> None:
+    import torch
+
+    from . import from_pretrained, recipes
+    from .engine import Engine
+    from .model import HybridLM
+    from .sampling import SamplingParams
+    from .tokenizer import load_tokenizer
+
+    if (args.model is None) == (args.recipe is None):
+        raise SystemExit("give exactly one of --model DIR or --recipe NAME")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if args.recipe:
+        torch.manual_seed(0 if args.seed is None else args.seed)  # a recipe has random weights
+        model = HybridLM(recipes.get(args.recipe)).to(device=args.device, dtype=dtype)
+        tokenizer = load_tokenizer(None)
+    else:
+        model = from_pretrained(args.model, dtype=dtype, device=args.device)
+        tokenizer = load_tokenizer(args.model)
+    prompt = tokenizer.encode(args.prompt)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed, stop=tuple(args.stop or ()))
+    block_size = 16
+    engine = Engine(model, num_blocks=-(-(len(prompt) + args.max_new_tokens) // block_size), block_size=block_size,
+                    max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer)
+    engine.add_request(prompt, params)
+    sys.stdout.write(args.prompt)
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    s = engine.stats
+    print(file=sys.stdout, flush=True)
+    print(f"prefill: {s.prefill_tokens} tokens in {s.prefill_seconds:.3f} s "
+          f"({s.prefill_tokens / max(s.prefill_seconds, 1e-9):.1f} tok/s); "
+          f"decode: {s.decode_tokens} tokens in {s.decode_seconds:.3f} s "
+          f"({s.decode_tokens / max(s.decode_seconds, 1e-9):.1f} tok/s)", file=sys.stderr)
+
+
 def cmd_doctor(args) -> None:
     from .kernels.doctor import report
 
@@ -111,6 +153,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="cast the weights before writing (default: keep the checkpoint's)")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("generate", help="stream a continuation of a prompt; prefill and decode tokens/s at the end")
+    p.add_argument("--model", help="checkpoint folder (its tokenizer.json is used if present, else bytes)")
+    p.add_argument("--recipe", help="recipe name (random weights, byte tokenizer)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 is off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is off")
+    p.add_argument("--stop", nargs="*", help="stop when the text contains any of these strings")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per step)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("doctor", help="which kernel backend each op uses here, and why not the others")
     p.set_defaults(func=cmd_doctor)

@@ -93,6 +93,13 @@ class HybridLM(nn.Module):
             x = layer(x)
         return self.logits(x)
 
+    def forward_packed(self, batch, cache, *, all_logits: bool = False) -> torch.Tensor:
+        """Inference over a packed batch of many sequences (a :class:`hybrid.inference.PackedBatch`)
+        with their K/V and Mamba states in ``cache`` (a :class:`hybrid.cache.HybridCache`), updated
+        in place. Returns each sequence's last-token logits [B, vocab] (all new tokens' with ``all_logits``)."""
+        from .inference import forward_packed
+        return forward_packed(self, batch, cache, all_logits=all_logits)
+
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
              ignore_index: int = -100) -> torch.Tensor:
         """Mean next-token cross-entropy: position t predicts ``labels[:, t + 1]`` (``labels``

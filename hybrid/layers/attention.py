@@ -37,3 +37,23 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, torch.arange(L, device=x.device))
         out = kernels.causal_attention(q, k, v, window=self.cfg.sliding_window)
         return self.o_proj(out.reshape(B, L, -1))
+
+    def forward_packed(self, x: torch.Tensor, batch, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        """Packed inference: x [T, d_model] of a :class:`hybrid.inference.PackedBatch` -> [T, d_model].
+
+        Writes the new K/V into the paged pools, then attends over each sequence's cached history
+        through its block table; the batch's leading ``num_decodes`` one-token sequences take the
+        decode op, the rest (prefills and prefill chunks) the prefill op.
+        """
+        q, k, v = self.qkv(x, batch.positions)
+        kernels.write_kv(k_pool, v_pool, k, v, batch.slot_mapping)
+        nd, w = batch.num_decodes, self.cfg.sliding_window
+        parts = []
+        if nd:
+            parts.append(kernels.paged_decode_attention(q[:nd], k_pool, v_pool, batch.seq_lens[:nd],
+                                                        batch.block_tables[:nd], window=w))
+        if nd < batch.num_seqs:
+            parts.append(kernels.paged_prefill_attention(q[nd:], k_pool, v_pool, batch.cu_seqlens[nd:] - nd,
+                                                         batch.seq_lens[nd:], batch.block_tables[nd:], window=w))
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return self.o_proj(out.reshape(x.shape[0], -1))

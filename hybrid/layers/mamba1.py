@@ -63,4 +63,27 @@ class Mamba1(nn.Module):
         y, _ = kernels.selective_scan(x, dt, self.A(), B, C, D=self.D)
         return self.out_proj(y * F.silu(z))
 
-
+    def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
+        """Packed inference: u [T, d_model] of a :class:`hybrid.inference.PackedBatch` -> [T, d_model];
+        states in rows ``batch.state_slots`` of the pools (step ops for the leading one-token
+        sequences, varlen scans for the rest), as in :meth:`Mamba2.forward_packed`."""
+        x, z = self.in_proj(u).chunk(2, dim=-1)
+        w, bias, nd = self.conv1d.weight[:, 0], self.conv1d.bias, batch.num_decodes
+        ys = []
+        if nd:
+            slots = batch.state_slots[:nd]
+            xd = kernels.causal_conv1d_step(conv_pool, x[:nd], w, bias, activation="silu", slots=slots)
+            dt, B, C = self.dt_B_C(xd)
+            ys.append(kernels.selective_step(ssm_pool, xd, dt, self.A(), B, C, D=self.D, slots=slots))
+        if nd < batch.num_seqs:
+            slots, cu = batch.state_slots[nd:], batch.cu_seqlens[nd:] - nd
+            xp, conv_final = kernels.causal_conv1d_varlen(x[nd:], w, bias, cu, initial_states=conv_pool[slots],
+                                                          activation="silu")
+            conv_pool[slots] = conv_final.to(conv_pool.dtype)
+            dt, B, C = self.dt_B_C(xp)
+            y, ssm_final = kernels.selective_varlen_scan(xp, dt, self.A(), B, C, cu, D=self.D,
+                                                         initial_states=ssm_pool[slots])
+            ssm_pool[slots] = ssm_final.to(ssm_pool.dtype)
+            ys.append(y)
+        y = torch.cat(ys) if len(ys) > 1 else ys[0]
+        return self.out_proj(y * F.silu(z))

@@ -78,3 +78,33 @@ class Mamba2(nn.Module):
         y, _ = kernels.ssd_chunk_scan(x, dt, A, B, C, chunk_size=self.cfg.chunk_size, D=self.D)
         y = self.norm(y.reshape(Bsz, L, self.d_inner), z)
         return self.out_proj(y)
+
+    def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
+        """Packed inference: u [T, d_model] of a :class:`hybrid.inference.PackedBatch` -> [T, d_model].
+
+        Each sequence starts from and leaves its state in rows ``batch.state_slots`` of the pools:
+        the leading ``num_decodes`` one-token sequences take the O(1) step ops, the rest run the
+        varlen conv and SSD scan from their slot's state (zero for a fresh sequence).
+        """
+        z, xBC, dt_raw = self.split_projection(self.in_proj(u))
+        w, bias, nd = self.conv1d.weight[:, 0], self.conv1d.bias, batch.num_decodes
+        ys = []
+        if nd:
+            slots = batch.state_slots[:nd]
+            xBC_d = kernels.causal_conv1d_step(conv_pool, xBC[:nd], w, bias, activation="silu", slots=slots)
+            x, B, C = self.split_xBC(xBC_d)
+            dt, A = self.dt_A(dt_raw[:nd])
+            ys.append(kernels.ssd_step(ssm_pool, x, dt, A, B, C, D=self.D, slots=slots))
+        if nd < batch.num_seqs:
+            slots, cu = batch.state_slots[nd:], batch.cu_seqlens[nd:] - nd
+            xBC_p, conv_final = kernels.causal_conv1d_varlen(xBC[nd:], w, bias, cu, initial_states=conv_pool[slots],
+                                                             activation="silu")
+            conv_pool[slots] = conv_final.to(conv_pool.dtype)
+            x, B, C = self.split_xBC(xBC_p)
+            dt, A = self.dt_A(dt_raw[nd:])
+            y, ssm_final = kernels.ssd_varlen_scan(x, dt, A, B, C, cu, chunk_size=self.cfg.chunk_size, D=self.D,
+                                                   initial_states=ssm_pool[slots])
+            ssm_pool[slots] = ssm_final.to(ssm_pool.dtype)
+            ys.append(y)
+        y = torch.cat(ys) if len(ys) > 1 else ys[0]
+        return self.out_proj(self.norm(y.reshape(u.shape[0], self.d_inner), z))
