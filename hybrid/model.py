@@ -51,6 +51,7 @@ class HybridLM(nn.Module):
         self.layers = nn.ModuleList(Block(kind, config) for kind in config.layer_kinds)
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.tokenizer = None  # set by hybrid.from_pretrained when the checkpoint folder has one
         self.init_weights()
 
     # ---- init ----------------------------------------------------------------------------------

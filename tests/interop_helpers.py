@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from conftest import rel_err
 
+import hybrid
+
 # Tiny models on a small shared CPU: a second OpenMP thread only adds spin-waiting (about 50x slower
 # per op when the cores are busy), so the interop tests run single-threaded.
 torch.set_num_threads(1)
@@ -29,14 +31,21 @@ def randomize_(model: torch.nn.Module, scale: float = 0.5) -> torch.nn.Module:
     return model
 
 
-def ours_greedy(model, ids: torch.Tensor, n: int = N_GREEDY) -> torch.Tensor:
-    """Greedy continuation by re-running our full forward for each new token."""
+def forward_greedy(logits_fn, ids: torch.Tensor, n: int = N_GREEDY) -> torch.Tensor:
+    """Greedy continuation by re-running a full forward (``ids -> logits``) for each new token."""
     out = ids
     with torch.no_grad():
         for _ in range(n):
-            nxt = model(out)[:, -1].argmax(-1, keepdim=True)
+            nxt = logits_fn(out)[:, -1].argmax(-1, keepdim=True)
             out = torch.cat([out, nxt], dim=1)
     return out[:, ids.shape[1]:]
+
+
+def ours_greedy(model, ids: torch.Tensor, n: int = N_GREEDY) -> torch.Tensor:
+    """Greedy continuation of each row of ``ids`` through our inference engine (paged KV cache and
+    Mamba state slots, chunked prefill, one-token decode steps)."""
+    out = hybrid.generate(model, ids.tolist(), max_new_tokens=n, ignore_eos=True)
+    return torch.tensor(out, dtype=ids.dtype)
 
 
 def hf_greedy(hf_model, ids: torch.Tensor, n: int = N_GREEDY) -> torch.Tensor:
@@ -53,8 +62,9 @@ def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
 
 def assert_matches_hf(ours, hf_model, vocab: int, length: int = 20, batch: int = 2,
                       greedy: str = "generate") -> None:
-    """Logits within LOGIT_TOL, and 16 greedy tokens equal to transformers' ``generate`` (``greedy="generate"``)
-    or to transformers' full forward re-run per token (``greedy="forward"``, where its cached path is wrong)."""
+    """Logits within LOGIT_TOL, and 16 greedy tokens from our engine equal to transformers' ``generate``
+    (``greedy="generate"``) or to its full forward re-run per token (``greedy="forward"``, where its
+    cached path is wrong)."""
     ids = torch.randint(0, vocab, (batch, length))
     with torch.no_grad():
         got = ours(ids)
@@ -65,5 +75,15 @@ def assert_matches_hf(ours, hf_model, vocab: int, length: int = 20, batch: int =
     if greedy == "generate":
         expected = hf_greedy(hf_model, prompt)
     else:
-        expected = ours_greedy(lambda x: hf_logits(hf_model, x), prompt)
-    assert torch.equal(ours_greedy(ours, prompt), expected)
+        expected = forward_greedy(lambda x: hf_logits(hf_model, x), prompt)
+    got = ours_greedy(ours, prompt)
+    assert torch.equal(got, expected), f"greedy tokens differ:\n ours {got.tolist()}\n ref  {expected.tolist()}"
+
+
+def write_word_tokenizer(directory, words: list[str]) -> None:
+    """A tiny whitespace word-level ``tokenizer.json`` (ids in ``words`` order, "<unk>" for the rest)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))

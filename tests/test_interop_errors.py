@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from interop_helpers import randomize_
+from interop_helpers import randomize_, write_word_tokenizer
 from safetensors.torch import load_file, save_file
 
 import hybrid
@@ -120,12 +120,12 @@ def test_not_a_folder_incomplete_config_and_no_weights(llama_dir, tmp_path):
 
 
 def test_cli_convert(llama_dir, tmp_path, capsys):
-    (llama_dir / "tokenizer.json").write_text("{}")  # copied along, byte for byte
+    write_word_tokenizer(llama_dir, ["<unk>", "hello", "world"])  # copied along, byte for byte
     cli_main(["convert", str(llama_dir), str(tmp_path / "ours")])
     cli_main(["convert", str(tmp_path / "ours"), str(tmp_path / "back"), "--format", "hf"])
     assert "format hf" in capsys.readouterr().out
-    assert (tmp_path / "back" / "tokenizer.json").read_text() == "{}"
-    (llama_dir / "tokenizer.json").unlink()
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (llama_dir / "tokenizer.json").read_bytes()
+    assert hybrid.from_pretrained(tmp_path / "ours").tokenizer.encode("hello world") == [1, 2]
     ref = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert type(again).__name__ == "LlamaForCausalLM"

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from interop_helpers import assert_matches_hf, randomize_
+from interop_helpers import assert_matches_hf, randomize_, write_word_tokenizer
 
 import hybrid
 
@@ -110,3 +110,16 @@ def test_transformers4_style_rope_config(tmp_path):
     assert ours.config.attention.rope_theta == 500000.0
     assert ours.config.attention.rope_scaling["rope_type"] == "llama3"
     assert_matches_hf(ours, ref, V, greedy="forward")
+
+
+def test_checkpoint_tokenizer_is_attached(tmp_path):
+    build_hf("llama-gqa").save_pretrained(tmp_path)
+    assert hybrid.from_pretrained(tmp_path).tokenizer is None  # a folder without one
+    write_word_tokenizer(tmp_path, ["<s>", "</s>", "<unk>", "hello", "world", "hybrid"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    # transformers wrote Llama's default ids (1, 2) here; the generation config's ids win, so make them agree
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, 5]}))
+    model = hybrid.from_pretrained(tmp_path)
+    assert model.tokenizer.encode("hello hybrid world", add_special_tokens=False) == [3, 5, 4]
+    assert (model.tokenizer.bos_token_id, model.tokenizer.eos_token_ids) == (0, (1, 5))
+    assert model.tokenizer.decode([3, 4]) == "hello world"
