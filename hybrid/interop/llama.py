@@ -47,28 +47,37 @@ def _key_to_hf(k: str) -> str:
     return f"model.layers.{j // 2}.{'mlp' if is_mlp else 'self_attn'}.{rest}"
 
 
+def _one_window(arch: str, types: list[str], window: int | None, detail: str) -> int | None:
+    """The single window all layers share (None: full attention everywhere), or a refusal."""
+    kinds = set(types)
+    if kinds <= {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and window is not None:
+        return window
+    raise refuse(arch, f"a sliding window on only some layers (layer_types {types}{detail}); one window for all "
+                       f"layers or none is supported")
+
+
 def _window(arch: str, hf: dict) -> int | None:
     n = hf["num_hidden_layers"]
+    window = hf.get("sliding_window")
     if arch == "MistralForCausalLM":
-        if hf.get("layer_types") and any(t != "sliding_attention" for t in hf["layer_types"]):
-            raise refuse(arch, f"per-layer attention types {hf['layer_types']} (Ministral-style alternation)")
-        return hf.get("sliding_window")
-    if arch == "Qwen2ForCausalLM":
-        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        # transformers' Mistral applies sliding_window to every layer and ignores layer_types; a checkpoint
+        # whose layer_types say otherwise is a Ministral-style model that class would run wrongly
+        uniform = ["sliding_attention" if window is not None else "full_attention"] * n
+        if hf.get("layer_types") and hf["layer_types"] != uniform:
+            raise refuse(arch, f"layer_types {hf['layer_types']} that disagree with sliding_window={window}")
+        return window
+    if arch == "Qwen2ForCausalLM":  # transformers' rule: sliding on layers >= max_window_layers
+        window = window if hf.get("use_sliding_window") else None
         types = hf.get("layer_types") or [
             "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28) else "full_attention"
             for i in range(n)]
-        kinds = set(types)
-        if kinds == {"full_attention"}:
-            return None
-        if kinds == {"sliding_attention"} and window is not None:
-            return window
-        raise refuse(arch, f"a sliding window on only some layers (layer_types {types}, use_sliding_window="
-                           f"{hf.get('use_sliding_window')}, max_window_layers={hf.get('max_window_layers')}); "
-                           f"one window for all layers or none is supported")
-    if hf.get("sliding_window") is not None or hf.get("layer_types"):
-        raise refuse(arch, "sliding_window / layer_types")
-    return None
+        return _one_window(arch, types, window, f", use_sliding_window={hf.get('use_sliding_window')}, "
+                                                f"max_window_layers={hf.get('max_window_layers')}")
+    if window is not None:
+        raise refuse(arch, f"sliding_window={window} (Llama attends to the full context)")
+    return _one_window(arch, hf.get("layer_types") or [], None, "")
 
 
 def config_from_hf(hf: dict) -> HybridConfig:
