@@ -136,3 +136,13 @@ def test_cli_convert(llama_dir, tmp_path, capsys):
     assert hybrid.from_pretrained(tmp_path / "bf16").embed.weight.dtype == torch.bfloat16
     with pytest.raises(SystemExit, match="hybrid convert: cannot export this model as 'mamba'"):
         cli_main(["convert", str(llama_dir), str(tmp_path / "x"), "--format", "mamba"])
+
+
+def test_mistral_per_layer_types_are_refused(llama_dir):
+    # the Llama weights have Mistral's names; only the config decides
+    _edit_config(llama_dir, architectures=["MistralForCausalLM"], sliding_window=4,
+                 layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(CheckpointError, match="MistralForCausalLM: layer_types .* disagree with sliding_window=4"):
+        hybrid.from_pretrained(llama_dir)
+    _edit_config(llama_dir, layer_types=["sliding_attention", "sliding_attention"])
+    assert hybrid.from_pretrained(llama_dir).config.attention.sliding_window == 4
