@@ -146,3 +146,9 @@ def test_mistral_per_layer_types_are_refused(llama_dir):
         hybrid.from_pretrained(llama_dir)
     _edit_config(llama_dir, layer_types=["sliding_attention", "sliding_attention"])
     assert hybrid.from_pretrained(llama_dir).config.attention.sliding_window == 4
+
+
+def test_tied_config_with_a_different_head(llama_dir):
+    _edit_config(llama_dir, tie_word_embeddings=True)
+    with pytest.raises(CheckpointError, match="ties the embeddings, but lm_head.weight differs"):
+        hybrid.from_pretrained(llama_dir)

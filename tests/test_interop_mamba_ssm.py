@@ -44,12 +44,11 @@ def test_pure_mamba1_matches_transformers(tmp_path, tied):
     ref = randomize_(transformers.MambaForCausalLM(transformers.MambaConfig(
         vocab_size=128, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, layer_norm_epsilon=1e-5,
         tie_word_embeddings=tied))).eval()
-    sd = hf_mamba_to_mamba_ssm(ref.state_dict())
-    if tied:
-        sd.pop("lm_head.weight")
+    # tied: a pytorch_model.bin holding lm_head.weight as well, as mamba_ssm's own save_pretrained writes it
     write_mamba_ssm(tmp_path, {"d_model": 32, "n_layer": 2, "vocab_size": 125, "ssm_cfg": {"d_state": 8},
                                "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
-                               "pad_vocab_size_multiple": 8, "tie_embeddings": tied}, sd, as_bin=not tied)
+                               "pad_vocab_size_multiple": 8, "tie_embeddings": tied},
+                    hf_mamba_to_mamba_ssm(ref.state_dict()), as_bin=tied)
     ours = hybrid.from_pretrained(tmp_path)
     assert (ours.config.vocab_size, ours.config.pattern, ours.config.tie_embeddings) == (128, "mm", tied)
     assert_matches_hf(ours, ref, 125, length=19)
