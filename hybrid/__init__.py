@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointError
-from .config import AttentionConfig, ConfigError, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig
+from .config import AttentionConfig, ConfigError, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig, MoEConfig
 from .model import HybridLM
 from .pattern import PatternError, attention_share, blocks_pattern, parse_pattern, ratio_pattern
 
@@ -31,6 +31,6 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
 
 __all__ = [
     "AttentionConfig", "CheckpointError", "ConfigError", "HybridConfig", "HybridLM", "MLPConfig",
-    "Mamba1Config", "Mamba2Config", "PatternError", "attention_share", "blocks_pattern", "from_pretrained",
+    "Mamba1Config", "Mamba2Config", "MoEConfig", "PatternError", "attention_share", "blocks_pattern", "from_pretrained",
     "parse_pattern", "ratio_pattern",
 ]
