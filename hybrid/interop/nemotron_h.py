@@ -10,8 +10,9 @@ mamba_head_dim`` (``expand`` is not used). transformers clamps dt from below at 
 (and not above) in the prefill scan, whatever ``time_step_limit`` says; we map that clamp exactly.
 ``residual_in_fp32`` is not used by transformers' NemotronH (and is moot in fp32). Its ``moe``
 layer type (sigmoid router with grouped top-k, a shared expert, latent projections) is a different
-design from our ``E`` and is refused; multi-token-prediction weights (``mtp.*``) are not part of the
-causal LM's forward and are skipped, as transformers skips them.
+design from our ``E`` and is refused. transformers' NemotronH never ties ``lm_head`` to the
+embeddings (``tie_word_embeddings`` has no effect there), so neither do we. Multi-token-prediction
+weights (``mtp.*``) are not part of the causal LM's forward and are skipped, as transformers skips them.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def config_from_hf(raw: dict) -> HybridConfig:
         mlp=MLPConfig(d_ff=hf["intermediate_size"], activation=activation(ARCH, "mlp_hidden_act",
                                                                             hf["mlp_hidden_act"]),
                       gated=False, bias=bool(hf["mlp_bias"])),
-        norm_eps=float(hf["layer_norm_epsilon"]), tie_embeddings=bool(hf["tie_word_embeddings"]),
+        norm_eps=float(hf["layer_norm_epsilon"]), tie_embeddings=False,  # see the module docstring
         initializer_range=float(hf["initializer_range"]),
     )
 
@@ -98,8 +99,6 @@ def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
     for k, v in state.items():
         if k.startswith("mtp."):
             continue  # multi-token-prediction head: not part of the causal LM forward
-        if k == "lm_head.weight" and cfg.tie_embeddings:
-            continue
         k = re.sub(r"^(backbone|model)\.", "", k)
         out["embed.weight" if k == "embeddings.weight" else k] = v
     return out
@@ -107,6 +106,9 @@ def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
 
 def export_refusal(cfg: HybridConfig) -> str | None:
     problems = []
+    if cfg.tie_embeddings:
+        problems.append("the model ties lm_head to the embeddings; transformers' NemotronH never ties them "
+                        "(tie_word_embeddings has no effect there)")
     if "m" in cfg.pattern:
         problems.append("the pattern has Mamba-1 layers (m); NemotronH's Mamba layers are Mamba-2")
     if "E" in cfg.pattern:
@@ -140,7 +142,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
         "architectures": [ARCH], "model_type": "nemotron_h", "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "layers_block_type": [SYMBOL_LAYER[s] for s in cfg.pattern],
         "hybrid_override_pattern": cfg.pattern,  # read by older transformers and by vLLM's config class
-        "num_hidden_layers": len(cfg.pattern), "tie_word_embeddings": cfg.tie_embeddings,
+        "num_hidden_layers": len(cfg.pattern), "tie_word_embeddings": False,
         "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.initializer_range,
         "residual_in_fp32": False,
         "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
