@@ -116,3 +116,10 @@ def test_missing_and_misshaped_tensors_are_named(pair, tmp_path):
         hybrid.from_pretrained(tmp_path)
     assert f"missing tensors (1): layers.{2 * i}.mixer.dt_bias" in str(err.value)
     assert "layers.1.mixer.up_proj.weight: checkpoint (3, 32) vs model (48, 32)" in str(err.value)
+
+
+def test_hybrid_recipe_exports_exactly(tmp_path):
+    """A model built here (full RoPE, GQA, attention in the last of 8 blocks) goes to Bamba and back."""
+    from hybrid import recipes
+    model = hybrid.HybridLM(recipes.get("hybrid-1to7-tiny")).eval()
+    assert_export_round_trip(model, "bamba", BambaForCausalLM, tmp_path, model.config.vocab_size)

@@ -156,3 +156,9 @@ def test_missing_expert_and_misshaped_tensor_are_named(pair, tmp_path):
                    rf"\({ours.config.mamba1.dt_rank + 16}, 64\)")
     with pytest.raises(CheckpointError, match=expect):
         hybrid.from_pretrained(tmp_path)
+
+
+def test_jamba_moe_recipe_exports_exactly(tmp_path):
+    from hybrid import recipes
+    model = hybrid.HybridLM(recipes.get("jamba-moe-tiny")).eval()
+    assert_export_round_trip(model, "jamba", JambaForCausalLM, tmp_path, model.config.vocab_size)

@@ -128,3 +128,10 @@ def test_missing_and_misshaped_tensors_are_named(pair, tmp_path):
     assert f"missing tensors (1): {a_log.removeprefix('backbone.')}" in msg
     assert "norm_f.weight: checkpoint (31,) vs model (32,)" in msg
     assert "unexpected" not in msg
+
+
+def test_nemotronh_recipe_exports_exactly(tmp_path):
+    """A model built here (dt unclamped: time_step_min 0) goes to NemotronH and back."""
+    from hybrid import recipes
+    model = hybrid.HybridLM(recipes.get("nemotronh-tiny")).eval()
+    assert_export_round_trip(model, "nemotron_h", NemotronHForCausalLM, tmp_path, model.config.vocab_size)
