@@ -81,6 +81,7 @@ def test_export_refuses_what_bamba_cannot_represent(tmp_path):
         (dict(attention=hybrid.AttentionConfig(n_heads=4, qkv_bias=True)), "one bias flag"),
         (dict(mamba2=hybrid.Mamba2Config(head_dim=16, d_state=8, n_groups=2, norm_groups=1)), "norm_groups"),
         (dict(mamba2=hybrid.Mamba2Config(head_dim=16, d_state=8, d_inner=48)), "mamba_expand"),
+        (dict(pattern="M-M-"), "no attention layer"),
     ]
     for change, msg in variants:
         with pytest.raises(CheckpointError, match=msg):

@@ -85,6 +85,7 @@ def test_export_refuses_what_nemotron_h_cannot_represent(tmp_path):
         (dict(mlp=hybrid.MLPConfig()), "MLP is gated"),
         (dict(pattern="m*-"), "Mamba-1"),
         (dict(tie_embeddings=True), "never ties"),
+        (dict(pattern="M-M"), "no attention layer"),
         (dict(pattern="ME"), "mixture-of-experts"),
         (dict(attention=hybrid.AttentionConfig(n_heads=4, rotary_fraction=0.0, qkv_bias=True)), "biases"),
         (dict(mamba2=hybrid.Mamba2Config(head_dim=16, d_state=8, dt_limit=(0.0, 1.0))), "upper bound"),

@@ -18,7 +18,16 @@ import torch
 
 from ..config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from . import Converter, register
-from .hf_hybrid import attention_mismatches, decoder_pairs, float_to_hf, hf_float, refuse, require, with_defaults
+from .hf_hybrid import (
+    attention_mismatches,
+    decoder_pairs,
+    float_to_hf,
+    hf_float,
+    no_attention,
+    refuse,
+    require,
+    with_defaults,
+)
 
 ARCH = "BambaForCausalLM"
 # BambaConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -111,7 +120,7 @@ def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
 
 def export_refusal(cfg: HybridConfig) -> str | None:
     pairs, why = decoder_pairs(cfg, "M*", "-")
-    problems = [why] if why else []
+    problems = ([why] if why else []) + no_attention(cfg, "Bamba")
     if "*" in cfg.pattern:
         problems += attention_mismatches(cfg, rotary_fraction=None, bias=None)
         if cfg.attention.rotary_fraction == 0.0:

@@ -57,10 +57,13 @@ def decoder_pairs(cfg: HybridConfig, mixers: str, ffns: str) -> tuple[list[tuple
     it cannot be split (or None)."""
     p = cfg.pattern
     pairs = [(p[i], p[i + 1]) for i in range(0, len(p) - 1, 2)]
-    if len(p) % 2 or any(m not in mixers or f not in ffns for m, f in pairs):
-        return pairs, (f"every decoder layer is a mixer ({' or '.join(mixers)}) followed by a feed-forward "
-                       f"({' or '.join(ffns)}), so the pattern must alternate them; {p!r} does not")
-    return pairs, None
+    bad = [i for i, (m, f) in enumerate(pairs) if m not in mixers or f not in ffns]
+    if len(p) % 2 == 0 and not bad:
+        return pairs, None
+    where = (f"decoder layer {bad[0]} would be {''.join(pairs[bad[0]])!r}" if bad
+             else f"the pattern has an odd length ({len(p)})")
+    return pairs, (f"every decoder layer of the format is a mixer ({' or '.join(mixers)}) followed by a feed-forward "
+                   f"({' or '.join(ffns)}), so the pattern must alternate them; in {p!r} {where}")
 
 
 def periodic(flags: list[bool]) -> tuple[int, int] | None:
@@ -74,6 +77,15 @@ def periodic(flags: list[bool]) -> tuple[int, int] | None:
             if all(f == (i % period == offset) for i, f in enumerate(flags)):
                 return period, offset
     return None
+
+
+def no_attention(cfg: HybridConfig, arch: str) -> list[str]:
+    """transformers' hybrid models cannot run without an attention layer: their cache asks one for the
+    sequence length (``get_seq_length``), so an attention-free export would load but not run."""
+    if "*" in cfg.pattern:
+        return []
+    return [f"the model has no attention layer; transformers' {arch} cannot run without one (its cache needs "
+            "an attention layer to know the sequence length)"]
 
 
 def attention_mismatches(cfg: HybridConfig, *, rotary_fraction: float | None, bias: bool | None) -> list[str]:

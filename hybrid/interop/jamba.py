@@ -22,7 +22,7 @@ import torch
 from ..checkpoint import CheckpointError
 from ..config import AttentionConfig, HybridConfig, Mamba1Config, MLPConfig, MoEConfig
 from . import Converter, register
-from .hf_hybrid import attention_mismatches, decoder_pairs, periodic, refuse, require, with_defaults
+from .hf_hybrid import attention_mismatches, decoder_pairs, no_attention, periodic, refuse, require, with_defaults
 
 ARCH = "JambaForCausalLM"
 # JambaConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -67,8 +67,9 @@ def config_from_hf(raw: dict) -> HybridConfig:
         mamba1=Mamba1Config(d_state=hf["mamba_d_state"], d_conv=hf["mamba_d_conv"], expand=hf["mamba_expand"],
                             d_inner=hf["mamba_expand"] * d, dt_rank=dt_rank, conv_bias=bool(hf["mamba_conv_bias"]),
                             proj_bias=bool(hf["mamba_proj_bias"]), inner_norms=True),
-        mlp=MLPConfig(d_ff=hf["intermediate_size"], activation="silu", gated=True, bias=False),
-        # a dense Jamba (num_experts=1) has no E layers and keeps the default (unused) MoE section
+        # a section the pattern does not use (no dense MLP, or no experts) keeps its defaults
+        mlp=MLPConfig(d_ff=hf["intermediate_size"], activation="silu", gated=True, bias=False)
+        if "-" in pattern else MLPConfig(),
         moe=MoEConfig(n_experts=n_exp, top_k=hf["num_experts_per_tok"], d_ff=hf["intermediate_size"],
                       activation="silu", gated=True, normalize_top_k=False) if "E" in pattern else MoEConfig(),
         norm_eps=float(hf["rms_norm_eps"]), tie_embeddings=bool(hf["tie_word_embeddings"]),
@@ -127,10 +128,7 @@ def export_refusal(cfg: HybridConfig) -> str | None:
     pairs, why = decoder_pairs(cfg, "m*", "-E")
     if why:
         return why
-    problems = []
-    if "*" not in cfg.pattern:
-        problems.append("the model has no attention layer; transformers' Jamba cannot run without one (its "
-                        "cache needs an attention layer)")
+    problems = no_attention(cfg, "Jamba")
     for what, sym, flags in (("attention", "*", [m == "*" for m, _ in pairs]),
                              ("mixture-of-experts", "E", [f == "E" for _, f in pairs])):
         if periodic(flags) is None:

@@ -24,7 +24,16 @@ import torch
 
 from ..config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from . import Converter, register
-from .hf_hybrid import ACT_TO_HF, activation, attention_mismatches, float_to_hf, refuse, require, with_defaults
+from .hf_hybrid import (
+    ACT_TO_HF,
+    activation,
+    attention_mismatches,
+    float_to_hf,
+    no_attention,
+    refuse,
+    require,
+    with_defaults,
+)
 
 ARCH = "NemotronHForCausalLM"
 # NemotronHConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -105,7 +114,7 @@ def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
 
 
 def export_refusal(cfg: HybridConfig) -> str | None:
-    problems = []
+    problems = no_attention(cfg, "NemotronH")
     if cfg.tie_embeddings:
         problems.append("the model ties lm_head to the embeddings; transformers' NemotronH never ties them "
                         "(tie_word_embeddings has no effect there)")
