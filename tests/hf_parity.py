@@ -27,11 +27,15 @@ def build_hf(model_cls, hf_config, path: Path, seed: int = 0):
 
 def randomize_norms(model: torch.nn.Module) -> None:
     """Norm weights start at 1 and would hide a norm mapped to the wrong place; perturb them (and
-    the 1-initialised Mamba ``D``) so every tensor carries information."""
+    the 1-initialised Mamba ``D``) so every tensor carries information. The projections are scaled
+    up so the layers, not the token's own embedding, decide the next token: a tied random model
+    would otherwise just repeat its input token, and greedy decoding would check little."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and ("norm" in name or name.endswith(".D")):
                 p.add_(0.2 * torch.randn_like(p))
+            elif p.dim() >= 2 and "embed" not in name and "lm_head" not in name and "conv1d" not in name:
+                p.mul_(4.0)
 
 
 def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,9 @@ from transformers import BambaConfig, BambaForCausalLM  # noqa: E402
 
 VOCAB = 128
 CONFIGS = {
-    # GQA, n_groups 2, attention in the middle, untied, partial RoPE 0.5 (Bamba's default)
+    # GQA, n_groups 2, attention in the middle, untied, partial RoPE 0.5 (Bamba's default), head_dim != hidden/heads
     "gqa-groups2": dict(num_hidden_layers=4, attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=12,
                         mamba_n_heads=8, mamba_n_groups=2, tie_word_embeddings=False),
     # MHA, n_groups 1, attention first and last, tied, biases, full RoPE, a dt limit, a chunk shorter than L
     "mha-tied-bias": dict(num_hidden_layers=3, attn_layer_indices=[0, 2], num_attention_heads=4,

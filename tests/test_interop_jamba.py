@@ -17,8 +17,8 @@ from transformers import JambaConfig, JambaForCausalLM  # noqa: E402
 
 VOCAB = 120
 CONFIGS = {
-    # GQA, experts in every other layer (top-2 of 4), attention in layer 1 of each pair, untied
-    "gqa-moe": dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+    # GQA, experts in every other layer (top-2 of 4), attention in layer 1 of each pair, untied, head_dim 16
+    "gqa-moe": dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_layer_period=2,
                     attn_layer_offset=1, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
                     expert_layer_offset=1, tie_word_embeddings=False),
     # MHA, dense (num_experts=1), attention first of three, tied, explicit dt_rank, biases in the Mamba projections
