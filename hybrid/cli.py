@@ -60,6 +60,12 @@ def cmd_bench(args) -> None:
     print(format_table(rows))
 
 
+def cmd_doctor(args) -> None:
+    from .kernels.doctor import report
+
+    print(report())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("doctor", help="which kernel backend each op uses here, and why not the others")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import dispatch
+from . import cuda_backend, dispatch, triton_support
 from .packing import check_cu_seqlens, sequences, step_on_slots
+from .triton_support import INTERPRET, jit, needs_grad, next_pow2, tl, triton
 
 _ACTIVATIONS = {None: lambda t: t, "silu": F.silu}
 
@@ -106,3 +107,168 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 dispatch.register("causal_conv1d", "torch", _causal_conv1d_torch)
 dispatch.register("causal_conv1d_varlen", "torch", _causal_conv1d_varlen_torch)
 dispatch.register("causal_conv1d_step", "torch", _causal_conv1d_step_torch)
+
+
+# --- Triton ----------------------------------------------------------------------------------------
+# Packed forward: grid (token blocks, channel blocks) over the flat batch. Each token finds its
+# sequence (a per-token index built from cu_seqlens) and sums its K taps; a tap that reaches before the
+# sequence's first token reads the sequence's initial conv state instead (or zero), so no tap crosses a
+# boundary. A second small kernel writes each sequence's last K-1 inputs as its final state.
+
+@jit
+def _conv1d_varlen_kernel(X, W, Bias, S0, Y, cu, seq_of_token, stride_xt, stride_wc, stride_wk, stride_s0b,
+                          stride_s0c, stride_s0k, stride_yt, T, C, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_S0: tl.constexpr, SILU: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_valid = rows < T
+    c_valid = offs_c < C
+    seq = tl.load(seq_of_token + rows, mask=t_valid, other=0)
+    start = tl.load(cu + seq, mask=t_valid, other=0)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    for k in tl.static_range(K):
+        src = rows - (K - 1) + k
+        inside = src >= start
+        xv = tl.load(X + src.to(tl.int64)[:, None] * stride_xt + offs_c[None, :],
+                     mask=(t_valid & inside)[:, None] & c_valid[None, :], other=0.0).to(tl.float32)
+        if HAS_S0:  # tap before the sequence start: column K-1 + (src - start) of its initial state
+            xv += tl.load(S0 + seq[:, None] * stride_s0b + offs_c[None, :] * stride_s0c
+                          + (src - start + K - 1)[:, None] * stride_s0k,
+                          mask=(t_valid & ~inside)[:, None] & c_valid[None, :], other=0.0).to(tl.float32)
+        w = tl.load(W + offs_c * stride_wc + k * stride_wk, mask=c_valid, other=0.0).to(tl.float32)
+        acc += xv * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_c, mask=c_valid, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(Y + rows.to(tl.int64)[:, None] * stride_yt + offs_c[None, :], acc.to(Y.dtype.element_ty),
+             mask=t_valid[:, None] & c_valid[None, :])
+
+
+@jit
+def _conv1d_final_state_kernel(X, S0, SF, cu, stride_xt, stride_s0b, stride_s0c, stride_s0k, stride_sfb,
+                               stride_sfc, stride_sfk, C, K: tl.constexpr, BLOCK_C: tl.constexpr,
+                               HAS_S0: tl.constexpr):
+    b = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_valid = offs_c < C
+    start = tl.load(cu + b)
+    end = tl.load(cu + b + 1)
+    for j in tl.static_range(K - 1):
+        src = end - (K - 1) + j + tl.zeros([BLOCK_C], tl.int32)  # as a vector: masks must be blocks
+        inside = src >= start
+        v = tl.load(X + src.to(tl.int64) * stride_xt + offs_c, mask=c_valid & inside, other=0.0)
+        if HAS_S0:
+            v += tl.load(S0 + b * stride_s0b + offs_c * stride_s0c + (src - start + K - 1) * stride_s0k,
+                         mask=c_valid & ~inside, other=0.0).to(v.dtype)
+        tl.store(SF + b * stride_sfb + offs_c * stride_sfc + j * stride_sfk, v.to(SF.dtype.element_ty), mask=c_valid)
+
+
+def causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, *, initial_states=None, activation=None):
+    """Launch both kernels. Same contract as :func:`causal_conv1d_varlen`."""
+    T, Cn = x.shape
+    K = weight.shape[1]
+    nseq = cu_seqlens.numel() - 1
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    cu = cu_seqlens.to(torch.int32)
+    seq_of_token = torch.repeat_interleave(torch.arange(nseq, device=x.device, dtype=torch.int32),
+                                           (cu[1:] - cu[:-1]).long(), output_size=T)
+    y = torch.empty_like(x)
+    final = torch.empty(nseq, Cn, K - 1, device=x.device, dtype=x.dtype)
+    s0 = initial_states
+    s0_strides = s0.stride() if s0 is not None else (0, 0, 0)
+    block_c = min(next_pow2(Cn, 16), 128)
+    dummy = y
+    _conv1d_varlen_kernel[(triton.cdiv(T, 32 if INTERPRET else 64), triton.cdiv(Cn, block_c))](
+        x, weight, bias if bias is not None else dummy, s0 if s0 is not None else dummy, y, cu, seq_of_token,
+        x.stride(0), weight.stride(0), weight.stride(1), *s0_strides, y.stride(0), T, Cn, K=K,
+        BLOCK_T=32 if INTERPRET else 64, BLOCK_C=block_c, HAS_BIAS=bias is not None, HAS_S0=s0 is not None,
+        SILU=activation == "silu",
+    )
+    if K > 1:
+        _conv1d_final_state_kernel[(nseq, triton.cdiv(Cn, block_c))](
+            x, s0 if s0 is not None else dummy, final, cu, x.stride(0), *s0_strides, *final.stride(), Cn, K=K,
+            BLOCK_C=block_c, HAS_S0=s0 is not None,
+        )
+    return y, final
+
+
+def _causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, *, initial_states=None, activation=None):
+    if needs_grad(x, weight, bias, initial_states):  # forward-only kernels: training uses the torch path
+        return _causal_conv1d_varlen_torch(x, weight, bias, cu_seqlens, initial_states=initial_states,
+                                           activation=activation)
+    return causal_conv1d_varlen_triton(x, weight, bias, cu_seqlens, initial_states=initial_states,
+                                       activation=activation)
+
+
+def _causal_conv1d_triton(x, weight, bias=None, *, initial_state=None, activation=None):
+    if needs_grad(x, weight, bias, initial_state):
+        return _causal_conv1d_torch(x, weight, bias, initial_state=initial_state, activation=activation)
+    b, L, Cn = x.shape
+    cu = torch.arange(b + 1, device=x.device, dtype=torch.int32) * L
+    y, final = causal_conv1d_varlen_triton(x.reshape(b * L, Cn), weight, bias, cu, initial_states=initial_state,
+                                           activation=activation)
+    return y.view(b, L, Cn), final
+
+
+# Decode: grid (sequences, channel blocks); each program reads its slot's K-1 past inputs, sums the taps
+# with the new input and shifts the state left in place (oldest out, new input in at the end).
+
+@jit
+def _conv1d_step_kernel(S, X, W, Bias, Y, slots, stride_ss, stride_sc, stride_sk, stride_xb, stride_wc, stride_wk,
+                        stride_yb, C, K: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        HAS_SLOTS: tl.constexpr, SILU: tl.constexpr):
+    b = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_valid = offs_c < C
+    if HAS_SLOTS:
+        row = tl.load(slots + b).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
+    s_row = S + row * stride_ss + offs_c * stride_sc
+    x = tl.load(X + b * stride_xb + offs_c, mask=c_valid, other=0.0)
+    acc = x.to(tl.float32) * tl.load(W + offs_c * stride_wc + (K - 1) * stride_wk, mask=c_valid).to(tl.float32)
+    for k in tl.static_range(K - 1):
+        past = tl.load(s_row + k * stride_sk, mask=c_valid, other=0.0)
+        acc += past.to(tl.float32) * tl.load(W + offs_c * stride_wc + k * stride_wk, mask=c_valid).to(tl.float32)
+        if k + 1 < K - 1:  # ascending k: entry k+1 is read here before it is overwritten next iteration
+            shifted = tl.load(s_row + (k + 1) * stride_sk, mask=c_valid, other=0.0)
+        else:
+            shifted = x.to(past.dtype)
+        tl.store(s_row + k * stride_sk, shifted, mask=c_valid)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_c, mask=c_valid, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(Y + b * stride_yb + offs_c, acc.to(Y.dtype.element_ty), mask=c_valid)
+
+
+def causal_conv1d_step_triton(state, x, weight, bias=None, *, activation=None, slots=None):
+    """Launch the step kernel. Same contract as :func:`causal_conv1d_step`."""
+    Bn, Cn = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty_like(x)
+    block_c = min(next_pow2(Cn, 16), 256)
+    _conv1d_step_kernel[(Bn, triton.cdiv(Cn, block_c))](
+        state, x, weight, bias if bias is not None else y, y, slots if slots is not None else y,
+        *state.stride(), x.stride(0), weight.stride(0), weight.stride(1), y.stride(0), Cn, K=weight.shape[1],
+        BLOCK_C=block_c, HAS_BIAS=bias is not None, HAS_SLOTS=slots is not None, SILU=activation == "silu",
+    )
+    return y
+
+
+def _causal_conv1d_step_triton(state, x, weight, bias=None, *, activation=None, slots=None):
+    if needs_grad(x, weight, bias):
+        return _causal_conv1d_step_torch(state, x, weight, bias, activation=activation, slots=slots)
+    return causal_conv1d_step_triton(state, x, weight, bias, activation=activation, slots=slots)
+
+
+dispatch.register("causal_conv1d", "triton", _causal_conv1d_triton, triton_support.probe)
+dispatch.register("causal_conv1d_varlen", "triton", _causal_conv1d_varlen_triton, triton_support.probe)
+dispatch.register("causal_conv1d_step", "triton", _causal_conv1d_step_triton, triton_support.probe)
+
+_conv = cuda_backend.probe("causal_conv1d")
+dispatch.register("causal_conv1d", "cuda", cuda_backend.causal_conv1d, _conv, cuda_backend.supports_conv)
+dispatch.register("causal_conv1d_varlen", "cuda", cuda_backend.causal_conv1d_varlen, _conv,
+                  cuda_backend.supports_conv_varlen)
+dispatch.register("causal_conv1d_step", "cuda", cuda_backend.causal_conv1d_step, _conv, cuda_backend.supports_conv_step)

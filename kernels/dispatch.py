@@ -6,6 +6,12 @@ is made once per (op, device type, override) and cached; ``HYBRID_BACKEND=torch|
 forces one backend for every op that implements it (an op that does not keeps its default order,
 and ``hybrid doctor`` shows which), and :func:`use_backend` does so for a block of code. A forced
 backend that is implemented but cannot run here (package missing, tensors on CPU) is an error.
+
+Some backends accept only part of an op's inputs (flash-attn's paged KV wants blocks of 256
+tokens, mamba-ssm's packed scan takes no per-sequence initial states). Such a backend registers a
+``supports(*args, **kwargs)`` check; :func:`choose` stays a cached lookup, and only those backends
+pay a per-call check that hands an unsupported call to the next usable backend in the order (or,
+when that backend was forced, raises saying why).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class BackendError(RuntimeError):
 class Impl:
     fn: Callable
     probe: Callable[[], str | None]  # returns None when usable, else the reason it is not
+    # per call: None when this backend can run these arguments, else why not; None means "any"
+    supports: Callable[..., str | None] | None = None
 
 
 _registry: dict[str, dict[str, Impl]] = {}
@@ -43,10 +51,11 @@ def _always() -> str | None:
     return None
 
 
-def register(op: str, backend: str, fn: Callable, probe: Callable[[], str | None] = _always) -> None:
+def register(op: str, backend: str, fn: Callable, probe: Callable[[], str | None] = _always,
+             supports: Callable[..., str | None] | None = None) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    _registry.setdefault(op, {})[backend] = Impl(fn, probe)
+    _registry.setdefault(op, {})[backend] = Impl(fn, probe, supports)
     _cache.clear()
 
 
@@ -78,20 +87,60 @@ def choose(op: str, device_type: str) -> tuple[str, Callable]:
         order = tuple(b for b in default if b != forced)  # this op has no such backend: `hybrid doctor` shows it
     else:
         order = default
-    reasons = []
+    usable, reasons = [], []
     for name in order:
         impl = impls.get(name)
         if impl is None:
             reasons.append(f"{name}: not implemented for {op}")
             continue
-        why_not = impl.probe()
-        if why_not is None and name == "cuda" and device_type != "cuda":
-            why_not = f"tensors are on {device_type}, the cuda backend needs a GPU"
+        why_not = _why_not(name, impl, device_type)
         if why_not is None:
-            _cache[key] = (name, impl.fn)
-            return _cache[key]
-        reasons.append(f"{name}: {why_not}")
-    raise BackendError(f"no usable backend for {op!r} on {device_type}: " + "; ".join(reasons))
+            usable.append((name, impl))
+            if impl.supports is None:
+                break  # takes every call: later backends are never reached
+        else:
+            reasons.append(f"{name}: {why_not}")
+    if not usable:
+        raise BackendError(f"no usable backend for {op!r} on {device_type}: " + "; ".join(reasons))
+    _cache[key] = (usable[0][0], _with_fallbacks(op, usable, forced))
+    return _cache[key]
+
+
+def _why_not(name: str, impl: Impl, device_type: str) -> str | None:
+    why_not = impl.probe()
+    if why_not is None and name == "cuda" and device_type != "cuda":
+        why_not = f"tensors are on {device_type}, the cuda backend needs a GPU"
+    if why_not is None and name == "triton":
+        from .triton_support import device_reason
+
+        why_not = device_reason(device_type)
+    return why_not
+
+
+def why_not(op: str, backend: str, device_type: str) -> str | None:
+    """None when ``backend`` can run ``op`` on ``device_type`` (per-call checks aside), else why not."""
+    impl = _registry.get(op, {}).get(backend)
+    return f"{backend}: not implemented for {op}" if impl is None else _why_not(backend, impl, device_type)
+
+
+def _with_fallbacks(op: str, usable: list[tuple[str, Impl]], forced: str | None) -> Callable:
+    """The first backend's fn, wrapped in its per-call check when it has one."""
+    (name, impl), rest = usable[0], usable[1:]
+    if impl.supports is None:
+        return impl.fn
+    fallback = _with_fallbacks(op, rest, forced) if rest else None
+
+    def checked(*args, **kwargs):
+        why_not = impl.supports(*args, **kwargs)
+        if why_not is None:
+            return impl.fn(*args, **kwargs)
+        if fallback is None:
+            how = f"HYBRID_BACKEND={forced} forces it" if forced else "no other backend is usable here"
+            raise BackendError(f"{op}: the {name} backend cannot run this call ({why_not}) and {how}")
+        return fallback(*args, **kwargs)
+
+    checked.__name__ = f"{op}[{name}, checked]"
+    return checked
 
 
 def explain(device_type: str) -> list[tuple[str, str, str]]:
@@ -99,9 +148,16 @@ def explain(device_type: str) -> list[tuple[str, str, str]]:
     rows = []
     for op in ops():
         notes = []
-        for name, impl in sorted(_registry[op].items()):
-            why_not = impl.probe()
-            notes.append(f"{name}: {'ok' if why_not is None else why_not}")
+        for name in BACKENDS:
+            impl = _registry[op].get(name)
+            if impl is None:
+                notes.append(f"{name}: not implemented")
+                continue
+            why_not = _why_not(name, impl, device_type)
+            note = "ok" if why_not is None else why_not
+            if impl.supports is not None and impl.supports.__doc__:
+                note += f" (per call: {impl.supports.__doc__.strip()})"
+            notes.append(f"{name}: {note}")
         try:
             chosen, _ = choose(op, device_type)
         except BackendError:

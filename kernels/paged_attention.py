@@ -11,10 +11,14 @@ in the cache *including* the new ones (written with :func:`write_kv` before atte
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from . import dispatch
-from .attention import causal_attention, causal_attention_ref
+from . import cuda_backend, dispatch, triton_support
+from .attention import _LOG2E, causal_attention, causal_attention_ref, flash_attention_triton
+from .packing import check_cu_seqlens, sequences
+from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -101,22 +105,19 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return fn(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale)
 
 
-def varlen_attention_ref(q, k, v, cu_seqlens, *, window=None, scale=None):
+def _each_sequence(attend, q, k, v, cu_seqlens, window, scale):
     out = torch.empty_like(q)
-    cu = cu_seqlens.tolist()
-    for b in range(len(cu) - 1):
-        s = slice(cu[b], cu[b + 1])
-        out[s] = causal_attention_ref(q[None, s], k[None, s], v[None, s], window=window, scale=scale)[0]
+    for _, s in sequences(cu_seqlens):
+        out[s] = attend(q[None, s], k[None, s], v[None, s], window=window, scale=scale)[0]
     return out
+
+
+def varlen_attention_ref(q, k, v, cu_seqlens, *, window=None, scale=None):
+    return _each_sequence(causal_attention_ref, q, k, v, cu_seqlens, window, scale)
 
 
 def _varlen_attention_torch(q, k, v, cu_seqlens, *, window=None, scale=None):
-    out = torch.empty_like(q)
-    cu = cu_seqlens.tolist()
-    for b in range(len(cu) - 1):
-        s = slice(cu[b], cu[b + 1])
-        out[s] = causal_attention(q[None, s], k[None, s], v[None, s], window=window, scale=scale)[0]
-    return out
+    return _each_sequence(causal_attention, q, k, v, cu_seqlens, window, scale)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
@@ -128,6 +129,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if q.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1]:
         raise ValueError(f"varlen_attention: need q [T, Hq, D], k/v [T, Hkv, D] with Hq % Hkv == 0; "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    check_cu_seqlens(cu_seqlens, q.shape[0], "varlen_attention")
     _, fn = dispatch.choose("varlen_attention", q.device.type)
     return fn(q, k, v, cu_seqlens, window=window, scale=scale)
 
@@ -135,3 +137,163 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 dispatch.register("paged_prefill_attention", "torch", _paged_prefill_attention_torch)
 dispatch.register("paged_decode_attention", "torch", _paged_decode_attention_torch)
 dispatch.register("varlen_attention", "torch", _varlen_attention_torch)
+
+
+# --- Triton ----------------------------------------------------------------------------------------
+# Packed prefill (with or without a paged history) reuses the flash kernel of attention.py.
+
+def _varlen_attention_triton(q, k, v, cu_seqlens, *, window=None, scale=None):
+    if needs_grad(q, k, v):  # forward-only kernel: training goes through the torch path
+        return _varlen_attention_torch(q, k, v, cu_seqlens, window=window, scale=scale)
+    cu = cu_seqlens.to(torch.int32)
+    return flash_attention_triton(q, k, v, cu, cu_seqlens_k=cu, window=window, scale=scale)
+
+
+def _paged_prefill_attention_triton(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, *, window=None,
+                                    scale=None):
+    if needs_grad(q, k_pool, v_pool):
+        return _paged_prefill_attention_torch(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables,
+                                              window=window, scale=scale)
+    return flash_attention_triton(q, k_pool, v_pool, cu_seqlens_q.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
+                                  block_tables=block_tables.to(torch.int32), window=window, scale=scale)
+
+
+# Decode: one query per sequence. Grid (sequences, KV heads, splits): a program loads the GROUP query
+# heads that share a KV head as one [GROUP, D] block, so every K/V tile read from the pool serves the
+# whole group, and covers one split of the visible context (flash-decoding: long contexts fill the GPU
+# even at batch 1). It writes its normalised partial output and log-sum-exp (base 2); a second kernel
+# merges the splits, weighting each by 2^(lse - max lse).
+
+@jit
+def _paged_decode_split_kernel(
+    Q, K, V, O_part, LSE_part, seq_lens, block_tables,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_bt, scale_log2, window, split_len,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(0, seq_len - window)
+    start = first + sp * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_valid = offs_g < GROUP
+    d_valid = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_valid[:, None] & d_valid[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        blk = tl.load(block_tables + b * stride_bt + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(K + (blk * stride_kb + (offs_n % PAGE) * stride_kt)[:, None] + kvh * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + (blk * stride_vb + (offs_n % PAGE) * stride_vt)[:, None] + kvh * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    empty = l_i == 0.0  # a split past the end of a short sequence
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(O_part + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + offs_d[None, :], acc,
+             mask=g_valid[:, None] & d_valid[None, :])
+    tl.store(LSE_part + b * stride_lb + heads * stride_lh + sp, lse, mask=g_valid)
+
+
+@jit
+def _paged_decode_merge_kernel(O_part, LSE_part, O, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                               stride_b, stride_h, SPLITS, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                               BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_valid = offs_s < SPLITS
+    lse = tl.load(LSE_part + b * stride_lb + h * stride_lh + offs_s, mask=s_valid, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # every sequence has >= 1 token, so some split is non-empty
+    part = tl.load(O_part + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+                   mask=s_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_b + h * stride_h + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+_DECODE_MIN_SPLIT = 256  # tokens per split below which splitting costs more (merge) than it gains
+_DECODE_TARGET_PROGRAMS = 512  # enough programs to fill a large GPU a few times over
+
+
+def decode_splits(batch: int, kv_heads: int, max_context: int) -> int:
+    """How many context splits a decode launch uses: enough programs to fill the GPU, none tiny."""
+    by_length = max(1, -(-max_context // _DECODE_MIN_SPLIT))
+    by_occupancy = max(1, -(-_DECODE_TARGET_PROGRAMS // (batch * kv_heads)))
+    return min(by_length, by_occupancy, 64)
+
+
+def paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
+                                  num_splits=None):
+    """The split decode launch. q: [B, Hq, D] -> [B, Hq, D]; ``num_splits`` None picks by shape."""
+    B, Hq, D = q.shape
+    page, Hkv = k_pool.shape[1], k_pool.shape[2]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_pool = k_pool if k_pool.stride(-1) == 1 else k_pool.contiguous()
+    v_pool = v_pool if v_pool.stride(-1) == 1 else v_pool.contiguous()
+    # Bound the context by the block table, not seq_lens.max(): no host sync per decode step.
+    max_context = block_tables.shape[1] * page if window is None else min(window, block_tables.shape[1] * page)
+    splits = num_splits or decode_splits(B, Hkv, max_context)
+    block_n = 32 if INTERPRET else 64
+    per_split = -(-max_context // splits)
+    split_len = -(-per_split // block_n) * block_n  # whole key blocks
+    o_part = torch.empty(B, Hq, splits, D, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(B, Hq, splits, device=q.device, dtype=torch.float32)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    block_tables = block_tables.to(torch.int32)
+    _paged_decode_split_kernel[(B, Hkv, splits)](
+        q, k_pool, v_pool, o_part, lse_part, seq_lens.to(torch.int32), block_tables,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), block_tables.stride(0), scale * _LOG2E, window or 0, split_len,
+        GROUP=Hq // Hkv, BLOCK_G=next_pow2(Hq // Hkv, 16), HEAD_DIM=D, BLOCK_D=next_pow2(D, 16), BLOCK_N=block_n,
+        PAGE=page, HAS_WINDOW=window is not None, PRECISION=dot_precision(q.dtype),
+    )
+    out = torch.empty_like(q)
+    _paged_decode_merge_kernel[(B, Hq)](
+        o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+        lse_part.stride(1), out.stride(0), out.stride(1), splits, HEAD_DIM=D, BLOCK_D=next_pow2(D),
+        BLOCK_S=next_pow2(splits),
+    )
+    return out
+
+
+def _paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None):
+    if needs_grad(q, k_pool, v_pool):
+        return _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale)
+    return paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale)
+
+
+dispatch.register("varlen_attention", "triton", _varlen_attention_triton, triton_support.probe)
+dispatch.register("paged_prefill_attention", "triton", _paged_prefill_attention_triton, triton_support.probe)
+dispatch.register("paged_decode_attention", "triton", _paged_decode_attention_triton, triton_support.probe)
+
+_flash = cuda_backend.probe("flash_attn")
+dispatch.register("varlen_attention", "cuda", cuda_backend.varlen_attention, _flash, cuda_backend.supports_flash)
+dispatch.register("paged_prefill_attention", "cuda", cuda_backend.paged_prefill_attention, _flash,
+                  cuda_backend.supports_flash_paged)
+dispatch.register("paged_decode_attention", "cuda", cuda_backend.paged_decode_attention, _flash,
+                  cuda_backend.supports_flash_paged)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import dispatch
+from . import cuda_backend, dispatch, triton_support
 from .packing import check_cu_seqlens, sequences, step_on_slots
+from .triton_state_update import ssd_state_update
+from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl, triton
 
 _TORCH_MAX_CHUNK = 128
 
@@ -182,3 +184,132 @@ def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
 dispatch.register("ssd_chunk_scan", "torch", _ssd_chunk_scan_torch)
 dispatch.register("ssd_varlen_scan", "torch", _ssd_varlen_scan_torch)
 dispatch.register("ssd_step", "torch", _ssd_step_torch)
+
+
+# --- Triton: fused chunked scan over a packed batch -------------------------------------------------
+# Grid (sequences, heads, blocks of P). A program walks its own sequence chunk by chunk (chunks start at
+# the sequence's first token, so no chunk straddles a boundary and no seq_idx is needed), holding the
+# [P, N] state in registers. Per chunk of T tokens with cs = cumsum(dt A):
+#   y_i   = sum_{j<=i} (C_i . B_j) e^{cs_i - cs_j} dt_j x_j   +   e^{cs_i} C_i . state   +   D x_i
+#   state = e^{cs_T} state + sum_j e^{cs_T - cs_j} dt_j x_j B_j^T
+# Every exponent is <= 0 (A < 0), so nothing overflows. Chunks run in sequence within a program; the
+# parallelism is sequences x heads x P-blocks. Tokens past the sequence end load dt = 0: decay 1 and no
+# input, so the state is left as at the last token. Forward only.
+
+@jit
+def _ssd_varlen_fwd_kernel(
+    X, DT, A, Bm, Cm, Dp, Y, S0, SF, cu,
+    stride_xt, stride_xh, stride_dtt, stride_dth, stride_bt, stride_bg, stride_ct, stride_cg,
+    stride_yt, stride_yh, stride_s0b, stride_s0h, stride_s0p, stride_sfb, stride_sfh, stride_sfp,
+    P, N, HEADS_PER_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_S0: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    g = h // HEADS_PER_GROUP
+    start = tl.load(cu + b)
+    end = tl.load(cu + b + 1)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    p_valid = offs_p < P
+    n_valid = offs_n < N
+    pn_mask = p_valid[:, None] & n_valid[None, :]
+    a = tl.load(A + h).to(tl.float32)
+    if HAS_S0:
+        state = tl.load(S0 + b * stride_s0b + h * stride_s0h + offs_p[:, None] * stride_s0p + offs_n[None, :],
+                        mask=pn_mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+    if HAS_D:
+        d = tl.load(Dp + h).to(tl.float32)
+    causal = offs_t[:, None] >= offs_t[None, :]
+    for t0 in range(start, end, BLOCK_T):
+        rows = (t0 + offs_t).to(tl.int64)
+        t_valid = rows < end
+        x = tl.load(X + rows[:, None] * stride_xt + h * stride_xh + offs_p[None, :],
+                    mask=t_valid[:, None] & p_valid[None, :], other=0.0).to(tl.float32)
+        dt = tl.load(DT + rows * stride_dtt + h * stride_dth, mask=t_valid, other=0.0).to(tl.float32)
+        bmat = tl.load(Bm + rows[:, None] * stride_bt + g * stride_bg + offs_n[None, :],
+                       mask=t_valid[:, None] & n_valid[None, :], other=0.0).to(tl.float32)
+        cmat = tl.load(Cm + rows[:, None] * stride_ct + g * stride_cg + offs_n[None, :],
+                       mask=t_valid[:, None] & n_valid[None, :], other=0.0).to(tl.float32)
+        cs = tl.cumsum(dt * a, 0)
+        # within the chunk: a causal, decaying attention over the chunk's tokens
+        cb = tl.dot(cmat, tl.trans(bmat), input_precision=PRECISION)
+        decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))
+        y = tl.dot(cb * decay * dt[None, :], x, input_precision=PRECISION)
+        # the state entering the chunk, decayed to each token
+        y += tl.exp(cs)[:, None] * tl.dot(cmat, tl.trans(state), input_precision=PRECISION)
+        if HAS_D:
+            y += d * x
+        tl.store(Y + rows[:, None] * stride_yt + h * stride_yh + offs_p[None, :], y.to(Y.dtype.element_ty),
+                 mask=t_valid[:, None] & p_valid[None, :])
+        total = tl.sum(tl.where(offs_t == BLOCK_T - 1, cs, 0.0), 0)
+        weight = tl.exp(total - cs) * dt
+        state = state * tl.exp(total) + tl.dot(tl.trans(x * weight[:, None]), bmat, input_precision=PRECISION)
+    tl.store(SF + b * stride_sfb + h * stride_sfh + offs_p[:, None] * stride_sfp + offs_n[None, :], state,
+             mask=pn_mask)
+
+
+def ssd_varlen_scan_triton(x, dt, A, B, C, cu_seqlens, *, D=None, initial_states=None):
+    """Launch the fused scan. Same contract as :func:`ssd_varlen_scan`; the chunk length is the
+    kernel's own (64 tokens), which changes only the cost, never the result."""
+    T, H, P = x.shape
+    G, N = B.shape[1:]
+    nseq = cu_seqlens.numel() - 1
+    x, B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, B, C))
+    A = A.contiguous()
+    D = None if D is None else D.contiguous()
+    y = torch.empty_like(x)
+    final = torch.empty(nseq, H, P, N, device=x.device, dtype=torch.float32)
+    s0 = initial_states
+    if s0 is not None and s0.stride(-1) != 1:
+        s0 = s0.contiguous()
+    block_p = min(next_pow2(P, 16), 64)
+    dummy = final
+    _ssd_varlen_fwd_kernel[(nseq, H, triton.cdiv(P, block_p))](
+        x, dt, A, B, C, D if D is not None else dummy, y, s0 if s0 is not None else dummy, final,
+        cu_seqlens.to(torch.int32),
+        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        y.stride(0), y.stride(1), *(s0.stride()[:3] if s0 is not None else (0, 0, 0)), *final.stride()[:3],
+        P, N, HEADS_PER_GROUP=H // G, BLOCK_T=32 if INTERPRET else 64, BLOCK_P=block_p,
+        BLOCK_N=next_pow2(N, 16), HAS_D=D is not None, HAS_S0=s0 is not None,
+        # the [P, N] state, the [T, T] decay and the [T, N] B/C tiles all live in registers
+        PRECISION=dot_precision(x.dtype), num_warps=8 if block_p * next_pow2(N, 16) >= 8192 else 4,
+    )
+    return y, final
+
+
+def _ssd_varlen_scan_triton(x, dt, A, B, C, cu_seqlens, *, chunk_size, D=None, initial_states=None):
+    if needs_grad(x, dt, A, B, C, D, initial_states):  # forward-only kernel: training uses the torch path
+        return _ssd_varlen_scan_torch(x, dt, A, B, C, cu_seqlens, chunk_size=chunk_size, D=D,
+                                      initial_states=initial_states)
+    return ssd_varlen_scan_triton(x, dt, A, B, C, cu_seqlens, D=D, initial_states=initial_states)
+
+
+def _ssd_chunk_scan_triton(x, dt, A, B, C, *, chunk_size, D=None, initial_state=None):
+    if needs_grad(x, dt, A, B, C, D, initial_state):
+        return _ssd_chunk_scan_torch(x, dt, A, B, C, chunk_size=chunk_size, D=D, initial_state=initial_state)
+    b, L, H, P = x.shape
+    cu = torch.arange(b + 1, device=x.device, dtype=torch.int32) * L
+    y, final = ssd_varlen_scan_triton(x.reshape(b * L, H, P), dt.reshape(b * L, H), A, B.reshape(b * L, *B.shape[2:]),
+                                      C.reshape(b * L, *C.shape[2:]), cu, D=D, initial_states=initial_state)
+    return y.view(b, L, H, P), final
+
+
+def _ssd_step_triton(state, x, dt, A, B, C, *, D=None, slots=None):
+    if needs_grad(x, dt, A, B, C, D):
+        return _ssd_step_torch(state, x, dt, A, B, C, D=D, slots=slots)
+    return ssd_state_update(state, x, dt, A, B, C, D=D, slots=slots)
+
+
+dispatch.register("ssd_chunk_scan", "triton", _ssd_chunk_scan_triton, triton_support.probe)
+dispatch.register("ssd_varlen_scan", "triton", _ssd_varlen_scan_triton, triton_support.probe)
+dispatch.register("ssd_step", "triton", _ssd_step_triton, triton_support.probe)
+
+_mamba = cuda_backend.probe("mamba_ssm")
+dispatch.register("ssd_chunk_scan", "cuda", cuda_backend.ssd_chunk_scan, _mamba)
+dispatch.register("ssd_varlen_scan", "cuda", cuda_backend.ssd_varlen_scan, _mamba, cuda_backend.supports_packed_ssd)
+dispatch.register("ssd_step", "cuda", cuda_backend.ssd_step, _mamba)

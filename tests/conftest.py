@@ -1,5 +1,13 @@
-import pytest
+import os
+
 import torch
+
+# Triton reads TRITON_INTERPRET when kernels are defined (at `import hybrid`): without a GPU, the
+# Triton kernels can only be tested in the interpreter, so switch it on before anything imports hybrid.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
