@@ -162,3 +162,16 @@ def test_jamba_moe_recipe_exports_exactly(tmp_path):
     from hybrid import recipes
     model = hybrid.HybridLM(recipes.get("jamba-moe-tiny")).eval()
     assert_export_round_trip(model, "jamba", JambaForCausalLM, tmp_path, model.config.vocab_size)
+
+
+def test_more_experts_per_token_than_experts_is_refused(pair, tmp_path):
+    _, ours, path = pair
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg["num_experts"] == 1:
+        cfg["num_experts"] = 2  # make the experts live so their top-k is checked
+    cfg["num_experts_per_tok"] = cfg["num_experts"] + 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    with pytest.raises(hybrid.ConfigError, match="moe.top_k must be in"):
+        hybrid.from_pretrained(tmp_path)
+
