@@ -136,3 +136,14 @@ def test_nemotronh_recipe_exports_exactly(tmp_path):
     from hybrid import recipes
     model = hybrid.HybridLM(recipes.get("nemotronh-tiny")).eval()
     assert_export_round_trip(model, "nemotron_h", NemotronHForCausalLM, tmp_path, model.config.vocab_size)
+
+
+def test_model_prefix_loads_like_backbone_prefix(pair, tmp_path):
+    """transformers names the trunk ``model.`` in memory and ``backbone.`` on disk; both load."""
+    _, ours, path = pair
+    state = {k.replace("backbone.", "model.", 1): v for k, v in load_file(str(path / "model.safetensors")).items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    again = hybrid.from_pretrained(tmp_path)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
