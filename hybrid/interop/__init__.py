@@ -37,7 +37,7 @@ class Converter:
 
 CONVERTERS: dict[str, Converter] = {}  # by architecture name
 FORMATS: dict[str, Converter] = {}  # by export format name
-_MODULES: tuple[str, ...] = ()  # converter modules in this package, e.g. ("llama", "mamba")
+_MODULES: tuple[str, ...] = ("bamba", "nemotron_h", "jamba")  # converter modules in this package
 
 
 def register(conv: Converter) -> Converter:
