@@ -8,7 +8,7 @@ import torch
 
 from .cache import CacheFullError, HybridCache, PagedKVCache, SSMStateCache
 from .checkpoint import CheckpointError
-from .config import AttentionConfig, ConfigError, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig
+from .config import AttentionConfig, ConfigError, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig, MoEConfig
 from .engine import Engine, RequestOutput
 from .generate import generate
 from .model import HybridLM
@@ -42,8 +42,8 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
 
 __all__ = [
     "AttentionConfig", "CheckpointError", "ConfigError", "HybridConfig", "HybridLM", "MLPConfig",
-    "Mamba1Config", "Mamba2Config", "PatternError", "attention_share", "blocks_pattern", "from_pretrained",
-    "parse_pattern", "ratio_pattern",
+    "Mamba1Config", "Mamba2Config", "MoEConfig", "PatternError", "attention_share", "blocks_pattern",
+    "from_pretrained", "parse_pattern", "ratio_pattern",
     # inference engine
     "ByteTokenizer", "CacheFullError", "Engine", "HFTokenizer", "HybridCache", "PagedKVCache", "RequestOutput",
     "SSMStateCache", "SamplingParams", "StreamDecoder", "generate", "load_tokenizer",

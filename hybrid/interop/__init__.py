@@ -37,7 +37,8 @@ class Converter:
 
 CONVERTERS: dict[str, Converter] = {}  # by architecture name
 FORMATS: dict[str, Converter] = {}  # by export format name
-_MODULES: tuple[str, ...] = ("llama", "mamba", "mamba_ssm")  # converter modules in this package
+# converter modules in this package
+_MODULES: tuple[str, ...] = ("llama", "mamba", "mamba_ssm", "bamba", "nemotron_h", "jamba")
 # format="hf" tries these in order and takes the first that represents the model exactly; formats not
 # listed come after, alphabetically.
 HF_PREFERENCE: tuple[str, ...] = ("llama", "mistral", "qwen2", "mamba2", "mamba", "nemotron_h", "bamba", "jamba")
