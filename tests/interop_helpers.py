@@ -7,10 +7,6 @@ from conftest import rel_err
 
 import hybrid
 
-# Tiny models on a small shared CPU: a second OpenMP thread only adds spin-waiting (about 50x slower
-# per op when the cores are busy), so the interop tests run single-threaded.
-torch.set_num_threads(1)
-
 LOGIT_TOL = 1e-4  # max abs diff relative to the logit scale, fp32
 N_GREEDY = 16
 
