@@ -8,11 +8,9 @@ from pathlib import Path
 
 import torch
 from conftest import rel_err
+from interop_helpers import LOGIT_TOL, hf_greedy, hf_logits, ours_greedy
 
 import hybrid
-
-LOGIT_TOL = 1e-4  # max abs logit difference relative to the logit scale, fp32
-N_GREEDY = 16
 
 
 def build_hf(model_cls, hf_config, path: Path, seed: int = 0):
@@ -38,25 +36,6 @@ def randomize_norms(model: torch.nn.Module) -> None:
                 p.mul_(4.0)
 
 
-def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(input_ids=ids).logits.float()
-
-
-def our_greedy(model: hybrid.HybridLM, ids: torch.Tensor, n: int = N_GREEDY) -> torch.Tensor:
-    """Greedy continuation by re-running the full forward per token (no cache yet)."""
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids
-
-
-def hf_greedy(hf_model, ids: torch.Tensor, n: int = N_GREEDY) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, attention_mask=torch.ones_like(ids))
-
-
 def assert_parity(hf_model, ours: hybrid.HybridLM, vocab: int, seq: int = 24, greedy: bool = True) -> float:
     """Logits within fp32 tolerance and identical greedy continuations; returns the relative error."""
     ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
@@ -65,9 +44,9 @@ def assert_parity(hf_model, ours: hybrid.HybridLM, vocab: int, seq: int = 24, gr
     ref = hf_logits(hf_model, ids)
     err = rel_err(ours_logits, ref)
     assert err < LOGIT_TOL, f"logits differ: max abs diff / logit scale = {err:.2e}"
-    if greedy:
+    if greedy:  # 16 tokens through our engine against transformers' generate
         prompt = ids[:, :8]
-        assert torch.equal(our_greedy(ours, prompt), hf_greedy(hf_model, prompt))
+        assert torch.equal(ours_greedy(ours, prompt), hf_greedy(hf_model, prompt))
     return err
 
 

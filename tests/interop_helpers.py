@@ -46,8 +46,9 @@ def ours_greedy(model, ids: torch.Tensor, n: int = N_GREEDY) -> torch.Tensor:
 
 def hf_greedy(hf_model, ids: torch.Tensor, n: int = N_GREEDY) -> torch.Tensor:
     with torch.no_grad():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                do_sample=False, pad_token_id=0)
+        # eos_token_id=None: run all n steps without masking EOS out of the argmax (min_new_tokens would)
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
     return out[:, ids.shape[1]:]
 
 

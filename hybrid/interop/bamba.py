@@ -18,16 +18,8 @@ import torch
 
 from ..config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from . import Converter, register
-from .hf_hybrid import (
-    attention_mismatches,
-    decoder_pairs,
-    float_to_hf,
-    hf_float,
-    no_attention,
-    refuse,
-    require,
-    with_defaults,
-)
+from .common import float_to_hf, hf_float, refuse
+from .hf_hybrid import attention_mismatches, decoder_pairs, no_attention, require, with_defaults
 
 ARCH = "BambaForCausalLM"
 # BambaConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -45,14 +37,14 @@ DEFAULT_PARTIAL_ROTARY = 0.5  # BambaConfig.__post_init__ forces this when rope_
 def rope_of(hf: dict) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor), refusing any RoPE variant other than the default."""
     if hf.get("rope_scaling"):
-        raise refuse(ARCH, f"rope_scaling={hf['rope_scaling']!r} is not supported (only plain RoPE)")
+        raise refuse(ARCH, f"rope_scaling={hf['rope_scaling']!r} (only plain RoPE)")
     rp = hf.get("rope_parameters") or {}
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind != "default":
-        raise refuse(ARCH, f"rope_parameters.rope_type={kind!r} is not supported (only 'default')")
+        raise refuse(ARCH, f"rope_parameters.rope_type={kind!r} (only 'default')")
     extra = sorted(set(rp) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     if extra:
-        raise refuse(ARCH, f"rope_parameters keys {extra} are not supported")
+        raise refuse(ARCH, f"rope_parameters keys {extra}")
     theta = float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
     return theta, float(rp.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY))
 
@@ -61,7 +53,7 @@ def config_from_hf(raw: dict) -> HybridConfig:
     hf = with_defaults(raw, DEFAULTS)
     require(ARCH, hf, "hidden_act", "silu")  # also the Mamba conv activation
     if hf.get("sliding_window"):
-        raise refuse(ARCH, f"sliding_window={hf['sliding_window']} is not supported (Bamba attention is full)")
+        raise refuse(ARCH, f"sliding_window={hf['sliding_window']} (Bamba attention is full)")
     d, n_layers, n_heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
     attn_idx = set(hf["attn_layer_indices"] or [])
     bad = sorted(i for i in attn_idx if not 0 <= i < n_layers)

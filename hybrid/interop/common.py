@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..checkpoint import CheckpointError
@@ -22,9 +24,9 @@ def refuse(arch: str, what: str) -> CheckpointError:
                            f"outputs; refusing to load")
 
 
-def activation_from_hf(arch: str, name: str) -> str:
+def activation_from_hf(arch: str, name: str, key: str = "hidden_act") -> str:
     if name not in HF_ACTIVATIONS:
-        raise refuse(arch, f"hidden_act={name!r} (supported: {sorted(HF_ACTIVATIONS)})")
+        raise refuse(arch, f"{key}={name!r} (supported: {sorted(HF_ACTIVATIONS)})")
     return HF_ACTIVATIONS[name]
 
 
@@ -65,11 +67,18 @@ def drop_tied_head(arch: str, state: dict[str, torch.Tensor], head: str, embed: 
         del state[head]
 
 
+FLOAT_TAG = "__float__"  # how transformers 5 writes non-finite floats into config.json
+
+
 def hf_float(v) -> float:
     """A float from a config.json: transformers 5 writes infinities as {"__float__": "Infinity"}."""
-    if isinstance(v, dict) and "__float__" in v:
-        return float(v["__float__"])
+    if isinstance(v, dict) and FLOAT_TAG in v:
+        return float(v[FLOAT_TAG])
     return float(v)
+
+
+def float_to_hf(v: float):
+    return {FLOAT_TAG: "Infinity" if v > 0 else "-Infinity"} if math.isinf(v) else float(v)
 
 
 def split_rows(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -4,23 +4,10 @@ pattern facts exports need (decoder-layer pairs, periodic layer positions)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from ..checkpoint import CheckpointError
 from ..config import HybridConfig
-
-# transformers' ACT2FN names -> ours, only where the functions are the same.
-ACT_FROM_HF = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
-               "relu2": "relu2"}
-ACT_TO_HF = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "relu2": "relu2"}
-FLOAT_TAG = "__float__"  # how transformers writes non-finite floats into config.json
-
-
-def refuse(arch: str, what: str) -> CheckpointError:
-    """The error for a checkpoint option we cannot load exactly (raise it)."""
-    return CheckpointError(f"{arch}: {what}; hybrid-lm cannot load this checkpoint exactly, so it refuses "
-                           f"rather than loading an approximation")
+from .common import refuse
 
 
 def with_defaults(hf: dict, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -28,28 +15,11 @@ def with_defaults(hf: dict, defaults: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **{k: v for k, v in hf.items() if not (v is None and k in defaults)}}
 
 
-def hf_float(v: Any) -> float:
-    """A float from config.json, where transformers writes infinity as ``{"__float__": "Infinity"}``."""
-    if isinstance(v, dict) and FLOAT_TAG in v:
-        v = v[FLOAT_TAG]
-    return float(v)
-
-
-def float_to_hf(v: float) -> Any:
-    return {FLOAT_TAG: "Infinity" if v > 0 else "-Infinity"} if math.isinf(v) else float(v)
-
-
-def activation(arch: str, key: str, name: str) -> str:
-    if name not in ACT_FROM_HF:
-        raise refuse(arch, f"{key}={name!r} is not supported (supported: {sorted(ACT_FROM_HF)})")
-    return ACT_FROM_HF[name]
-
-
 def require(arch: str, cfg: dict, key: str, allowed: Any) -> None:
     """Refuse unless ``cfg[key]`` equals ``allowed`` (or is one of a tuple of allowed values)."""
     options = allowed if isinstance(allowed, tuple) else (allowed,)
     if cfg.get(key) not in options:
-        raise refuse(arch, f"{key}={cfg.get(key)!r} is not supported (only {' or '.join(map(repr, options))})")
+        raise refuse(arch, f"{key}={cfg.get(key)!r} (only {' or '.join(map(repr, options))})")
 
 
 def decoder_pairs(cfg: HybridConfig, mixers: str, ffns: str) -> tuple[list[tuple[str, str]], str | None]:

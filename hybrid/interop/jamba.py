@@ -22,7 +22,8 @@ import torch
 from ..checkpoint import CheckpointError
 from ..config import AttentionConfig, HybridConfig, Mamba1Config, MLPConfig, MoEConfig
 from . import Converter, register
-from .hf_hybrid import attention_mismatches, decoder_pairs, no_attention, periodic, refuse, require, with_defaults
+from .common import refuse
+from .hf_hybrid import attention_mismatches, decoder_pairs, no_attention, periodic, require, with_defaults
 
 ARCH = "JambaForCausalLM"
 # JambaConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -47,7 +48,7 @@ def config_from_hf(raw: dict) -> HybridConfig:
     hf = with_defaults(raw, DEFAULTS)
     require(ARCH, hf, "hidden_act", "silu")  # also the Mamba conv activation
     if hf.get("sliding_window"):
-        raise refuse(ARCH, f"sliding_window={hf['sliding_window']} is not supported (Jamba attention is full)")
+        raise refuse(ARCH, f"sliding_window={hf['sliding_window']} (Jamba attention is full)")
     d, n_layers, n_heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
     n_exp = hf["num_experts"]
     for what in ("attn", "expert"):

@@ -24,16 +24,8 @@ import torch
 
 from ..config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from . import Converter, register
-from .hf_hybrid import (
-    ACT_TO_HF,
-    activation,
-    attention_mismatches,
-    float_to_hf,
-    no_attention,
-    refuse,
-    require,
-    with_defaults,
-)
+from .common import ACTIVATIONS_TO_HF, activation_from_hf, float_to_hf, refuse
+from .hf_hybrid import attention_mismatches, no_attention, require, with_defaults
 
 ARCH = "NemotronHForCausalLM"
 # NemotronHConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -64,7 +56,7 @@ def pattern_of(hf: dict) -> str:
     for i, t in enumerate(types):
         if t == "moe":
             raise refuse(ARCH, f"layer {i} is a 'moe' layer (NemotronH's mixture of experts: sigmoid router with "
-                               "grouped top-k, shared expert); it is not supported")
+                               "grouped top-k, shared expert)")
         if t not in LAYER_SYMBOL:
             raise refuse(ARCH, f"layer {i} has unknown type {t!r} (known: {sorted(LAYER_SYMBOL)})")
         out.append(LAYER_SYMBOL[t])
@@ -75,10 +67,10 @@ def config_from_hf(raw: dict) -> HybridConfig:
     hf = with_defaults({LEGACY_KEYS.get(k, k): v for k, v in raw.items()}, DEFAULTS)
     require(ARCH, hf, "mamba_hidden_act", "silu")
     if hf["attention_bias"]:
-        raise refuse(ARCH, "attention_bias=True is not supported (transformers' NemotronH ignores it and builds "
+        raise refuse(ARCH, "attention_bias=True (transformers' NemotronH ignores it and builds "
                            "attention without bias, so the intended model is ambiguous)")
     if hf["sliding_window"]:
-        raise refuse(ARCH, f"sliding_window={hf['sliding_window']} is not supported (transformers' NemotronH "
+        raise refuse(ARCH, f"sliding_window={hf['sliding_window']} (transformers' NemotronH "
                            "ignores it; the intended model is ambiguous)")
     d, n_groups = hf["hidden_size"], hf["n_groups"]
     return HybridConfig(
@@ -95,8 +87,8 @@ def config_from_hf(raw: dict) -> HybridConfig:
                             dt_max=hf["time_step_max"], dt_init_floor=hf["time_step_floor"],
                             dt_limit=(float(hf["time_step_min"]), math.inf), conv_bias=bool(hf["use_conv_bias"]),
                             proj_bias=bool(hf["use_bias"]), norm_before_gate=False, norm_groups=n_groups),
-        mlp=MLPConfig(d_ff=hf["intermediate_size"], activation=activation(ARCH, "mlp_hidden_act",
-                                                                            hf["mlp_hidden_act"]),
+        mlp=MLPConfig(d_ff=hf["intermediate_size"], activation=activation_from_hf(ARCH, hf["mlp_hidden_act"],
+                                                                                    key="mlp_hidden_act"),
                       gated=False, bias=bool(hf["mlp_bias"])),
         norm_eps=float(hf["layer_norm_epsilon"]), tie_embeddings=False,  # see the module docstring
         initializer_range=float(hf["initializer_range"]),
@@ -129,7 +121,7 @@ def export_refusal(cfg: HybridConfig) -> str | None:
         if cfg.mlp.gated:
             problems.append(f"the MLP is gated ({cfg.mlp.activation}); NemotronH's MLP is plain down(act(up(x))) "
                             "(squared ReLU by default)")
-        if cfg.mlp.activation not in ACT_TO_HF:
+        if cfg.mlp.activation not in ACTIVATIONS_TO_HF:
             problems.append(f"mlp.activation {cfg.mlp.activation!r} has no transformers name")
     if "M" in cfg.pattern:
         m = cfg.mamba2
@@ -156,7 +148,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
         "residual_in_fp32": False,
         "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
         "attention_bias": False,
-        "intermediate_size": mlp.d_ff, "mlp_hidden_act": ACT_TO_HF.get(mlp.activation), "mlp_bias": mlp.bias,
+        "intermediate_size": mlp.d_ff, "mlp_hidden_act": ACTIVATIONS_TO_HF.get(mlp.activation), "mlp_bias": mlp.bias,
         "ssm_state_size": m.d_state, "mamba_num_heads": m.n_heads, "mamba_head_dim": m.head_dim,
         "n_groups": m.n_groups, "conv_kernel": m.d_conv, "expand": max(1, m.d_inner // cfg.d_model),
         "chunk_size": m.chunk_size, "use_conv_bias": m.conv_bias, "use_bias": m.proj_bias,
