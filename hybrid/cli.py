@@ -112,6 +112,22 @@ def cmd_tradeoff(args) -> None:
         print(f"wrote {kind}: {path}")
 
 
+def cmd_convert(args) -> None:
+    import torch
+
+    from . import CheckpointError, ConfigError, from_pretrained
+    from .interop.io import copy_tokenizer_files
+
+    try:
+        model = from_pretrained(args.src, dtype=getattr(torch, args.dtype) if args.dtype else None)
+        out = model.save_pretrained(args.dst, format=args.format)
+    except (CheckpointError, ConfigError) as e:
+        raise SystemExit(f"hybrid convert: {e}") from e
+    tok = copy_tokenizer_files(args.src, out)
+    print(f"{args.src} -> {out} (format {args.format}; pattern {model.config.pattern!r}, "
+          f"{model.num_parameters():,} parameters; tokenizer files: {', '.join(tok) or 'none'})")
+
+
 def cmd_generate(args) -> None:
     import torch
 
@@ -231,6 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="out/tradeoff", help="folder for tradeoff.{json,csv,md,png}")
     p.set_defaults(func=cmd_tradeoff)
+
+    p = sub.add_parser("convert", help="load any supported checkpoint folder and write it in another format")
+    p.add_argument("src", help="checkpoint folder: ours, Hugging Face (Llama, Qwen2, Mistral, Mamba, Mamba2, ...) "
+                               "or mamba_ssm")
+    p.add_argument("dst", help="output folder")
+    p.add_argument("--format", default="hybrid",
+                   help="hybrid (ours, default), an export format (llama, mistral, qwen2, mamba, mamba2, ...), "
+                        "or hf: the first Hugging Face format that represents the model exactly")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="cast the weights before writing (default: keep the checkpoint's)")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("generate", help="stream a continuation of a prompt; prefill and decode tokens/s at the end")
     p.add_argument("--model", help="checkpoint folder (its tokenizer.json is used if present, else bytes)")

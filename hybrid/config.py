@@ -39,6 +39,9 @@ class AttentionConfig:
     sliding_window: int | None = None  # attend to at most this many most recent tokens (incl. self)
     qkv_bias: bool = False
     out_bias: bool = False
+    # RoPE frequency scaling in Hugging Face's form, e.g. {"rope_type": "linear", "factor": 4.0} or Llama-3's
+    # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}.
+    rope_scaling: dict | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -59,6 +62,28 @@ class AttentionConfig:
         _check(self.rope_theta > 0, f"attention.rope_theta must be > 0, got {self.rope_theta}")
         _check(self.sliding_window is None or self.sliding_window >= 1,
                f"attention.sliding_window must be None or >= 1, got {self.sliding_window}")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
+
+
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _check_rope_scaling(rs: dict) -> None:
+    kind = rs.get("rope_type") if isinstance(rs, dict) else None
+    _check(kind in ROPE_SCALING_KEYS,
+           f"attention.rope_scaling must be a dict with rope_type in {sorted(ROPE_SCALING_KEYS)}, got {rs!r}")
+    need = set(ROPE_SCALING_KEYS[kind])
+    have = set(rs) - {"rope_type"}
+    _check(have == need, f"attention.rope_scaling of type {kind!r} needs exactly the keys {sorted(need)}, "
+                         f"got {sorted(have)}")
+    _check(rs["factor"] > 0, f"attention.rope_scaling factor must be > 0, got {rs['factor']}")
+    if kind == "llama3":
+        _check(rs["high_freq_factor"] > rs["low_freq_factor"] > 0,
+               f"attention.rope_scaling needs high_freq_factor > low_freq_factor > 0, got {rs}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,13 +170,37 @@ class MLPConfig:
                f"mlp.activation {self.activation!r} is not supported; choose one of {ACTIVATIONS}")
 
 
-_SUBCONFIGS = {"attention": AttentionConfig, "mamba2": Mamba2Config, "mamba1": Mamba1Config, "mlp": MLPConfig}
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Mixture-of-experts MLP (``E``), as in Jamba/Mixtral: a bias-free linear router, softmax over all
+    experts (fp32), the ``top_k`` largest probabilities picked per token, and the token's output the sum
+    of its picked experts' MLP outputs weighted by those probabilities (renormalised to sum to 1 when
+    ``normalize_top_k``, as Mixtral does; Jamba does not)."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    d_ff: int | None = None  # width of each expert; None: as MLPConfig derives it
+    activation: str = "silu"
+    gated: bool = True
+    normalize_top_k: bool = False
+
+    def _validate(self) -> None:
+        _check(self.n_experts >= 1, f"moe.n_experts must be >= 1, got {self.n_experts}")
+        _check(1 <= self.top_k <= self.n_experts,
+               f"moe.top_k must be in [1, moe.n_experts = {self.n_experts}], got {self.top_k}")
+        _check(self.d_ff >= 1, f"moe.d_ff must be >= 1, got {self.d_ff}")
+        _check(self.activation in ACTIVATIONS,
+               f"moe.activation {self.activation!r} is not supported; choose one of {ACTIVATIONS}")
+
+
+_SUBCONFIGS = {"attention": AttentionConfig, "mamba2": Mamba2Config, "mamba1": Mamba1Config, "mlp": MLPConfig,
+               "moe": MoEConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
 class HybridConfig:
     """Whole-model configuration. ``pattern`` has one symbol per residual sub-layer
-    (``M`` Mamba-2, ``m`` Mamba-1, ``*`` attention, ``-`` MLP)."""
+    (``M`` Mamba-2, ``m`` Mamba-1, ``*`` attention, ``-`` MLP, ``E`` mixture-of-experts MLP)."""
 
     vocab_size: int
     d_model: int
@@ -160,6 +209,7 @@ class HybridConfig:
     mamba2: Mamba2Config = field(default_factory=Mamba2Config)
     mamba1: Mamba1Config = field(default_factory=Mamba1Config)
     mlp: MLPConfig = field(default_factory=MLPConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     initializer_range: float = 0.02
@@ -199,6 +249,10 @@ class HybridConfig:
         if mlp.d_ff is None:
             raw = 8 * d / 3 if mlp.gated else 4 * d
             object.__setattr__(self, "mlp", dataclasses.replace(mlp, d_ff=64 * math.ceil(raw / 64)))
+        moe = self.moe
+        if moe.d_ff is None:
+            raw = 8 * d / 3 if moe.gated else 4 * d
+            object.__setattr__(self, "moe", dataclasses.replace(moe, d_ff=64 * math.ceil(raw / 64)))
 
     # ---- pattern facts -------------------------------------------------------------------------
     @property

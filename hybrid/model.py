@@ -13,6 +13,7 @@ from .layers.attention import Attention
 from .layers.mamba1 import Mamba1
 from .layers.mamba2 import Mamba2
 from .layers.mlp import MLP
+from .layers.moe import MoE
 from .layers.norm import RMSNorm
 
 
@@ -25,6 +26,8 @@ def build_mixer(kind: str, cfg: HybridConfig) -> nn.Module:
         return Mamba1(cfg.d_model, cfg.mamba1, cfg.norm_eps)
     if kind == "mlp":
         return MLP(cfg.d_model, cfg.mlp)
+    if kind == "moe":
+        return MoE(cfg.d_model, cfg.moe)
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
@@ -51,6 +54,7 @@ class HybridLM(nn.Module):
         self.layers = nn.ModuleList(Block(kind, config) for kind in config.layer_kinds)
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.tokenizer = None  # set by hybrid.from_pretrained when the checkpoint folder has one
         self.init_weights()
 
     # ---- init ----------------------------------------------------------------------------------
@@ -66,6 +70,8 @@ class HybridLM(nn.Module):
         for mod in self.modules():
             if isinstance(mod, (Mamba1, Mamba2)):
                 mod.reset_special_parameters()
+            elif isinstance(mod, MoE):
+                mod.reset_parameters(std)
 
     # ---- forward -------------------------------------------------------------------------------
     def check_token_ids(self, input_ids: torch.Tensor) -> None:
@@ -122,7 +128,8 @@ class HybridLM(nn.Module):
         Counts 2 FLOPs per multiply-add: every matmul weight (LM head included, embedding lookup
         not), attention scores and values over the average visible context (sliding window
         respected), the depthwise convs, and the SSM recurrence (about 6 per state element per
-        token: decay, input outer product, add, and the output contraction). Norms and
+        token: decay, input outer product, add, and the output contraction). A mixture-of-experts
+        layer counts its router and only the ``top_k`` experts a token runs through. Norms and
         element-wise ops are left out.
         """
         cfg = self.config
@@ -137,6 +144,9 @@ class HybridLM(nn.Module):
         m2, m1 = cfg.mamba2, cfg.mamba1
         total += cfg.count("mamba2") * (6.0 * m2.d_inner * m2.d_state + 2.0 * m2.d_conv * m2.conv_dim)
         total += cfg.count("mamba1") * (6.0 * m1.d_inner * m1.d_state + 2.0 * m1.d_conv * m1.d_inner)
+        moe = cfg.moe
+        expert_matrices = 3 if moe.gated else 2
+        total += cfg.count("moe") * 2.0 * moe.top_k * expert_matrices * cfg.d_model * moe.d_ff
         return total
 
     def kv_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:

@@ -1,6 +1,7 @@
 """The layer pattern language: one symbol per residual sub-layer.
 
-``M`` Mamba-2 mixer, ``m`` Mamba-1 mixer, ``*`` GQA attention, ``-`` MLP. Each symbol is one
+``M`` Mamba-2 mixer, ``m`` Mamba-1 mixer, ``*`` GQA attention, ``-`` MLP, ``E`` mixture-of-experts
+MLP (top-k routed, as in Jamba). Each symbol is one
 pre-norm residual sub-layer (``x = x + f(norm(x))``), after Megatron-LM's hybrid models.
 """
 
@@ -11,6 +12,7 @@ SYMBOLS: dict[str, str] = {
     "m": "mamba1",
     "*": "attention",
     "-": "mlp",
+    "E": "moe",
 }
 MIXER_SYMBOLS = frozenset("Mm*")
 

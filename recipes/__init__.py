@@ -10,6 +10,7 @@ and ``small`` (d_model 768, 32k vocab, ~90-115M parameters, like mamba-130m / GP
 | mamba1        | ``m`` repeated                            | mamba_ssm Mamba               |
 | hybrid-1to7   | 1 attention per 8 Mamba-2 blocks, + MLPs  | Bamba                         |
 | jamba         | 1 attention per 8 Mamba-1 blocks (4th)    | Jamba (dense MLP)             |
+| jamba-moe     | as jamba, top-2 experts every other block | Jamba (exports to it exactly) |
 | nemotronh     | ``M-M-M-M*-`` (no RoPE, squared-ReLU MLP) | NemotronH                     |
 | samba         | ``m-*-`` with sliding-window attention    | Samba                         |
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..config import AttentionConfig, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig
+from ..config import AttentionConfig, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig, MoEConfig
 from ..pattern import blocks_pattern, ratio_pattern
 
 _SIZES = {
@@ -64,6 +65,20 @@ def _jamba(size):
     return _make(size, blocks_pattern(8, "m", attn_every=8, attn_offset=4))
 
 
+def _jamba_moe(size):
+    """Jamba's layout: no RoPE, dt/B/C norms in the Mamba-1 layers, experts (top-2) in odd blocks.
+    ``small`` has ~220M parameters of which ~110M are active per token."""
+    base = _SIZES[size]
+    a, d_ff = base["attention"], base["mlp"].d_ff
+    pattern = blocks_pattern(8, "m", attn_every=8, attn_offset=4)
+    pattern = "".join(s if i % 4 != 3 else "E" for i, s in enumerate(pattern))  # FFN of every odd block
+    return _make(size, pattern,
+                 attention=AttentionConfig(n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                                           rotary_fraction=0.0),
+                 mamba1=Mamba1Config(d_state=base["mamba1"].d_state, inner_norms=True),
+                 moe=MoEConfig(n_experts=4 if size == "tiny" else 8, top_k=2, d_ff=d_ff))
+
+
 def _nemotronh(size):
     base = _SIZES[size]
     d_ff = 4 * base["d_model"] if size == "small" else 256
@@ -87,6 +102,7 @@ _FAMILIES: dict[str, Callable[[str], HybridConfig]] = {
     "mamba1": _mamba1,
     "hybrid-1to7": _hybrid_1to7,
     "jamba": _jamba,
+    "jamba-moe": _jamba_moe,
     "nemotronh": _nemotronh,
     "samba": _samba,
 }

@@ -9,6 +9,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Every test model is tiny: a second OpenMP thread only adds hand-off and spin-waiting (tens of times
+# slower per op when the 2 cores are busy), so the suite runs single-threaded. Benchmarks set their own.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -13,15 +13,6 @@ from hybrid.inference import SeqChunk, build_batch
 TINY = [n for n in recipes.names() if n.endswith("-tiny")]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models on a shared 2-core machine: thread hand-offs cost more than the maths.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_model(name: str) -> HybridLM:
     return HybridLM(recipes.get(name)).eval()
 

@@ -27,14 +27,6 @@ def model(request):
     return m
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def check_invariants(engine: Engine) -> None:
     kv, ssm = engine.cache.kv, engine.cache.ssm
     live = {r.request_id for r in engine.running}

@@ -41,16 +41,7 @@ def test_bad_sizes_are_explained():
         mqar.make_batch(2, 4, 16, num_queries=5)
 
 
-@pytest.fixture
-def one_thread():
-    # the tiny model's ops are too small to split; on a shared CPU extra threads only wait on each other
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def test_tiny_attention_model_learns_recall(one_thread):
+def test_tiny_attention_model_learns_recall():
     torch.manual_seed(0)
     cfg = recipes.attention_family("tiny", 0.5, 2)
     # one Mamba-2 block (its short conv gives each value its key) then one attention block that looks

@@ -6,16 +6,6 @@ import torch
 from hybrid import Engine, HybridLM, SamplingParams, load_tokenizer, recipes
 from hybrid.sampling import apply_repetition_penalty, draw, filtered_probs, sample_tokens
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models on a shared 2-core machine: thread hand-offs cost more than the maths.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
 LOGITS = PROBS.log().float()
 

@@ -37,7 +37,11 @@ class Converter:
 
 CONVERTERS: dict[str, Converter] = {}  # by architecture name
 FORMATS: dict[str, Converter] = {}  # by export format name
-_MODULES: tuple[str, ...] = ()  # converter modules in this package, e.g. ("llama", "mamba")
+# converter modules in this package
+_MODULES: tuple[str, ...] = ("llama", "mamba", "mamba_ssm", "bamba", "nemotron_h", "jamba")
+# format="hf" tries these in order and takes the first that represents the model exactly; formats not
+# listed come after, alphabetically.
+HF_PREFERENCE: tuple[str, ...] = ("llama", "mistral", "qwen2", "mamba2", "mamba", "nemotron_h", "bamba", "jamba")
 
 
 def register(conv: Converter) -> Converter:
@@ -51,6 +55,12 @@ def register(conv: Converter) -> Converter:
 def _ensure_loaded() -> None:
     for mod in _MODULES:
         importlib.import_module(f"{__name__}.{mod}")
+
+
+def export_formats() -> list[str]:
+    """Names ``save_pretrained(format=...)`` accepts besides "hybrid" and "hf"."""
+    _ensure_loaded()
+    return sorted(FORMATS)
 
 
 def architecture_of(hf_config: dict) -> str:
@@ -74,7 +84,10 @@ def load_foreign(path: str | Path, *, dtype: torch.dtype | None = None,
     conv = CONVERTERS.get(arch)
     if conv is None:
         raise CheckpointError(f"architecture {arch!r} is not supported; supported: {sorted(CONVERTERS)}")
-    cfg = conv.config_from_hf(hf)
+    try:
+        cfg = conv.config_from_hf(hf)
+    except KeyError as e:
+        raise CheckpointError(f"{Path(path) / 'config.json'} ({arch}) lacks the required key {e}") from None
     state = conv.state_from_hf(read_state(path), hf, cfg)
     with torch.device("meta"):
         model = HybridLM(cfg)
@@ -89,15 +102,36 @@ def load_foreign(path: str | Path, *, dtype: torch.dtype | None = None,
 def export(model, directory: str | Path, fmt: str) -> Path:
     """Write ``model`` as a checkpoint of format ``fmt`` (a converter name) that its home library loads."""
     _ensure_loaded()
+    if fmt == "hf":
+        fmt = pick_hf_format(model.config)
     conv = FORMATS.get(fmt)
     if conv is None:
-        raise CheckpointError(f"unknown export format {fmt!r}; known: {sorted(FORMATS)} (or 'hybrid')")
+        raise CheckpointError(f"unknown export format {fmt!r}; known: {sorted(FORMATS)} (or 'hybrid', 'hf')")
     why_not = conv.export_refusal(model.config) if conv.export_refusal else None
     if why_not:
         raise CheckpointError(f"cannot export this model as {fmt!r} exactly: {why_not}")
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    return write_checkpoint(directory, conv.config_to_hf(model.config), conv.state_to_hf(state, model.config))
+    hf_config = conv.config_to_hf(model.config)
+    # what transformers loads the weights as by default: the embedding's dtype (the model's, bar fp32 SSM params)
+    hf_config.setdefault("dtype", str(model.embed.weight.dtype).removeprefix("torch."))
+    return write_checkpoint(directory, hf_config, conv.state_to_hf(state, model.config))
 
 
-__all__ = ["CONVERTERS", "FORMATS", "MAMBA_SSM", "Converter", "architecture_of", "export", "load_foreign",
-           "register", "read_config", "read_state", "write_checkpoint"]
+def pick_hf_format(config: HybridConfig) -> str:
+    """The first export format (in :data:`HF_PREFERENCE` order) that represents ``config`` exactly, or an
+    error giving each format's reason."""
+    _ensure_loaded()
+    order = [f for f in HF_PREFERENCE if f in FORMATS] + sorted(set(FORMATS) - set(HF_PREFERENCE))
+    reasons = {}
+    for fmt in order:
+        refusal = FORMATS[fmt].export_refusal
+        why_not = refusal(config) if refusal else None
+        if not why_not:
+            return fmt
+        reasons[fmt] = why_not
+    lines = "\n  ".join(f"{f}: {r}" for f, r in reasons.items())
+    raise CheckpointError(f"no Hugging Face format represents this model exactly:\n  {lines}")
+
+
+__all__ = ["CONVERTERS", "FORMATS", "MAMBA_SSM", "Converter", "architecture_of", "export", "export_formats",
+           "load_foreign", "pick_hf_format", "register", "read_config", "read_state", "write_checkpoint"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -14,6 +15,9 @@ SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_SINGLE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
+# The files a checkpoint's tokenizer and generation defaults live in (copied along by `hybrid convert`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def read_config(directory: str | Path) -> dict:
@@ -54,3 +58,13 @@ def write_checkpoint(directory: str | Path, config: dict, state: dict[str, torch
     save_file({k: v.detach().contiguous() for k, v in state.items()}, str(d / SAFE_SINGLE),
               metadata={"format": "pt"})
     return d
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the tokenizer files of checkpoint folder ``src`` into ``dst``; returns the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied

@@ -19,7 +19,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, d_model, bias=cfg.out_bias)
-        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [..., L, d_model], positions [..., L] -> q [..., L, Hq, D], k, v [..., L, Hkv, D] (RoPE applied)."""

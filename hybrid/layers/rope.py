@@ -1,22 +1,26 @@
 """Rotary position embedding in the rotate-half (GPT-NeoX / Llama) convention, applied to the
-first ``rotary_dim`` channels of each head (partial rotary) or to none (``rotary_dim == 0``)."""
+first ``rotary_dim`` channels of each head (partial rotary) or to none (``rotary_dim == 0``).
+Optional frequency scaling: ``linear`` (position interpolation) and Llama-3's ``llama3``."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, rotary_dim: int, theta: float = 10000.0):
+    def __init__(self, rotary_dim: int, theta: float = 10000.0, scaling: dict | None = None):
         super().__init__()
-        self.rotary_dim, self.theta = rotary_dim, theta
+        self.rotary_dim, self.theta, self.scaling = rotary_dim, theta, scaling
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         # Computed per call (rotary_dim / 2 values) rather than held as a buffer, so a model built
         # on the meta device and loaded with assign=True has nothing left to materialise.
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
-        return 1.0 / (self.theta ** exponents)
+        inv_freq = 1.0 / (self.theta ** exponents)
+        return inv_freq if self.scaling is None else scale_inv_freq(inv_freq, self.scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [..., L] -> cos, sin [..., L, rotary_dim] (computed in fp32, cast to ``dtype``)."""
@@ -34,3 +38,20 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
         x_rot = x_rot * cos[..., None, :] + rotated * sin[..., None, :]
         return torch.cat([x_rot, x_pass], dim=-1) if x_pass.shape[-1] else x_rot
+
+
+def scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Apply a validated ``AttentionConfig.rope_scaling`` to the RoPE inverse frequencies."""
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are slowed down by ``factor``, short ones kept, the band between
+    # interpolated smoothly (Llama 3.1's published recipe).
+    lo, hi = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_ctx / hi) & ~(wavelen > old_ctx / lo)
+    return torch.where(medium, smoothed, scaled)

@@ -1,0 +1,149 @@
+"""Prefill speed of our model against transformers on the same weights, side by side in one process.
+
+Each entry takes one of our ``*-small`` recipes (randomly initialised, ~100M parameters), exports it
+with ``save_pretrained(format=...)`` and loads that folder with transformers, so both hold identical
+weights; a short forward checks the logits agree before anything is timed. Then, with the same
+thread count, it times the full forward (all logits, no cache) at each length: median of the repeats,
+tokens/s, and the ratio ours / transformers.
+
+    python -m hybrid.eval.interop_bench --lengths 2048 8192 --threads 8 --plot interop_bench.png
+
+An architecture whose exporter is missing (or refuses the recipe) is skipped with the reason; adding one
+is one line in ``ENTRIES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+from ..config import HybridConfig
+from ..model import HybridLM
+from ..recipes import get as get_recipe
+from ..report import format_table
+
+
+def _bamba_like(cfg: HybridConfig) -> HybridConfig:
+    # Bamba checkpoints rotate half of each head (transformers' default for them)
+    return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, rotary_fraction=0.5))
+
+
+def _untied(cfg: HybridConfig) -> HybridConfig:
+    # transformers' NemotronH never ties the LM head to the embeddings
+    return dataclasses.replace(cfg, tie_embeddings=False)
+
+
+# name -> (our recipe, export format, adjustment making the recipe representable in that format)
+ENTRIES: dict[str, tuple[str, str, Callable[[HybridConfig], HybridConfig] | None]] = {
+    "llama": ("llama-small", "llama", None),
+    "mamba2": ("mamba2-small", "mamba2", None),
+    "bamba": ("hybrid-1to7-small", "bamba", _bamba_like),
+    "nemotron_h": ("nemotronh-small", "nemotron_h", _untied),
+}
+
+
+def _median_seconds(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def build_pair(name: str, workdir: str) -> tuple[HybridLM, torch.nn.Module]:
+    """Our model and the transformers model loaded from its export: the same weights."""
+    import transformers
+
+    from ..interop import export_formats
+
+    recipe, fmt, adjust = ENTRIES[name]
+    if fmt not in export_formats():
+        raise LookupError(f"no exporter for format {fmt!r} yet (have: {export_formats()})")
+    cfg = get_recipe(recipe)
+    cfg = adjust(cfg) if adjust else cfg
+    ours = HybridLM(cfg).eval()
+    ours.save_pretrained(f"{workdir}/{name}", format=fmt)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(f"{workdir}/{name}", dtype=torch.float32).eval()
+    return ours, theirs
+
+
+@torch.inference_mode()
+def logit_gap(ours: HybridLM, theirs: torch.nn.Module, length: int = 64) -> float:
+    ids = torch.randint(0, ours.config.vocab_size, (1, length))
+    a, b = ours(ids), theirs(ids, use_cache=False).logits
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@torch.inference_mode()
+def bench(names: list[str], lengths: list[int], warmup: int, repeats: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        pairs = {}
+        for name in names:
+            try:
+                pairs[name] = build_pair(name, workdir)
+            except (LookupError, ValueError) as e:  # missing exporter, or it refuses the recipe
+                print(f"# skipping {name}: {e}")
+        todo = [(n, L) for n in pairs for L in lengths]
+        for name, L in tqdm(todo, desc="prefill", unit="run"):
+            ours, theirs = pairs[name]
+            ids = torch.randint(0, ours.config.vocab_size, (1, L))
+            t_ours = _median_seconds(lambda: ours(ids), warmup, repeats)  # noqa: B023
+            t_hf = _median_seconds(lambda: theirs(ids, use_cache=False).logits, warmup, repeats)  # noqa: B023
+            rows.append({"model": name, "params_M": round(ours.num_parameters() / 1e6, 1), "seq_len": L,
+                         "ours_tok_s": round(L / t_ours, 1), "transformers_tok_s": round(L / t_hf, 1),
+                         "ratio": round(t_hf / t_ours, 2), "logit_gap": f"{logit_gap(ours, theirs):.1e}"})
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']}\n{r['seq_len']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    ax.bar([i - 0.2 for i in x], [r["ours_tok_s"] for r in rows], width=0.4, label="hybrid-lm")
+    ax.bar([i + 0.2 for i in x], [r["transformers_tok_s"] for r in rows], width=0.4, label="transformers")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("prefill tokens/s")
+    ax.set_title(f"Prefill, same weights, {torch.get_num_threads()} threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=list(ENTRIES), choices=list(ENTRIES))
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--threads", type=int, default=0, help="torch threads for both (0: torch's default)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows = bench(args.models, args.lengths, args.warmup, args.repeats)
+    print(f"# prefill, batch 1, fp32, {torch.get_num_threads()} threads, median of {args.repeats}; "
+          f"ratio = ours tokens/s / transformers tokens/s")
+    print(format_table(rows))
+    if args.plot and rows:
+        plot(rows, args.plot)
+        print(f"# plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Mixture-of-experts MLP sub-layer (``E``): a linear router picks ``top_k`` experts per token and the
+token's output is the probability-weighted sum of those experts' MLP outputs (Jamba / Mixtral).
+
+Expert weights are stacked per matrix (``gate_proj`` [E, F, D], ``up_proj`` [E, F, D], ``down_proj``
+[E, D, F]) so one tensor holds every expert. Each expert runs only on the tokens routed to it: the
+(token, slot) pairs are sorted by expert once, and each expert processes its contiguous run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MoEConfig
+from .mlp import activation_fn
+
+
+class MoE(nn.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.act = activation_fn(cfg.activation)
+        E, Fd = cfg.n_experts, cfg.d_ff
+        self.router = nn.Linear(d_model, E, bias=False)
+        self.gate_proj = nn.Parameter(torch.empty(E, Fd, d_model)) if cfg.gated else None
+        self.up_proj = nn.Parameter(torch.empty(E, Fd, d_model))
+        self.down_proj = nn.Parameter(torch.empty(E, d_model, Fd))
+
+    def reset_parameters(self, std: float) -> None:
+        for p in (self.gate_proj, self.up_proj, self.down_proj):
+            if p is not None:
+                nn.init.normal_(p, std=std)
+
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, k] in x's dtype, expert ids [T, k]); softmax over all experts in fp32."""
+        probs = F.softmax(self.router(x_TD).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.normalize_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x_TD.dtype), experts
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s MLP on x [n, D] -> [n, D]."""
+        h = F.linear(x, self.up_proj[e])
+        h = self.act(F.linear(x, self.gate_proj[e])) * h if self.gate_proj is not None else self.act(h)
+        return F.linear(h, self.down_proj[e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> [..., D] (any leading shape: [B, L, D] in the model, [T, D] in packed inference)."""
+        x_TD = x.reshape(-1, x.shape[-1])
+        weights, experts = self.route(x_TD)
+        k = self.cfg.top_k
+        # Sort the T*k (token, slot) assignments by expert so each expert sees one contiguous run.
+        flat_experts = experts.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.cfg.n_experts).tolist()
+        token_of = order // k
+        weight_of = weights.reshape(-1)[order]
+        out = torch.zeros_like(x_TD)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                tok = token_of[start:start + n]
+                y = self.expert(e, x_TD[tok]) * weight_of[start:start + n, None]
+                out.index_add_(0, tok, y)
+                start += n
+        return out.view_as(x)
+
+
+def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Naive per-token loop over the routed experts (the definition ``MoE.forward`` must match)."""
+    x_TD = x.reshape(-1, x.shape[-1])
+    weights, experts = moe.route(x_TD)
+    rows = []
+    for t in range(x_TD.shape[0]):
+        acc = torch.zeros_like(x_TD[t])
+        for j in range(moe.cfg.top_k):
+            acc = acc + moe.expert(int(experts[t, j]), x_TD[t:t + 1])[0] * weights[t, j]
+        rows.append(acc)
+    return torch.stack(rows).view_as(x)
