@@ -1,7 +1,8 @@
 """lm-eval (lm-evaluation-harness) model ``hybrid``: any HybridLM scored through its own forward.
 
-``lm_eval --model hybrid --model_args pretrained=DIR,dtype=bfloat16,batch_size=8`` once this module
-is imported (``hybrid eval`` does that), or ``recipe=NAME`` for a freshly initialised recipe.
+Importing this module registers it: ``lm_eval.simple_evaluate(model="hybrid",
+model_args="pretrained=DIR,dtype=bfloat16,batch_size=8", ...)`` (``hybrid eval`` does that), or
+``recipe=NAME`` for a freshly initialised recipe.
 Log-likelihoods come from one causal forward per distinct input: requests are sorted by length
 (longest first, so memory runs out at once if it will), batched with right padding (the model is
 causal, so padding after a sequence cannot change its logits) and scored only at their own
