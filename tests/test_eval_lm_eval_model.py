@@ -149,3 +149,11 @@ def test_generate_until_stops_at_stop_strings(model):
         stop = text[3:5]
         got = gen([stop, "never-appears"])[i]
         assert stop not in got and got == text.split(stop)[0]
+
+
+def test_registered_with_lm_eval_and_built_from_model_args():
+    from lm_eval.api.registry import get_model
+
+    assert get_model("hybrid") is HybridEvalLM
+    lm = HybridEvalLM.create_from_arg_string("recipe=llama-tiny,batch_size=2,max_length=64", {"device": "cpu"})
+    assert lm.batch_size == 2 and lm.max_length == 64 and lm.model.config.pattern == recipes.get("llama-tiny").pattern
