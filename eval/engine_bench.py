@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 
 import torch
@@ -98,43 +99,27 @@ def memory_rows(names: list[str], context: int, seq_len: int, cache_gib: float, 
 
 # ---- transformers comparison (Llama configs only) ------------------------------------------------
 def llama_pair(cfg) -> tuple[torch.nn.Module, HybridLM]:
-    """A random ``transformers`` LlamaForCausalLM and the HybridLM with its weights copied in.
-    Local to this benchmark; the interop package provides the real converters."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random HybridLM with a Llama pattern and the ``transformers`` LlamaForCausalLM loaded from its
+    export (``hybrid.interop``): the same weights on both sides."""
+    from transformers import LlamaForCausalLM
 
-    if set(cfg.pattern) != {"*", "-"} or cfg.pattern != "*-" * (len(cfg.pattern) // 2):
-        raise ValueError(f"the transformers comparison needs a Llama pattern ('*-' repeated), got {cfg.pattern!r}")
-    a = cfg.attention
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp.d_ff,
-                         num_hidden_layers=len(cfg.pattern) // 2, num_attention_heads=a.n_heads,
-                         num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim, rms_norm_eps=cfg.norm_eps,
-                         rope_theta=a.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-                         max_position_embeddings=8192,
-                         # no EOS: LlamaConfig's default (id 2) would stop generate, or be banned by min_new_tokens
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    hf = LlamaForCausalLM(hf_cfg).eval()
     ours = HybridLM(cfg).eval()
-    src = hf.state_dict()
-    mapping = {"embed.weight": "model.embed_tokens.weight", "norm_f.weight": "model.norm.weight"}
-    if not cfg.tie_embeddings:
-        mapping["lm_head.weight"] = "lm_head.weight"
-    for i in range(len(cfg.pattern) // 2):
-        attn, mlp, hf_layer = f"layers.{2 * i}", f"layers.{2 * i + 1}", f"model.layers.{i}"
-        mapping[f"{attn}.norm.weight"] = f"{hf_layer}.input_layernorm.weight"
-        mapping[f"{mlp}.norm.weight"] = f"{hf_layer}.post_attention_layernorm.weight"
-        for p in ("q", "k", "v", "o"):
-            mapping[f"{attn}.mixer.{p}_proj.weight"] = f"{hf_layer}.self_attn.{p}_proj.weight"
-        for p in ("gate", "up", "down"):
-            mapping[f"{mlp}.mixer.{p}_proj.weight"] = f"{hf_layer}.mlp.{p}_proj.weight"
-    ours.load_state_dict({k: src[v] for k, v in mapping.items()}, strict=True)
+    with tempfile.TemporaryDirectory() as d:
+        ours.save_pretrained(d, format="llama")  # refuses, with the reason, what Llama cannot represent
+        hf = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     return hf, ours
 
 
 @torch.inference_mode()
 def versus_transformers(cfg, prompt_len: int, new_tokens: int) -> dict:
     hf, ours = llama_pair(cfg)
-    for m in (hf, ours):  # random weights give near-uniform logits; sharpen them so greedy ties are rare
-        (m.lm_head if m.lm_head is not None else m.get_input_embeddings()).weight.mul_(20)
+    # random weights give near-uniform logits; sharpen them so greedy ties are rare (a tied head is the
+    # embedding: HF's lm_head shares its weight, ours has none and reads embed)
+    hf.lm_head.weight.mul_(20)
+    if ours.lm_head is not None:
+        ours.lm_head.weight.mul_(20)
+    elif ours.embed.weight.data_ptr() != hf.lm_head.weight.data_ptr():
+        ours.embed.weight.mul_(20)
     prompt = _prompt(ours, prompt_len, 0)
     ids = torch.tensor([prompt])
     hf.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up
@@ -193,18 +178,19 @@ def main(argv: list[str] | None = None) -> None:
         row = (prefill_speed(m, x, args.repeats) if kind == "prefill"
                else decode_speed(m, x, args.decode_context, args.decode_steps))
         speed[kind].append({"model": name, **row})
+    # print each table as soon as it exists: a late failure must not lose the runs before it
+    print(f"# engine on {torch.get_num_threads()} CPU threads, dtype {args.dtype}; medians")
+    print("\n## prefill (one sequence, one step)\n" + format_table(speed["prefill"]))
+    print("\n## decode (one token per sequence per step)\n" + format_table(speed["decode"]), flush=True)
     memory = memory_rows(args.memory_recipes or args.recipes, args.kv_context, args.fit_seq_len, args.cache_gib,
                          args.chunk)
+    print("\n## cache memory (KV and conv state bf16, SSM state fp32)\n" + format_table(memory), flush=True)
     hf_name = args.hf_recipe or next((n for n in args.recipes if n.startswith("llama-")), "none")
     hf_rows = []
     if hf_name != "none":
         torch.manual_seed(0)
         hf_rows.append({"model": hf_name, **versus_transformers(recipes.get(hf_name), args.hf_prompt,
                                                                 args.hf_new_tokens)})
-    print(f"# engine on {torch.get_num_threads()} CPU threads, dtype {args.dtype}; medians")
-    print("\n## prefill (one sequence, one step)\n" + format_table(speed["prefill"]))
-    print("\n## decode (one token per sequence per step)\n" + format_table(speed["decode"]))
-    print("\n## cache memory (KV and conv state bf16, SSM state fp32)\n" + format_table(memory))
     if hf_rows:
         print("\n## greedy decode vs transformers generate (same weights, batch 1, fp32)\n" + format_table(hf_rows))
     else:
