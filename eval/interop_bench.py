@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
@@ -28,6 +26,7 @@ from ..config import HybridConfig
 from ..model import HybridLM
 from ..recipes import get as get_recipe
 from ..report import format_table
+from .prefill_bench import median_seconds
 
 
 def _bamba_like(cfg: HybridConfig) -> HybridConfig:
@@ -47,17 +46,6 @@ ENTRIES: dict[str, tuple[str, str, Callable[[HybridConfig], HybridConfig] | None
     "bamba": ("hybrid-1to7-small", "bamba", _bamba_like),
     "nemotron_h": ("nemotronh-small", "nemotron_h", _untied),
 }
-
-
-def _median_seconds(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def build_pair(name: str, workdir: str) -> tuple[HybridLM, torch.nn.Module]:
@@ -95,11 +83,13 @@ def bench(names: list[str], lengths: list[int], warmup: int, repeats: int) -> li
             except (LookupError, ValueError) as e:  # missing exporter, or it refuses the recipe
                 print(f"# skipping {name}: {e}")
         todo = [(n, L) for n in pairs for L in lengths]
+        cpu = torch.device("cpu")  # both models run on the CPU here
         for name, L in tqdm(todo, desc="prefill", unit="run"):
             ours, theirs = pairs[name]
             ids = torch.randint(0, ours.config.vocab_size, (1, L))
-            t_ours = _median_seconds(lambda: ours(ids), warmup, repeats)  # noqa: B023
-            t_hf = _median_seconds(lambda: theirs(ids, use_cache=False).logits, warmup, repeats)  # noqa: B023
+            t_ours = median_seconds(lambda: ours(ids), cpu, warmup=warmup, repeats=repeats)  # noqa: B023
+            t_hf = median_seconds(lambda: theirs(ids, use_cache=False).logits, cpu, warmup=warmup,  # noqa: B023
+                                  repeats=repeats)
             rows.append({"model": name, "params_M": round(ours.num_parameters() / 1e6, 1), "seq_len": L,
                          "ours_tok_s": round(L / t_ours, 1), "transformers_tok_s": round(L / t_hf, 1),
                          "ratio": round(t_hf / t_ours, 2), "logit_gap": f"{logit_gap(ours, theirs):.1e}"})

@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +25,7 @@ from tqdm import tqdm
 
 from .. import kernels
 from ..kernels import dispatch
+from .prefill_bench import median_seconds
 
 
 @dataclass
@@ -36,25 +35,6 @@ class Case:
     run: Callable[[], object]  # calls the public op (dispatch decides the backend)
     work: float  # FLOPs or bytes of one call
     unit: str  # "TFLOP/s" or "GB/s"
-
-
-def _median_s(fn: Callable[[], object], warmup: int, repeats: int, cuda: bool) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _cu(lens: list[int], device) -> torch.Tensor:
@@ -151,7 +131,7 @@ def bench_kernels(case_list: list[Case], device: str, warmup: int, repeats: int)
             if why_not is None:
                 try:
                     with torch.inference_mode(), dispatch.use_backend(backend):
-                        sec = _median_s(case.run, warmup, repeats, device == "cuda")
+                        sec = median_seconds(case.run, torch.device(device), warmup=warmup, repeats=repeats)
                 except dispatch.BackendError as e:  # a per-call constraint of the package
                     why_not = str(e)
             if why_not is not None:
@@ -178,7 +158,8 @@ def bench_models(names: list[str], seq_len: int, dtype: torch.dtype, device: str
         for backend in ("torch", "triton", "cuda", None):
             with torch.inference_mode(), dispatch.use_backend(backend):
                 try:
-                    sec = _median_s(functools.partial(model, ids), warmup, repeats, device == "cuda")
+                    sec = median_seconds(functools.partial(model, ids), torch.device(device), warmup=warmup,
+                                         repeats=repeats)
                 except dispatch.BackendError as e:
                     rows.append({"model": name, "backend": backend or "default", "tokens/s": "-",
                                  "vs torch": "-", "note": str(e)[:80]})
