@@ -119,7 +119,19 @@ def selective_step_ref(state, x, dt, A, B, C, *, D=None):
 
 
 def _selective_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
-    return step_on_slots(selective_step_ref, state, slots, x, dt, A, B, C, D=D)
+    if state.dtype != torch.float32:
+        return step_on_slots(selective_step_ref, state, slots, x, dt, A, B, C, D=D)
+    # in place on the rows, one gather and one scatter for a slot pool (see ssd's step)
+    rows = state if slots is None else state[slots]
+    dt = dt.float()
+    rows.mul_(torch.exp(dt[..., None] * A.float()))
+    rows.addcmul_((dt * x.float())[..., None], B.float()[:, None, :])
+    y = torch.matmul(rows, C.float()[..., None])[..., 0]
+    if slots is not None:
+        state.index_copy_(0, slots, rows)
+    if D is not None:
+        y = y + x.float() * D.float()
+    return y.to(x.dtype)
 
 
 def selective_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

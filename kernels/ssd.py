@@ -132,7 +132,23 @@ def ssd_step_ref(state, x, dt, A, B, C, *, D=None):
 
 
 def _ssd_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
-    return step_on_slots(ssd_step_ref, state, slots, x, dt, A, B, C, D=D)
+    if state.dtype != torch.float32:
+        return step_on_slots(ssd_step_ref, state, slots, x, dt, A, B, C, D=D)
+    # Decode is bound by reading and writing the state (H*P*N floats per sequence and layer): update the
+    # rows in place (no [B, H, P, N] temporaries) with one gather and one scatter for a slot pool.
+    rows = state if slots is None else state[slots]
+    rep = x.shape[1] // B.shape[1]
+    Bh = B.float().repeat_interleave(rep, dim=1)
+    Ch = C.float().repeat_interleave(rep, dim=1)
+    dt = dt.float()
+    rows.mul_(torch.exp(dt * A.float())[..., None, None])
+    rows.addcmul_((dt[..., None] * x.float())[..., None], Bh[:, :, None, :])
+    y = torch.matmul(rows, Ch[..., None])[..., 0]
+    if slots is not None:
+        state.index_copy_(0, slots, rows)
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    return y.to(x.dtype)
 
 
 def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

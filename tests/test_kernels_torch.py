@@ -173,7 +173,8 @@ def test_steps_on_slots_touch_only_their_rows():
     own = pool[slots].clone()
     y = kernels.ssd_step(pool, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=D, slots=slots)
     y_ref = kernels.ssd_step_ref(own, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=D)
-    assert torch.equal(y, y_ref) and torch.equal(pool[slots], own)
+    # the fast path fuses the update differently from the reference: equal up to fp32 rounding
+    assert rel_err(y, y_ref) < 1e-6 and rel_err(pool[slots], own) < 1e-6
     assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]])
 
 
