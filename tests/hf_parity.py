@@ -4,6 +4,8 @@ load it with ``hybrid.from_pretrained``, and compare logits and greedy tokens.""
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,3 +72,12 @@ def assert_export_round_trip(ours: hybrid.HybridLM, fmt: str, hf_cls, tmp_path: 
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def edited_checkpoint(path: Path, tmp_path: Path, edit: Callable[[dict], None]) -> Path:
+    """``tmp_path`` as a checkpoint with ``path``'s weights (linked) and its config.json changed by ``edit``."""
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    return tmp_path

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from hf_parity import assert_export_round_trip, assert_parity, build_hf
+from hf_parity import assert_export_round_trip, assert_parity, build_hf, edited_checkpoint
 from safetensors.torch import load_file, save_file
 
 import hybrid
@@ -133,12 +133,8 @@ def test_model_without_attention_is_refused_for_transformers(tmp_path):
 ])
 def test_unsupported_options_are_refused_by_name(pair, tmp_path, change, msg):
     _, _, path = pair
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(change)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
     with pytest.raises(CheckpointError, match=msg):
-        hybrid.from_pretrained(tmp_path)
+        hybrid.from_pretrained(edited_checkpoint(path, tmp_path, lambda cfg: cfg.update(change)))
 
 
 def test_missing_expert_and_misshaped_tensor_are_named(pair, tmp_path):
@@ -166,12 +162,12 @@ def test_jamba_moe_recipe_exports_exactly(tmp_path):
 
 def test_more_experts_per_token_than_experts_is_refused(pair, tmp_path):
     _, ours, path = pair
-    cfg = json.loads((path / "config.json").read_text())
-    if cfg["num_experts"] == 1:
-        cfg["num_experts"] = 2  # make the experts live so their top-k is checked
-    cfg["num_experts_per_tok"] = cfg["num_experts"] + 1
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+
+    def too_many_per_token(cfg):
+        if cfg["num_experts"] == 1:
+            cfg["num_experts"] = 2  # make the experts live so their top-k is checked
+        cfg["num_experts_per_tok"] = cfg["num_experts"] + 1
+
     with pytest.raises(hybrid.ConfigError, match="moe.top_k must be in"):
-        hybrid.from_pretrained(tmp_path)
+        hybrid.from_pretrained(edited_checkpoint(path, tmp_path, too_many_per_token))
 

@@ -1,11 +1,10 @@
 """NemotronHForCausalLM <-> HybridLM: logits and greedy tokens against transformers, export, refusals."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
-from hf_parity import assert_export_round_trip, assert_parity, build_hf
+from hf_parity import assert_export_round_trip, assert_parity, build_hf, edited_checkpoint
 from safetensors.torch import load_file, save_file
 
 import hybrid
@@ -67,12 +66,12 @@ def test_export_round_trip(pair, tmp_path):
 
 def test_old_style_pattern_string_loads(pair, tmp_path):
     hf_model, ours, path = pair
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["hybrid_override_pattern"] = hf_model.config.hybrid_override_pattern
-    del cfg["layers_block_type"]
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
-    assert hybrid.from_pretrained(tmp_path).config == ours.config
+
+    def old_style(cfg):
+        cfg["hybrid_override_pattern"] = hf_model.config.hybrid_override_pattern
+        del cfg["layers_block_type"]
+
+    assert hybrid.from_pretrained(edited_checkpoint(path, tmp_path, old_style)).config == ours.config
 
 
 def test_export_refuses_what_nemotron_h_cannot_represent(tmp_path):
@@ -106,12 +105,8 @@ def test_export_refuses_what_nemotron_h_cannot_represent(tmp_path):
 ])
 def test_unsupported_options_are_refused_by_name(pair, tmp_path, change, msg):
     _, _, path = pair
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(change)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
     with pytest.raises(CheckpointError, match=msg):
-        hybrid.from_pretrained(tmp_path)
+        hybrid.from_pretrained(edited_checkpoint(path, tmp_path, lambda cfg: cfg.update(change)))
 
 
 def test_missing_and_misshaped_tensors_are_named(pair, tmp_path):

@@ -19,7 +19,15 @@ import torch
 from ..config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from . import Converter, register
 from .common import float_to_hf, hf_float, refuse
-from .hf_hybrid import attention_mismatches, decoder_pairs, no_attention, require, with_defaults
+from .hf_hybrid import (
+    TOP_LEVEL,
+    TOP_LEVEL_TO_HF,
+    attention_mismatches,
+    decoder_pairs,
+    no_attention,
+    require,
+    with_defaults,
+)
 
 ARCH = "BambaForCausalLM"
 # BambaConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -100,10 +108,8 @@ def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
                 k = f"layers.{2 * i + 1}.norm.{rest}"
             else:
                 k = f"layers.{2 * i + (part == 'feed_forward')}.mixer.{rest}"
-        elif k == "model.embed_tokens.weight":
-            k = "embed.weight"
-        elif k == "model.final_layernorm.weight":
-            k = "norm_f.weight"
+        elif k in TOP_LEVEL:
+            k = TOP_LEVEL[k]
         elif k == "lm_head.weight" and cfg.tie_embeddings:
             continue  # tied: the embedding is the head
         out[k] = v  # anything unmatched stays under its own name, so a strict load reports it
@@ -165,7 +171,7 @@ def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, 
                 sub = "feed_forward" if is_ffn else ("self_attn" if cfg.pattern[j] == "*" else "mamba")
                 k = f"model.layers.{i}.{sub}.{rest}"
         else:
-            k = {"embed.weight": "model.embed_tokens.weight", "norm_f.weight": "model.final_layernorm.weight"}.get(k, k)
+            k = TOP_LEVEL_TO_HF.get(k, k)
         out[k] = v
     return out
 

@@ -9,6 +9,10 @@ from typing import Any
 from ..config import HybridConfig
 from .common import refuse
 
+# Bamba and Jamba name the embedding and the final norm alike (theirs -> ours, and back for export).
+TOP_LEVEL = {"model.embed_tokens.weight": "embed.weight", "model.final_layernorm.weight": "norm_f.weight"}
+TOP_LEVEL_TO_HF = {ours: theirs for theirs, ours in TOP_LEVEL.items()}
+
 
 def with_defaults(hf: dict, defaults: dict[str, Any]) -> dict[str, Any]:
     """The config as transformers sees it: the class defaults for keys config.json leaves out."""

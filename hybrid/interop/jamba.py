@@ -23,7 +23,16 @@ from ..checkpoint import CheckpointError
 from ..config import AttentionConfig, HybridConfig, Mamba1Config, MLPConfig, MoEConfig
 from . import Converter, register
 from .common import refuse
-from .hf_hybrid import attention_mismatches, decoder_pairs, no_attention, periodic, require, with_defaults
+from .hf_hybrid import (
+    TOP_LEVEL,
+    TOP_LEVEL_TO_HF,
+    attention_mismatches,
+    decoder_pairs,
+    no_attention,
+    periodic,
+    require,
+    with_defaults,
+)
 
 ARCH = "JambaForCausalLM"
 # JambaConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -108,10 +117,8 @@ def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
                 k = f"layers.{ffn}.mixer.down_proj"
             else:  # dense MLP (gate/up/down_proj.weight) or the router (router.weight)
                 k = f"layers.{ffn}.mixer.{rest}"
-        elif k == "model.embed_tokens.weight":
-            k = "embed.weight"
-        elif k == "model.final_layernorm.weight":
-            k = "norm_f.weight"
+        elif k in TOP_LEVEL:
+            k = TOP_LEVEL[k]
         elif k == "lm_head.weight" and cfg.tie_embeddings:
             continue  # tied: the embedding is the head
         out[k] = v  # anything unmatched stays under its own name, so a strict load reports it
@@ -186,8 +193,7 @@ def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, 
     for k, v in state.items():
         m = re.fullmatch(r"layers\.(\d+)\.(norm|mixer)\.(.+)", k)
         if not m:
-            out[{"embed.weight": "model.embed_tokens.weight", "norm_f.weight": "model.final_layernorm.weight"}
-                .get(k, k)] = v
+            out[TOP_LEVEL_TO_HF.get(k, k)] = v
             continue
         j, part, rest = int(m[1]), m[2], m[3]
         i, is_ffn = divmod(j, 2)
