@@ -21,6 +21,7 @@ from .. import recipes
 from ..cache import PagedKVCache, SSMStateCache, sequences_that_fit
 from ..engine import Engine
 from ..model import HybridLM
+from ..pretrained import save_pretrained
 from ..report import format_table
 from ..sampling import SamplingParams
 
@@ -105,7 +106,7 @@ def llama_pair(cfg) -> tuple[torch.nn.Module, HybridLM]:
 
     ours = HybridLM(cfg).eval()
     with tempfile.TemporaryDirectory() as d:
-        ours.save_pretrained(d, format="llama")  # refuses, with the reason, what Llama cannot represent
+        save_pretrained(ours, d, format="llama")  # refuses, with the reason, what Llama cannot represent
         hf = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     return hf, ours
 

@@ -1,7 +1,7 @@
 """Prefill speed of our model against transformers on the same weights, side by side in one process.
 
 Each entry takes one of our ``*-small`` recipes (randomly initialised, ~100M parameters), exports it
-with ``save_pretrained(format=...)`` and loads that folder with transformers, so both hold identical
+with ``hybrid.save_pretrained(model, dir, format=...)`` and loads that folder with transformers, so both hold identical
 weights; a short forward checks the logits agree before anything is timed. Then, with the same
 thread count, it times the full forward (all logits, no cache) at each length: median of the repeats,
 tokens/s, and the ratio ours / transformers.
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ..config import HybridConfig
 from ..model import HybridLM
+from ..pretrained import save_pretrained
 from ..recipes import get as get_recipe
 from ..report import format_table
 from .prefill_bench import median_seconds
@@ -60,7 +61,7 @@ def build_pair(name: str, workdir: str) -> tuple[HybridLM, torch.nn.Module]:
     cfg = get_recipe(recipe)
     cfg = adjust(cfg) if adjust else cfg
     ours = HybridLM(cfg).eval()
-    ours.save_pretrained(f"{workdir}/{name}", format=fmt)
+    save_pretrained(ours, f"{workdir}/{name}", format=fmt)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(f"{workdir}/{name}", dtype=torch.float32).eval()
     return ours, theirs
 

@@ -115,12 +115,12 @@ def cmd_tradeoff(args) -> None:
 def cmd_convert(args) -> None:
     import torch
 
-    from . import CheckpointError, ConfigError, from_pretrained
+    from . import CheckpointError, ConfigError, from_pretrained, save_pretrained
     from .interop.io import copy_tokenizer_files
 
     try:
         model = from_pretrained(args.src, dtype=getattr(torch, args.dtype) if args.dtype else None)
-        out = model.save_pretrained(args.dst, format=args.format)
+        out = save_pretrained(model, args.dst, format=args.format)
     except (CheckpointError, ConfigError) as e:
         raise SystemExit(f"hybrid convert: {e}") from e
     tok = copy_tokenizer_files(args.src, out)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -161,19 +159,3 @@ class HybridLM(nn.Module):
         per2 = m2.n_heads * m2.head_dim * m2.d_state + (m2.d_conv - 1) * m2.conv_dim
         per1 = m1.d_inner * m1.d_state + (m1.d_conv - 1) * m1.d_inner
         return (cfg.count("mamba2") * per2 + cfg.count("mamba1") * per1) * dtype.itemsize
-
-    # ---- save / load ---------------------------------------------------------------------------
-    def save_pretrained(self, directory: str | Path, format: str = "hybrid") -> Path:
-        """Write ``directory``: ``format="hybrid"`` (ours: config.json + model.safetensors) or the name
-        of an export format of ``hybrid.interop`` (a checkpoint its home library loads)."""
-        if format == "hybrid":
-            from .checkpoint import save_native
-            return save_native(self, directory)
-        from .interop import export
-        return export(self, directory, format)
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, *, dtype: torch.dtype | None = None,
-                        device: str | torch.device | None = None) -> HybridLM:
-        from .checkpoint import load_native
-        return load_native(directory, dtype=dtype, device=device)

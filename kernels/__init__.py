@@ -32,7 +32,7 @@ from .paged_attention import (
                      varlen_attention_ref,
                      write_kv,
 )
-from .selective_scan import (
+from .selective import (
                      selective_scan,
                      selective_scan_ref,
                      selective_step,

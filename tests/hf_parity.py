@@ -63,7 +63,7 @@ def used_part(cfg: hybrid.HybridConfig) -> hybrid.HybridConfig:
 def assert_export_round_trip(ours: hybrid.HybridLM, fmt: str, hf_cls, tmp_path: Path, vocab: int) -> None:
     """Export -> transformers loads it with matching logits; export -> we load it bit-identically."""
     out = tmp_path / f"export-{fmt}"
-    ours.save_pretrained(out, format=fmt)
+    hybrid.save_pretrained(ours, out, format=fmt)
     hf_back = hf_cls.from_pretrained(out, attn_implementation="eager", dtype=torch.float32).eval()
     assert_parity(hf_back, ours, vocab, greedy=False)
     again = hybrid.from_pretrained(out)

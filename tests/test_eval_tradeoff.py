@@ -3,6 +3,7 @@
 import csv
 import json
 
+import hybrid
 from hybrid.cli import main
 
 
@@ -54,7 +55,7 @@ def test_tradeoff_on_checkpoints_scores_them_with_lm_eval(tmp_path):
             "Which organ?,Liver,Heart,Lung,Kidney,1\n")
     paths = []
     for name in ("llama-tiny", "mamba2-tiny"):
-        HybridLM(recipes.get(name)).save_pretrained(tmp_path / name)
+        hybrid.save_pretrained(HybridLM(recipes.get(name)), tmp_path / name)
         paths.append(str(tmp_path / name))
     out = tmp_path / "report"
     main(["tradeoff", "--checkpoints", *paths, "--tasks", "mmlu_local_anatomy", "--num-fewshot", "1",

@@ -73,7 +73,8 @@ def test_export_refuses_what_bamba_cannot_represent(tmp_path):
     }
     for pattern, msg in cases.items():
         with pytest.raises(CheckpointError, match=msg):
-            hybrid.HybridLM(dataclasses.replace(base, pattern=pattern)).save_pretrained(tmp_path / "x", format="bamba")
+            model = hybrid.HybridLM(dataclasses.replace(base, pattern=pattern))
+            hybrid.save_pretrained(model, tmp_path / "x", format="bamba")
     variants = [
         (dict(mlp=hybrid.MLPConfig(activation="relu2", gated=False)), "SwiGLU"),
         (dict(attention=hybrid.AttentionConfig(n_heads=4, rotary_fraction=0.0)), "no RoPE"),
@@ -85,7 +86,7 @@ def test_export_refuses_what_bamba_cannot_represent(tmp_path):
     ]
     for change, msg in variants:
         with pytest.raises(CheckpointError, match=msg):
-            hybrid.HybridLM(dataclasses.replace(base, **change)).save_pretrained(tmp_path / "y", format="bamba")
+            hybrid.save_pretrained(hybrid.HybridLM(dataclasses.replace(base, **change)), tmp_path / "y", format="bamba")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 

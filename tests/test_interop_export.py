@@ -37,7 +37,7 @@ MODELS = {
 def _export_and_compare(cfg: HybridConfig, fmt: str, tmp_path) -> str:
     ours = randomize_(HybridLM(cfg)).eval()
     out = tmp_path / fmt
-    ours.save_pretrained(out, format=fmt)
+    hybrid.save_pretrained(ours, out, format=fmt)
     ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.randint(0, V, (2, 19))
     with torch.no_grad():
@@ -74,7 +74,7 @@ def test_hf_format_refuses_with_every_reason():
     cfg = HybridConfig(vocab_size=V, d_model=32, pattern="MM",
                        mamba2=Mamba2Config(head_dim=16, d_state=8, norm_before_gate=True))
     with pytest.raises(CheckpointError) as e:
-        HybridLM(cfg).save_pretrained("unused", format="hf")
+        hybrid.save_pretrained(HybridLM(cfg), "unused", format="hf")
     msg = str(e.value)
     assert "no Hugging Face format represents this model exactly" in msg
     for fmt in ("llama", "mistral", "qwen2", "mamba2", "mamba"):
@@ -97,19 +97,19 @@ def test_hf_format_refuses_with_every_reason():
 ])
 def test_export_refusals_name_the_reason(cfg, fmt, why, tmp_path):
     with pytest.raises(CheckpointError, match="cannot export this model as") as e:
-        HybridLM(cfg).save_pretrained(tmp_path, format=fmt)
+        hybrid.save_pretrained(HybridLM(cfg), tmp_path, format=fmt)
     assert why in str(e.value)
     assert not (tmp_path / "config.json").exists()
 
 
 def test_unknown_export_format():
     with pytest.raises(CheckpointError, match="unknown export format 'gguf'.*llama"):
-        HybridLM(MODELS["llama"]).save_pretrained("unused", format="gguf")
+        hybrid.save_pretrained(HybridLM(MODELS["llama"]), "unused", format="gguf")
 
 
 def test_bf16_export_keeps_its_dtype(tmp_path):
     ours = HybridLM(MODELS["llama"]).to(torch.bfloat16)
-    ours.save_pretrained(tmp_path, format="llama")
+    hybrid.save_pretrained(ours, tmp_path, format="llama")
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert ref.model.embed_tokens.weight.dtype == torch.bfloat16
     assert hybrid.from_pretrained(tmp_path).embed.weight.dtype == torch.bfloat16

@@ -101,7 +101,7 @@ def test_export_refuses_what_jamba_cannot_represent(tmp_path):
     ]
     for change, msg in variants:
         with pytest.raises(CheckpointError, match=msg):
-            hybrid.HybridLM(dataclasses.replace(base, **change)).save_pretrained(tmp_path / "x", format="jamba")
+            hybrid.save_pretrained(hybrid.HybridLM(dataclasses.replace(base, **change)), tmp_path / "x", format="jamba")
     assert not (tmp_path / "x").exists()
 
 
@@ -123,7 +123,7 @@ def test_model_without_attention_is_refused_for_transformers(tmp_path):
                               mamba1=hybrid.Mamba1Config(d_state=8, inner_norms=True), mlp=hybrid.MLPConfig(d_ff=40),
                               moe=hybrid.MoEConfig(n_experts=2, top_k=1, d_ff=40))
     with pytest.raises(CheckpointError, match="no attention layer.*transformers' Jamba"):
-        hybrid.HybridLM(cfg).save_pretrained(tmp_path, format="jamba")
+        hybrid.save_pretrained(hybrid.HybridLM(cfg), tmp_path, format="jamba")
 
 
 @pytest.mark.parametrize("change, msg", [

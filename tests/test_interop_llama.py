@@ -78,7 +78,7 @@ def test_rope_scaling_config_round_trip_and_validation(tmp_path):
                               attention=hybrid.AttentionConfig(n_heads=4, rope_scaling=scaling))
     assert hybrid.HybridConfig.from_json(cfg.to_json()) == cfg
     model = hybrid.HybridLM(cfg).eval()
-    model.save_pretrained(tmp_path)
+    hybrid.save_pretrained(model, tmp_path)
     ids = torch.randint(0, 64, (1, 9))
     with torch.no_grad():
         assert torch.equal(hybrid.from_pretrained(tmp_path)(ids), model(ids))

@@ -92,7 +92,8 @@ def test_export_refuses_what_nemotron_h_cannot_represent(tmp_path):
     ]
     for change, msg in variants:
         with pytest.raises(CheckpointError, match=msg):
-            hybrid.HybridLM(dataclasses.replace(base, **change)).save_pretrained(tmp_path / "x", format="nemotron_h")
+            model = hybrid.HybridLM(dataclasses.replace(base, **change))
+            hybrid.save_pretrained(model, tmp_path / "x", format="nemotron_h")
     assert not (tmp_path / "x").exists()
 
 

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+import hybrid
 from hybrid import ByteTokenizer, HFTokenizer, HybridLM, StreamDecoder, generate, load_tokenizer, recipes
 from hybrid.cli import main
 
@@ -91,7 +92,7 @@ def test_cli_generate_streams_text_and_reports_speed(capsys, tmp_path):
               "--temperature", "0.8", "--seed", "1"])
         second = capsys.readouterr()
         torch.manual_seed(0)
-        HybridLM(recipes.get("llama-tiny")).save_pretrained(tmp_path)
+        hybrid.save_pretrained(HybridLM(recipes.get("llama-tiny")), tmp_path)
         main(["generate", "--model", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "3", "--threads", "1"])
         third = capsys.readouterr()
     finally:

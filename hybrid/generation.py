@@ -1,4 +1,4 @@
-"""``hybrid.generate``: a batch of prompts in, their continuations out, through the :class:`Engine`."""
+"""Batch generation: prompts in, their continuations out, through the :class:`Engine` (``hybrid.generate``)."""
 
 from __future__ import annotations
 
