@@ -80,8 +80,8 @@ def time_prefill(model: HybridLM, seq_len: int, *, batch: int = 1, warmup: int =
            "tokens_per_s": round(batch * seq_len / med, 1), "GFLOP/s": round(flops_s / 1e9, 3)}
     if peak_flops:
         row["of_peak"] = round(flops_s / peak_flops, 4)
-    row["cache_MB/seq"] = round((model.kv_bytes_per_token(param.dtype) * seq_len
-                                 + model.state_bytes_per_sequence(param.dtype)) / 2**20, 3)
+    # what the engine's cache holds for this sequence (K/V and conv state in the model dtype, SSM state fp32)
+    row["cache_MB/seq"] = round(model.cache_spec().bytes_per_sequence(seq_len) / 2**20, 3)
     return row
 
 

@@ -101,9 +101,9 @@ def summary_rows(models: dict[str, HybridLM], accuracy: dict[str, dict], prefill
         for p in prefill:
             if p["model"] == name:
                 row[f"prefill_ms@{p['seq_len']}"] = p.get("prefill_ms", "skipped")
-        dtype = next(model.parameters()).dtype
-        row["KV_bytes/token"] = model.kv_bytes_per_token(dtype)
-        row["state_bytes/seq"] = model.state_bytes_per_sequence(dtype)
+        spec = model.cache_spec()  # as the engine stores it: SSM state fp32, the rest in the model dtype
+        row["KV_bytes/token"] = spec.kv_bytes_per_token
+        row["state_bytes/seq"] = spec.state_bytes_per_sequence
         row["pattern"] = cfg.pattern
         rows.append(row)
     return rows

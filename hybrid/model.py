@@ -7,26 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import HybridConfig
-from .layers.attention import Attention
-from .layers.mamba1 import Mamba1
-from .layers.mamba2 import Mamba2
-from .layers.mlp import MLP
-from .layers.moe import MoE
 from .layers.norm import RMSNorm
-
-
-def build_mixer(kind: str, cfg: HybridConfig) -> nn.Module:
-    if kind == "attention":
-        return Attention(cfg.d_model, cfg.attention)
-    if kind == "mamba2":
-        return Mamba2(cfg.d_model, cfg.mamba2, cfg.norm_eps)
-    if kind == "mamba1":
-        return Mamba1(cfg.d_model, cfg.mamba1, cfg.norm_eps)
-    if kind == "mlp":
-        return MLP(cfg.d_model, cfg.mlp)
-    if kind == "moe":
-        return MoE(cfg.d_model, cfg.moe)
-    raise ValueError(f"unknown layer kind {kind!r}")
+from .layers.registry import layer_class
+from .specs import CacheDtypes, cache_specs
 
 
 class Block(nn.Module):
@@ -36,7 +19,7 @@ class Block(nn.Module):
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = build_mixer(kind, cfg)
+        self.mixer = layer_class(kind).from_config(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mixer(self.norm(x))
@@ -65,11 +48,10 @@ class HybridLM(nn.Module):
                     nn.init.zeros_(mod.bias)
             elif isinstance(mod, nn.Embedding):
                 nn.init.normal_(mod.weight, std=std)
+        # layers whose parameters need more than the normal draw above (Mamba's dt/A/D, stacked experts)
         for mod in self.modules():
-            if isinstance(mod, (Mamba1, Mamba2)):
-                mod.reset_special_parameters()
-            elif isinstance(mod, MoE):
-                mod.reset_parameters(std)
+            if mod is not self and hasattr(mod, "reset_special_parameters"):
+                mod.reset_special_parameters(std=std)
 
     # ---- forward -------------------------------------------------------------------------------
     def check_token_ids(self, input_ids: torch.Tensor) -> None:
@@ -147,15 +129,21 @@ class HybridLM(nn.Module):
         total += cfg.count("moe") * 2.0 * moe.top_k * expert_matrices * cfg.d_model * moe.d_ff
         return total
 
-    def kv_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        """KV-cache bytes one token costs across all attention layers (grows with context)."""
-        a = self.config.attention
-        return self.config.count("attention") * 2 * a.n_kv_heads * a.head_dim * dtype.itemsize
+    def cache_spec(self, *, kv_dtype: torch.dtype | None = None, conv_dtype: torch.dtype | None = None,
+                   ssm_dtype: torch.dtype = torch.float32):
+        """The inference cache of this model (:class:`hybrid.specs.ModelCacheSpec`), with K/V and conv
+        state in the model's dtype and the SSM state in fp32 unless told otherwise: what the engine's
+        cache allocates."""
+        dtypes = CacheDtypes.for_dtype(self.embed.weight.dtype, kv=kv_dtype, conv=conv_dtype, ssm=ssm_dtype)
+        return cache_specs(self.config, dtypes)
 
-    def state_bytes_per_sequence(self, dtype: torch.dtype = torch.float32) -> int:
-        """Mamba conv + SSM state bytes one sequence holds, whatever its length."""
-        cfg = self.config
-        m2, m1 = cfg.mamba2, cfg.mamba1
-        per2 = m2.n_heads * m2.head_dim * m2.d_state + (m2.d_conv - 1) * m2.conv_dim
-        per1 = m1.d_inner * m1.d_state + (m1.d_conv - 1) * m1.d_inner
-        return (cfg.count("mamba2") * per2 + cfg.count("mamba1") * per1) * dtype.itemsize
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """KV-cache bytes one token costs across all attention layers (grows with context); K/V in
+        ``dtype`` (default: the model's dtype, as the engine stores them)."""
+        return self.cache_spec(kv_dtype=dtype).kv_bytes_per_token
+
+    def state_bytes_per_sequence(self, ssm_dtype: torch.dtype = torch.float32,
+                                 conv_dtype: torch.dtype | None = None) -> int:
+        """Mamba conv + SSM state bytes one sequence holds, whatever its length (SSM state fp32 and conv
+        state in the model's dtype by default, as the engine stores them)."""
+        return self.cache_spec(ssm_dtype=ssm_dtype, conv_dtype=conv_dtype).state_bytes_per_sequence

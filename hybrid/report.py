@@ -16,8 +16,9 @@ def model_facts(name: str, model: HybridLM, seq_len: int = 2048) -> dict:
         "attn_share": round(attention_share(cfg.pattern), 3),
         "params_M": round(model.num_parameters() / 1e6, 2),
         f"GFLOP/token@{seq_len}": round(model.flops_per_token(seq_len) / 1e9, 4),
+        # as a bf16 engine stores them: K/V and conv state bf16, SSM state fp32 (from the layers' cache specs)
         "KV_bytes/token(bf16)": model.kv_bytes_per_token(torch.bfloat16),
-        "state_bytes/seq(fp32)": model.state_bytes_per_sequence(torch.float32),
+        "state_bytes/seq(fp32 ssm, bf16 conv)": model.state_bytes_per_sequence(torch.float32, torch.bfloat16),
     }
 
 

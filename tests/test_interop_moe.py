@@ -16,7 +16,7 @@ D = 32
 def make_moe(**kw) -> MoE:
     cfg = HybridConfig(vocab_size=64, d_model=D, pattern="E", moe=MoEConfig(d_ff=48, **kw)).moe
     moe = MoE(D, cfg)
-    moe.reset_parameters(0.2)
+    moe.reset_special_parameters(std=0.2)
     return moe
 
 

@@ -6,11 +6,23 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..config import AttentionConfig
+from ..config import AttentionConfig, HybridConfig
+from ..specs import AttentionSpec, CacheDtypes
 from .rope import RotaryEmbedding
 
 
 class Attention(nn.Module):
+    kind = "attention"
+
+    @classmethod
+    def from_config(cls, cfg: HybridConfig) -> Attention:
+        return cls(cfg.d_model, cfg.attention)
+
+    @staticmethod
+    def cache_spec(cfg: HybridConfig, dtypes: CacheDtypes) -> AttentionSpec:
+        a = cfg.attention
+        return AttentionSpec(n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, window=a.sliding_window, dtype=dtypes.kv)
+
     def __init__(self, d_model: int, cfg: AttentionConfig):
         super().__init__()
         self.cfg = cfg

@@ -8,12 +8,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..config import Mamba1Config
+from ..config import HybridConfig, Mamba1Config
+from ..specs import CacheDtypes, MambaStateSpec
 from .mamba2 import init_dt_bias
 from .norm import RMSNorm
 
 
 class Mamba1(nn.Module):
+    kind = "mamba1"
+
+    @classmethod
+    def from_config(cls, cfg: HybridConfig) -> Mamba1:
+        return cls(cfg.d_model, cfg.mamba1, cfg.norm_eps)
+
+    @staticmethod
+    def cache_spec(cfg: HybridConfig, dtypes: CacheDtypes) -> MambaStateSpec:
+        m = cfg.mamba1
+        return MambaStateSpec(conv_shape=(m.d_inner, m.d_conv - 1), ssm_shape=(m.d_inner, m.d_state),
+                              conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm)
+
     def __init__(self, d_model: int, cfg: Mamba1Config, norm_eps: float = 1e-5):
         super().__init__()
         self.cfg = cfg
@@ -31,7 +44,8 @@ class Mamba1(nn.Module):
             self.C_norm = RMSNorm(cfg.d_state, norm_eps)
         self.reset_special_parameters()
 
-    def reset_special_parameters(self) -> None:
+    def reset_special_parameters(self, std: float | None = None) -> None:
+        # std (the model's init scale) is not used: dt, A and D have their own inits (as in Mamba2)
         c = self.cfg
         with torch.no_grad():
             std = c.dt_rank ** -0.5

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..config import Mamba2Config
+from ..config import HybridConfig, Mamba2Config
+from ..specs import CacheDtypes, MambaStateSpec
 from .norm import GatedRMSNorm
 
 
@@ -24,6 +25,18 @@ def init_dt_bias(n: int, dt_min: float, dt_max: float, floor: float) -> torch.Te
 
 
 class Mamba2(nn.Module):
+    kind = "mamba2"
+
+    @classmethod
+    def from_config(cls, cfg: HybridConfig) -> Mamba2:
+        return cls(cfg.d_model, cfg.mamba2, cfg.norm_eps)
+
+    @staticmethod
+    def cache_spec(cfg: HybridConfig, dtypes: CacheDtypes) -> MambaStateSpec:
+        m = cfg.mamba2
+        return MambaStateSpec(conv_shape=(m.conv_dim, m.d_conv - 1), ssm_shape=(m.n_heads, m.head_dim, m.d_state),
+                              conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm)
+
     def __init__(self, d_model: int, cfg: Mamba2Config, norm_eps: float = 1e-5):
         super().__init__()
         self.cfg = cfg
@@ -40,8 +53,9 @@ class Mamba2(nn.Module):
                                  norm_before_gate=cfg.norm_before_gate)
         self.out_proj = nn.Linear(cfg.d_inner, d_model, bias=cfg.proj_bias)
 
-    def reset_special_parameters(self) -> None:
-        """Re-draw the SSM parameters after a model-wide init has overwritten them."""
+    def reset_special_parameters(self, std: float | None = None) -> None:
+        """Re-draw the SSM parameters after a model-wide init has overwritten them (``std``, the
+        model's init scale, is not used: dt, A and D have their own inits)."""
         c = self.cfg
         with torch.no_grad():
             self.dt_bias.copy_(init_dt_bias(c.n_heads, c.dt_min, c.dt_max, c.dt_init_floor))

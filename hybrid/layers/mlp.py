@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import MLPConfig
+from ..config import HybridConfig, MLPConfig
 
 
 def activation_fn(name: str):
@@ -20,6 +20,16 @@ def activation_fn(name: str):
 
 
 class MLP(nn.Module):
+    kind = "mlp"
+
+    @classmethod
+    def from_config(cls, cfg: HybridConfig) -> MLP:
+        return cls(cfg.d_model, cfg.mlp)
+
+    @staticmethod
+    def cache_spec(cfg: HybridConfig, dtypes) -> None:
+        return None  # token-wise: nothing to cache
+
     def __init__(self, d_model: int, cfg: MLPConfig):
         super().__init__()
         self.act = activation_fn(cfg.activation)

@@ -12,11 +12,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import MoEConfig
+from ..config import HybridConfig, MoEConfig
 from .mlp import activation_fn
 
 
 class MoE(nn.Module):
+    kind = "moe"
+
+    @classmethod
+    def from_config(cls, cfg: HybridConfig) -> MoE:
+        return cls(cfg.d_model, cfg.moe)
+
+    @staticmethod
+    def cache_spec(cfg: HybridConfig, dtypes) -> None:
+        return None  # token-wise: nothing to cache
+
     def __init__(self, d_model: int, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg
@@ -27,7 +37,8 @@ class MoE(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E, Fd, d_model))
         self.down_proj = nn.Parameter(torch.empty(E, d_model, Fd))
 
-    def reset_parameters(self, std: float) -> None:
+    def reset_special_parameters(self, std: float) -> None:
+        # the stacked expert matrices are Parameters, not nn.Linear: the model's normal draw misses them
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             if p is not None:
                 nn.init.normal_(p, std=std)

@@ -1,0 +1,24 @@
+"""The one table from a layer kind (a pattern symbol's meaning, see :mod:`hybrid.pattern`) to the class
+that implements it. Each class says how it is built (``from_config``; a kind reads the HybridConfig
+section of its own name, which is all that config validation needs to know) and what it caches during
+inference (``cache_spec``: an attention or Mamba state spec, or None); the model, the caches and the
+reports ask this table instead of switching on kinds."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .attention import Attention
+from .mamba1 import Mamba1
+from .mamba2 import Mamba2
+from .mlp import MLP
+from .moe import MoE
+
+LAYER_CLASSES: dict[str, type[nn.Module]] = {cls.kind: cls for cls in (Attention, Mamba2, Mamba1, MLP, MoE)}
+
+
+def layer_class(kind: str) -> type[nn.Module]:
+    try:
+        return LAYER_CLASSES[kind]
+    except KeyError:
+        raise ValueError(f"unknown layer kind {kind!r}; known: {sorted(LAYER_CLASSES)}") from None
