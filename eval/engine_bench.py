@@ -18,12 +18,13 @@ import torch
 from tqdm import tqdm
 
 from .. import recipes
-from ..cache import PagedKVCache, SSMStateCache, sequences_that_fit
+from ..cache import sequences_that_fit
 from ..engine import Engine
 from ..model import HybridLM
 from ..pretrained import save_pretrained
 from ..report import format_table
 from ..sampling import SamplingParams
+from ..specs import CacheDtypes, cache_specs
 
 BLOCK = 16
 
@@ -88,8 +89,8 @@ def memory_rows(names: list[str], context: int, seq_len: int, cache_gib: float, 
             configs[f"attn-only-8-{size}"] = recipes.attention_family(size, 1.0, n_blocks=8)
     rows = []
     for name, cfg in configs.items():
-        kv = PagedKVCache(cfg, 0, dtype=torch.bfloat16, device="meta").bytes_per_token
-        state = SSMStateCache(cfg, 1, conv_dtype=torch.bfloat16, device="meta").bytes_per_sequence
+        spec = cache_specs(cfg, CacheDtypes(kv=torch.bfloat16, conv=torch.bfloat16, ssm=torch.float32))
+        kv, state = spec.kv_bytes_per_token, spec.state_bytes_per_sequence
         fits = sequences_that_fit(cfg, int(cache_gib * 2**30), seq_len, block_size=BLOCK, kv_dtype=torch.bfloat16,
                                   chunk=chunk)
         rows.append({"model": name, "KV_bytes/token(bf16)": kv, f"KV_MiB@{context}": round(kv * context / 2**20, 2),

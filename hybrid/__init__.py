@@ -5,11 +5,12 @@ from __future__ import annotations
 from .cache import CacheFullError, HybridCache, PagedKVCache, SSMStateCache
 from .checkpoint import CheckpointError
 from .config import AttentionConfig, ConfigError, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig, MoEConfig
-from .engine import Engine, RequestOutput
+from .engine import Engine
 from .generation import generate
 from .model import HybridLM
 from .pattern import PatternError, attention_share, blocks_pattern, parse_pattern, ratio_pattern
 from .pretrained import from_pretrained, save_pretrained
+from .request import RequestOutput
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
 

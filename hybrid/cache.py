@@ -1,12 +1,16 @@
-"""Inference caches, typed per layer kind and accounted in bytes.
+"""Inference cache storage, allocated from the layers' cache specs (:mod:`hybrid.specs`) and accounted in bytes.
 
 - :class:`PagedKVCache` for the attention layers (``*``): K/V pools of fixed-size blocks
-  ``[num_blocks, block_size, n_kv_heads, head_dim]`` per layer, one :class:`BlockAllocator`
-  (free list + reference counts, so a prefix cache can later share blocks) and a block table
-  per sequence. Memory grows with every token a sequence holds.
-- :class:`SSMStateCache` for the Mamba layers (``M``, ``m``): per sequence *slot* the conv
-  state and the SSM state of every Mamba layer. Memory is constant per sequence.
+  ``[num_blocks + 1, block_size, n_kv_heads, head_dim]`` per layer and one :class:`BlockAllocator` (free
+  list + reference counts, so blocks can be shared). Block 0 is the reserved *null block*: never handed
+  out, it is what a block table points at where a sliding window has dropped a block and where a padded
+  batch row writes its throw-away K/V, so no live sequence's block is ever touched by either.
+- :class:`SSMStateCache` for the Mamba layers (``M``, ``m``): per sequence *slot* the conv state and the SSM
+  state of every Mamba layer, plus one scratch row (index ``num_slots``) for padded batch rows.
 - :class:`HybridCache` owns both, sized from a byte budget or an explicit block count.
+
+This module only stores and allocates; which sequence holds which blocks and slot is the business of
+:class:`hybrid.cache_manager.CacheManager`, the one place that hands them out.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from .config import HybridConfig
+from .specs import CacheDtypes, ModelCacheSpec, cache_specs
+
+NULL_BLOCK = 0
 
 
 class CacheFullError(RuntimeError):
@@ -25,18 +32,21 @@ class CacheFullError(RuntimeError):
 
 
 class BlockAllocator:
-    """Fixed pool of block ids with a free list and per-block reference counts."""
+    """Block ids ``1..num_blocks`` (0 is the null block) with a free list and per-block reference counts."""
 
     def __init__(self, num_blocks: int):
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * (num_blocks + 1)
+        self._free: deque[int] = deque(range(1, num_blocks + 1))
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def free_ids(self) -> list[int]:
+        return list(self._free)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks (reference count 1 each), or :class:`CacheFullError` taking none."""
@@ -49,14 +59,14 @@ class BlockAllocator:
 
     def share(self, block: int) -> None:
         """One more owner of a live block (a prefix shared by two sequences)."""
-        if self.ref_counts[block] <= 0:
-            raise ValueError(f"block {block} is free; only a live block can be shared")
+        if block == NULL_BLOCK or self.ref_counts[block] <= 0:
+            raise ValueError(f"block {block} is free or the null block; only a live block can be shared")
         self.ref_counts[block] += 1
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference to each block; a block with none left returns to the free list."""
         for b in blocks:
-            if self.ref_counts[b] <= 0:
+            if b == NULL_BLOCK or self.ref_counts[b] <= 0:
                 raise ValueError(f"block {b} released more often than it was allocated or shared")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
@@ -64,31 +74,28 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """K/V pools for the attention layers, blocks handed out per sequence.
+    """K/V pools for the attention layers: ``pools[layer_index] = (k_pool, v_pool)``.
 
-    ``pools[layer_index] = (k_pool, v_pool)`` keyed by the model's layer index. Token ``p`` of
-    a sequence lives at slot ``table[p // block_size] * block_size + p % block_size``.
-    A model without attention layers gets no pools and unlimited token capacity. With sliding-window
-    attention, :meth:`trim` hands back the blocks no future token can see (their table entries
-    become ``None``), so a sequence holds about ``window`` tokens however long it grows.
+    Token ``p`` of a sequence lives at slot ``table[p // block_size] * block_size + p % block_size`` of the
+    flattened pool. A model without attention layers gets no pools and unlimited token capacity.
     """
 
-    def __init__(self, config: HybridConfig, num_blocks: int, *, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(self, spec: ModelCacheSpec, num_blocks: int, *, block_size: int = 16,
+                 device: str | torch.device = "cpu"):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        a = config.attention
-        self.layer_indices = [i for i, k in enumerate(config.layer_kinds) if k == "attention"]
-        self.block_size, self.dtype = block_size, dtype
-        self.window = a.sliding_window if self.layer_indices else None
-        self.num_blocks = num_blocks if self.layer_indices else 0
-        shape = (self.num_blocks, block_size, a.n_kv_heads, a.head_dim)
-        self.pools = {i: tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
-                      for i in self.layer_indices}
+        layers = spec.attention
+        self.layer_indices = sorted(layers)
+        self.block_size = block_size
+        self.window = spec.window
+        self.num_blocks = num_blocks if layers else 0
+        physical = self.num_blocks + 1 if layers else 0  # + the null block
+        self.pools = {i: tuple(torch.zeros(s.pool_shape(physical, block_size), dtype=s.dtype, device=device)
+                               for _ in "kv") for i, s in layers.items()}
         self.allocator = BlockAllocator(self.num_blocks)
-        self.tables: dict[int, list[int | None]] = {}
-        self.bytes_per_token = len(self.layer_indices) * 2 * a.n_kv_heads * a.head_dim * dtype.itemsize
+        self.bytes_per_token = spec.kv_bytes_per_token
         self.bytes_per_block = self.bytes_per_token * block_size
+        self.physical_blocks = physical
 
     @property
     def enabled(self) -> bool:
@@ -101,123 +108,76 @@ class PagedKVCache:
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size) if self.enabled else 0
 
-    def add_sequence(self, seq_id: int) -> None:
-        if seq_id in self.tables:
-            raise ValueError(f"sequence {seq_id} already has a block table")
-        self.tables[seq_id] = []
-
-    def can_hold(self, seq_id: int, n_tokens: int) -> bool:
-        """Whether ``seq_id`` can grow to ``n_tokens`` tokens with the blocks now free."""
-        return self.blocks_for(n_tokens) - len(self.tables[seq_id]) <= self.allocator.num_free
-
-    def reserve(self, seq_id: int, n_tokens: int) -> None:
-        """Grow ``seq_id``'s block table to hold ``n_tokens`` tokens (all or nothing)."""
-        table = self.tables[seq_id]
-        need = self.blocks_for(n_tokens) - len(table)
-        if need > 0:
-            table.extend(self.allocator.allocate(need))
-
     def blocks_held_at_most(self, n_tokens: int, chunk: int) -> int:
         """The most blocks a sequence growing to ``n_tokens`` in steps of at most ``chunk`` new
-        tokens holds at once (all of them, unless a sliding window lets :meth:`trim` drop some)."""
+        tokens holds at once (all of them, unless a sliding window lets blocks behind it go)."""
         full = self.blocks_for(n_tokens)
         if self.window is None:
             return full
         # window - 1 visible earlier tokens + the chunk, over at most one partial block at each end
         return min(full, self.blocks_for(self.window - 1 + min(chunk, n_tokens)) + 1)
 
-    def trim(self, seq_id: int, next_pos: int) -> None:
-        """Release the blocks of ``seq_id`` that lie wholly before the window of any token at
-        ``next_pos`` or later (a no-op without a sliding window)."""
-        if self.window is None:
-            return
-        table = self.tables[seq_id]
-        dead = [j for j in range(min(len(table), max(0, next_pos - self.window + 1) // self.block_size))
-                if table[j] is not None]
-        self.allocator.release([table[j] for j in dead])
-        for j in dead:
-            table[j] = None
-
-    def free_sequence(self, seq_id: int) -> None:
-        self.allocator.release([b for b in self.tables.pop(seq_id) if b is not None])
-
-    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Pool slots of token positions ``start..end-1`` of ``seq_id``."""
-        if not self.enabled:
-            return [0] * (end - start)
-        table, bs = self.tables[seq_id], self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
     @property
     def bytes_total(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+        """Bytes the pools really hold (the null block included)."""
+        return self.physical_blocks * self.bytes_per_block
 
     @property
     def bytes_in_use(self) -> int:
         return (self.num_blocks - self.allocator.num_free) * self.bytes_per_block
 
 
-def mamba_state_shapes(config: HybridConfig) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Per Mamba layer index: (conv state shape, SSM state shape) of one sequence."""
-    m2, m1 = config.mamba2, config.mamba1
-    shapes = {}
-    for i, kind in enumerate(config.layer_kinds):
-        if kind == "mamba2":
-            shapes[i] = ((m2.conv_dim, m2.d_conv - 1), (m2.n_heads, m2.head_dim, m2.d_state))
-        elif kind == "mamba1":
-            shapes[i] = ((m1.d_inner, m1.d_conv - 1), (m1.d_inner, m1.d_state))
-    return shapes
-
-
 class SSMStateCache:
-    """Conv and SSM states of the Mamba layers in ``num_slots`` sequence slots.
+    """Conv and SSM states of the Mamba layers: ``pools[layer_index] = (conv_pool [S+1, ...], ssm_pool [S+1, ...])``
+    for ``S = num_slots`` sequence slots and one scratch row (index ``S``) that padded batch rows update.
 
-    ``pools[layer_index] = (conv_pool [S, C, K-1], ssm_pool [S, ...])``. The SSM state is fp32
-    by default (it accumulates over the whole sequence); the conv state holds raw inputs and
-    defaults to the model's dtype. A slot is zeroed when handed out, which is the state of an
-    empty sequence, so a fresh prefill and a continued one run the same code.
+    A slot is zeroed when handed out, which is the state of an empty sequence, so a fresh prefill and a
+    continued one run the same code.
     """
 
-    def __init__(self, config: HybridConfig, num_slots: int, *, ssm_dtype: torch.dtype = torch.float32,
-                 conv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(self, spec: ModelCacheSpec, num_slots: int, *, device: str | torch.device = "cpu"):
         if num_slots < 1:
             raise ValueError(f"num_slots (the most sequences in flight) must be >= 1, got {num_slots}")
-        shapes = mamba_state_shapes(config)
         self.num_slots = num_slots
-        self.pools = {i: (torch.zeros(num_slots, *cs, dtype=conv_dtype, device=device),
-                          torch.zeros(num_slots, *ss, dtype=ssm_dtype, device=device))
-                      for i, (cs, ss) in shapes.items()}
-        self.bytes_per_sequence = sum(math.prod(cs) * conv_dtype.itemsize + math.prod(ss) * ssm_dtype.itemsize
-                                      for cs, ss in shapes.values())
+        self.scratch_slot = num_slots
+        self.pools = {i: (torch.zeros(num_slots + 1, *s.conv_shape, dtype=s.conv_dtype, device=device),
+                          torch.zeros(num_slots + 1, *s.ssm_shape, dtype=s.ssm_dtype, device=device))
+                      for i, s in spec.mamba.items()}
+        self.bytes_per_sequence = spec.state_bytes_per_sequence
         self._free: deque[int] = deque(range(num_slots))
-        self.owner: dict[int, int] = {}  # seq_id -> slot
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, seq_id: int) -> int:
-        if seq_id in self.owner:
-            raise ValueError(f"sequence {seq_id} already holds state slot {self.owner[seq_id]}")
+    def allocate(self) -> int:
+        """A free slot, zeroed, or :class:`CacheFullError`."""
         if not self._free:
             raise CacheFullError(f"all {self.num_slots} state slots are in use")
         slot = self._free.popleft()
         for conv, ssm in self.pools.values():
             conv[slot].zero_()
             ssm[slot].zero_()
-        self.owner[seq_id] = slot
         return slot
 
-    def free(self, seq_id: int) -> None:
-        self._free.append(self.owner.pop(seq_id))
+    def copy(self, src: int, dst: int) -> None:
+        for conv, ssm in self.pools.values():
+            conv[dst].copy_(conv[src])
+            ssm[dst].copy_(ssm[src])
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"state slot {slot} is not in use")
+        self._free.append(slot)
 
     @property
     def bytes_total(self) -> int:
-        return self.num_slots * self.bytes_per_sequence
+        """Bytes the pools really hold (the scratch row included)."""
+        return (self.num_slots + 1) * self.bytes_per_sequence
 
     @property
     def bytes_in_use(self) -> int:
-        return len(self.owner) * self.bytes_per_sequence
+        return (self.num_slots - len(self._free)) * self.bytes_per_sequence
 
 
 @dataclass(frozen=True)
@@ -229,13 +189,18 @@ class CacheReport:
     bytes_free: int
     token_capacity: float
     max_sequences: int
+    kv_blocks_total: int
+    kv_blocks_in_use: int
+    state_slots_in_use: int
 
 
 class HybridCache:
     """Both caches of one model, sized from ``cache_bytes`` or an explicit ``num_blocks``.
 
-    With ``cache_bytes`` the state slots of ``max_seqs`` sequences are set aside first and the
-    rest becomes KV blocks, so a model with few attention layers gets many more tokens.
+    With ``cache_bytes`` the state slots of ``max_seqs`` sequences (and the scratch row) are set aside
+    first and the rest becomes KV blocks (the null block included), so a model with few attention layers
+    gets many more tokens. Storage dtypes: ``kv_dtype`` for K/V, ``conv_dtype`` (default ``kv_dtype``) for
+    the conv state, ``ssm_dtype`` (default fp32) for the SSM state.
     """
 
     def __init__(self, config: HybridConfig, *, num_blocks: int | None = None, cache_bytes: int | None = None,
@@ -244,19 +209,21 @@ class HybridCache:
                  device: str | torch.device = "cpu"):
         if (num_blocks is None) == (cache_bytes is None):
             raise ValueError("size the cache with exactly one of num_blocks= or cache_bytes=")
-        conv_dtype = conv_dtype or kv_dtype
         self.config, self.device = config, torch.device(device)
-        self.ssm = SSMStateCache(config, max_seqs, ssm_dtype=ssm_dtype, conv_dtype=conv_dtype, device=device)
+        self.spec = cache_specs(config, CacheDtypes(kv=kv_dtype, conv=conv_dtype or kv_dtype, ssm=ssm_dtype))
+        self.ssm = SSMStateCache(self.spec, max_seqs, device=device)
         if num_blocks is None:
-            probe = PagedKVCache(config, 0, block_size=block_size, dtype=kv_dtype, device="meta")
             kv_budget = cache_bytes - self.ssm.bytes_total
-            if kv_budget < 0 or (probe.enabled and kv_budget < probe.bytes_per_block):
+            per_block = self.spec.kv_bytes_per_token * block_size
+            has_kv = bool(self.spec.attention)
+            if kv_budget < 0 or (has_kv and kv_budget < 2 * per_block):
                 raise ValueError(
-                    f"cache_bytes={cache_bytes} is too small: the state of {max_seqs} sequences takes "
-                    f"{self.ssm.bytes_total} bytes and one KV block {probe.bytes_per_block} more; "
-                    "raise cache_bytes or lower max_seqs")
-            num_blocks = kv_budget // probe.bytes_per_block if probe.enabled else 0
-        self.kv = PagedKVCache(config, num_blocks, block_size=block_size, dtype=kv_dtype, device=device)
+                    f"cache_bytes={cache_bytes} is too small: the state of {max_seqs} sequences (+1 scratch row) "
+                    f"takes {self.ssm.bytes_total} bytes and the KV pool at least {2 * per_block} more (one block "
+                    "and the null block); raise cache_bytes or lower max_seqs")
+            num_blocks = kv_budget // per_block - 1 if has_kv else 0
+        self.kv = PagedKVCache(self.spec, num_blocks, block_size=block_size, device=device)
+        self.layer_pools = {**self.kv.pools, **self.ssm.pools}  # layer index -> that layer's pools
 
     @classmethod
     def for_model(cls, model, **kw) -> HybridCache:
@@ -265,23 +232,31 @@ class HybridCache:
         kw.setdefault("kv_dtype", p.dtype)
         return cls(model.config, device=p.device, **kw)
 
+    @property
+    def bytes_total(self) -> int:
+        return self.kv.bytes_total + self.ssm.bytes_total
+
     def report(self) -> CacheReport:
-        total = self.kv.bytes_total + self.ssm.bytes_total
         used = self.kv.bytes_in_use + self.ssm.bytes_in_use
         return CacheReport(kv_bytes_per_token=self.kv.bytes_per_token,
-                           state_bytes_per_sequence=self.ssm.bytes_per_sequence, bytes_total=total,
-                           bytes_in_use=used, bytes_free=total - used, token_capacity=self.kv.capacity_tokens,
-                           max_sequences=self.ssm.num_slots)
+                           state_bytes_per_sequence=self.ssm.bytes_per_sequence, bytes_total=self.bytes_total,
+                           bytes_in_use=used, bytes_free=self.bytes_total - used,
+                           token_capacity=self.kv.capacity_tokens, max_sequences=self.ssm.num_slots,
+                           kv_blocks_total=self.kv.num_blocks,
+                           kv_blocks_in_use=self.kv.num_blocks - self.kv.allocator.num_free,
+                           state_slots_in_use=self.ssm.num_slots - self.ssm.num_free)
 
 
 def sequences_that_fit(config: HybridConfig, cache_bytes: int, seq_len: int, *, block_size: int = 16,
                        kv_dtype: torch.dtype = torch.bfloat16, ssm_dtype: torch.dtype = torch.float32,
                        conv_dtype: torch.dtype | None = None, chunk: int | None = None) -> int:
-    """How many sequences of ``seq_len`` tokens a cache of ``cache_bytes`` holds at once
-    (each needs its KV blocks and one state slot). With ``chunk`` (the engine's token budget per
-    step) a sliding-window model is counted with only the blocks its window keeps."""
-    kv = PagedKVCache(config, 0, block_size=block_size, dtype=kv_dtype, device="meta")
-    ssm = SSMStateCache(config, 1, ssm_dtype=ssm_dtype, conv_dtype=conv_dtype or kv_dtype, device="meta")
+    """How many sequences of ``seq_len`` tokens a cache of ``cache_bytes`` holds at once (each needs its
+    KV blocks and one state slot; the cache's null block and scratch row are paid for first). With ``chunk``
+    (the engine's token budget per step) a sliding-window model is counted with only the blocks its
+    window keeps."""
+    spec = cache_specs(config, CacheDtypes(kv=kv_dtype, conv=conv_dtype or kv_dtype, ssm=ssm_dtype))
+    kv = PagedKVCache(spec, 0, block_size=block_size, device="meta")
     blocks = kv.blocks_for(seq_len) if chunk is None else kv.blocks_held_at_most(seq_len, chunk)
-    per_seq = blocks * kv.bytes_per_block + ssm.bytes_per_sequence
-    return cache_bytes // per_seq
+    per_seq = blocks * kv.bytes_per_block + spec.state_bytes_per_sequence
+    fixed = (kv.bytes_per_block if kv.enabled else 0) + spec.state_bytes_per_sequence  # null block + scratch row
+    return max(0, cache_bytes - fixed) // per_seq

@@ -13,16 +13,24 @@ from .specs import CacheDtypes, cache_specs
 
 
 class Block(nn.Module):
-    """One pattern symbol: ``x + mixer(norm(x))``."""
+    """One pattern symbol: ``x + mixer(norm(x))``, the one definition of the residual sub-layer for both the
+    full forward (``x`` [B, L, d]) and the packed inference forward (``x`` [T, d] of a
+    :class:`~hybrid.packed_batch.PackedBatch`, with the layer's cache pools). Token-wise sub-layers (MLP,
+    experts) run the same forward either way; caching mixers take their packed path."""
 
-    def __init__(self, kind: str, cfg: HybridConfig):
+    def __init__(self, kind: str, cfg: HybridConfig, index: int):
         super().__init__()
-        self.kind = kind
+        self.kind, self.index = kind, index
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = layer_class(kind).from_config(cfg)
+        cls = layer_class(kind)
+        self.mixer = cls.from_config(cfg)
+        self.caches = cls.cache_spec(cfg, CacheDtypes(kv=torch.float32, conv=torch.float32)) is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mixer(self.norm(x))
+    def forward(self, x: torch.Tensor, batch=None, cache=None) -> torch.Tensor:
+        h = self.norm(x)
+        if batch is None or not self.caches:
+            return x + self.mixer(h)
+        return x + self.mixer.forward_packed(h, batch, *cache.layer_pools[self.index])
 
 
 class HybridLM(nn.Module):
@@ -32,10 +40,13 @@ class HybridLM(nn.Module):
             raise TypeError(f"HybridLM needs a HybridConfig, got {type(config).__name__}")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(Block(kind, config) for kind in config.layer_kinds)
+        self.layers = nn.ModuleList(Block(kind, config, i) for i, kind in enumerate(config.layer_kinds))
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.tokenizer = None  # set by hybrid.from_pretrained when the checkpoint folder has one
+        # every attention layer shares one RoPE config: the packed forward computes cos/sin once per step
+        attn = [b.mixer for b in self.layers if b.kind == "attention"]
+        self.rope = attn[0].rope if attn and attn[0].rope.rotary_dim else None
         self.init_weights()
 
     # ---- init ----------------------------------------------------------------------------------
@@ -80,11 +91,18 @@ class HybridLM(nn.Module):
         return self.logits(x)
 
     def forward_packed(self, batch, cache, *, all_logits: bool = False) -> torch.Tensor:
-        """Inference over a packed batch of many sequences (a :class:`hybrid.inference.PackedBatch`)
+        """Inference over a packed batch of many sequences (a :class:`hybrid.packed_batch.PackedBatch`)
         with their K/V and Mamba states in ``cache`` (a :class:`hybrid.cache.HybridCache`), updated
-        in place. Returns each sequence's last-token logits [B, vocab] (all new tokens' with ``all_logits``)."""
-        from .inference import forward_packed
-        return forward_packed(self, batch, cache, all_logits=all_logits)
+        in place. Returns each sequence's last-token logits [B, vocab] (every new token's, [T, vocab], with
+        ``all_logits``)."""
+        if batch.rope is None and self.rope is not None:
+            batch = batch.with_rope(self.rope.cos_sin(batch.positions, self.embed.weight.dtype))
+        x = self.embed(batch.tokens)
+        for block in self.layers:
+            x = block(x, batch, cache)
+        if not all_logits:
+            x = x[batch.last_token_index]
+        return self.logits(x)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
              ignore_index: int = -100) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cuda_backend, dispatch, triton_support
+from .packing import host_values
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl, triton
 
 _LOG2E = 1.4426950408889634  # the kernels use exp2: softmax(s) = 2^(s log2 e - max)
@@ -169,7 +170,8 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         kv = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
         page, Hkv = 1, k.shape[1]
     if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if T else 0
+        bounds = host_values(cu_seqlens_q)
+        max_seqlen_q = max(b - a for a, b in zip(bounds, bounds[1:], strict=False)) if T else 0
     out = torch.empty_like(q)
     if T == 0:
         return out

@@ -18,6 +18,7 @@ per-sequence initial states, ...) is said by the ``supports_*`` checks, which di
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -25,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from .packing import host_values
 
 # package -> (distribution name, {our name: "module:attribute"})
 PACKAGES = {
@@ -91,7 +94,9 @@ def versions() -> dict[str, str]:
     return out
 
 
+@functools.cache
 def _accepts(fn: Callable, param: str) -> bool:
+    # reflected once per (function, parameter), not per call: this sits on the decode path
     try:
         return param in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -137,17 +142,20 @@ def supports_flash_paged(q, k_pool, *args, **kwargs) -> str | None:
 
 
 def varlen_attention(q, k, v, cu_seqlens, *, window=None, scale=None):
+    bounds = host_values(cu_seqlens)
     cu = cu_seqlens.to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
+    max_len = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
     return _fns("flash_attn")["varlen"](q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True,
                                         window_size=_window(window))
 
 
 def paged_prefill_attention(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, *, window=None, scale=None):
+    bounds = host_values(cu_seqlens_q)
     cu_q = cu_seqlens_q.to(torch.int32)
     cu_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
+    max_q = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
     return _fns("flash_attn")["varlen"](
-        q, k_pool, v_pool, cu_q, cu_k, int((cu_q[1:] - cu_q[:-1]).max()), int(seq_lens.max()), softmax_scale=scale,
+        q, k_pool, v_pool, cu_q, cu_k, max_q, max(host_values(seq_lens)), softmax_scale=scale,
         causal=True, window_size=_window(window), block_table=block_tables.to(torch.int32))
 
 
@@ -231,7 +239,7 @@ def selective_scan(x, dt, A, B, C, *, D=None, initial_state=None):
 def selective_varlen_scan(x, dt, A, B, C, cu_seqlens, *, D=None, initial_states=None):
     y = torch.empty_like(x)
     finals = []
-    cu = cu_seqlens.tolist()
+    cu = host_values(cu_seqlens)
     for start, end in zip(cu, cu[1:], strict=False):  # selective_scan_fn has no packed form
         yb, fb = selective_scan(x[None, start:end], dt[None, start:end], A, B[None, start:end], C[None, start:end], D=D)
         y[start:end] = yb[0]

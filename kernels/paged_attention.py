@@ -17,7 +17,7 @@ import torch
 
 from . import cuda_backend, dispatch, triton_support
 from .attention import _LOG2E, causal_attention, causal_attention_ref, flash_attention_triton
-from .packing import check_cu_seqlens, sequences
+from .packing import check_cu_seqlens, host_values, sequences, with_host_values
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl
 
 
@@ -37,8 +37,8 @@ def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Te
 
 def _per_sequence(attend, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window, scale):
     out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    for b, n in enumerate(seq_lens.tolist()):
+    cu = host_values(cu_seqlens_q)
+    for b, n in enumerate(host_values(seq_lens)):
         k = gather_kv(k_pool, block_tables[b], n)[None]
         v = gather_kv(v_pool, block_tables[b], n)[None]
         out[cu[b]:cu[b + 1]] = attend(q[None, cu[b]:cu[b + 1]], k, v, window=window, scale=scale)[0]
@@ -95,11 +95,14 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
     # softmax, so K/V are read through the tables and at most `group_tokens` positions per
     # sequence are gathered at once (never a padded copy of every whole history), and there is
     # no Python loop over sequences. A few sequences are cheaper one by one (gather + SDPA: fewer,
-    # larger ops; measured crossover on CPU near 8 sequences).
+    # larger ops; measured crossover on CPU near 8 sequences). The column range comes from the host
+    # copies of the lengths that the engine attaches to seq_lens (no sync); under torch.compile (the
+    # compiled decode step) it is the whole block table, a static shape, with the lengths only masking.
     group_tokens, per_sequence_below = 1024, 5
     B, Hq, D = q.shape
-    if B < per_sequence_below:
-        cu = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+    compiling = torch.compiler.is_compiling()
+    if B < per_sequence_below and not compiling:
+        cu = with_host_values(torch.arange(B + 1, device=q.device, dtype=torch.int32), tuple(range(B + 1)))
         return _paged_prefill_attention_torch(q, k_pool, v_pool, cu, seq_lens, block_tables, window=window,
                                               scale=scale)
     BS, Hkv = k_pool.shape[1], k_pool.shape[2]
@@ -111,7 +114,13 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
     l = torch.zeros(B, Hkv, rep, device=q.device)
     acc = torch.zeros(B, Hkv, rep, D, device=q.device)
     cols = max(1, group_tokens // BS)
-    for c0 in range(int(first.min()) // BS, -(-int(lens.max()) // BS), cols):
+    if compiling:
+        col_range = range(0, block_tables.shape[1], cols)
+    else:
+        lens_host = host_values(seq_lens)
+        lo = min(max(0, n - window) for n in lens_host) if window is not None else 0
+        col_range = range(lo // BS, -(-max(lens_host) // BS), cols)
+    for c0 in col_range:
         blocks = block_tables[:, c0:c0 + cols].long()
         g = blocks.shape[1]
         k = k_pool[blocks].view(B, g * BS, Hkv, D).float()

@@ -8,7 +8,8 @@ from conftest import rel_err
 
 import hybrid
 from hybrid import Engine, HybridCache, HybridLM, SamplingParams, recipes
-from hybrid.inference import SeqChunk, build_batch
+from hybrid.cache_manager import CacheManager
+from hybrid.packed_batch import SeqChunk, build_batch
 
 TINY = [n for n in recipes.names() if n.endswith("-tiny")]
 
@@ -52,26 +53,30 @@ def test_cached_decode_logits_equal_full_forward(name):
     prompt = prompts_of([21])[0]
     tokens, ref_logits = greedy_reference(model, prompt, 6)
     cache = HybridCache.for_model(model, num_blocks=16, block_size=4, max_seqs=2)
-    cache.ssm.allocate(0)
-    cache.kv.add_sequence(0)
+    manager = CacheManager(cache)
+    manager.admit(0, len(prompt))
     seq = list(prompt)
     with torch.no_grad():
         for step in range(6):
             start = 0 if step == 0 else len(seq) - 1
-            cache.kv.reserve(0, len(seq))
-            out = model.forward_packed(build_batch(cache, [SeqChunk(0, seq[start:], start)]), cache)
+            manager.grow(0, len(seq))
+            out = model.forward_packed(build_batch(manager, [SeqChunk(0, seq[start:], start)]), cache)
             assert rel_err(out[0], ref_logits[step]) < 1e-4
             seq.append(tokens[step])
 
 
-def _run_packed(model, cache, chunks):
+def managed(model, **kw) -> CacheManager:
+    return CacheManager(HybridCache.for_model(model, **kw))
+
+
+def _run_packed(model, manager, chunks):
+    """Run ``chunks`` through the packed forward, giving each sequence the cache it needs first."""
     for c in chunks:
-        if c.seq_id not in cache.ssm.owner:
-            cache.ssm.allocate(c.seq_id)
-            cache.kv.add_sequence(c.seq_id)
-        cache.kv.reserve(c.seq_id, c.start + len(c.tokens))
+        if not manager.holds(c.seq_id):
+            manager.admit(c.seq_id, 0)
+        manager.grow(c.seq_id, c.start + len(c.tokens))
     with torch.no_grad():
-        return model.forward_packed(build_batch(cache, chunks), cache, all_logits=True)
+        return model.forward_packed(build_batch(manager, chunks), manager.cache, all_logits=True)
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -80,15 +85,15 @@ def test_packed_batch_equals_each_sequence_alone(name):
     chunk: every token's logits equal those of its sequence run alone through the full forward."""
     model = tiny_model(name)
     a, b, c, d = prompts_of([13, 30, 2, 9], seed=1)
-    cache = HybridCache.for_model(model, num_blocks=40, block_size=4, max_seqs=4)
-    first = _run_packed(model, cache, [SeqChunk(0, a, 0), SeqChunk(1, b[:20], 0), SeqChunk(2, c, 0)])
+    manager = managed(model, num_blocks=40, block_size=4, max_seqs=4)
+    first = _run_packed(model, manager, [SeqChunk(0, a, 0), SeqChunk(1, b[:20], 0), SeqChunk(2, c, 0)])
     with torch.no_grad():
         full = {i: model(torch.tensor([s]))[0] for i, s in enumerate([a + [5], b, c + [7], d])}
     cu = [0, 13, 33, 35]
     for i, ref in ((0, full[0][:13]), (1, full[1][:20]), (2, full[2][:2])):
         assert rel_err(first[cu[i]:cu[i + 1]], ref) < 1e-4
     # decodes (0 and 2) first, then the rest of b's prompt and a fresh prompt d
-    second = _run_packed(model, cache, [SeqChunk(0, [5], 13), SeqChunk(2, [7], 2), SeqChunk(1, b[20:], 20),
+    second = _run_packed(model, manager, [SeqChunk(0, [5], 13), SeqChunk(2, [7], 2), SeqChunk(1, b[20:], 20),
                                         SeqChunk(3, d, 0)])
     assert rel_err(second[0], full[0][13]) < 1e-4
     assert rel_err(second[1], full[2][2]) < 1e-4
@@ -102,19 +107,20 @@ def test_chunked_prefill_equals_one_prefill(name):
     prefill, and the next decode gives the same logits."""
     model = tiny_model(name)
     prompt = prompts_of([37], seed=2)[0]
-    caches = [HybridCache.for_model(model, num_blocks=12, block_size=4, max_seqs=1) for _ in range(2)]
-    _run_packed(model, caches[0], [SeqChunk(0, prompt, 0)])
+    managers = [managed(model, num_blocks=12, block_size=4, max_seqs=1) for _ in range(2)]
+    _run_packed(model, managers[0], [SeqChunk(0, prompt, 0)])
     start = 0
     for n in (5, 16, 1, 15):
-        _run_packed(model, caches[1], [SeqChunk(0, prompt[start:start + n], start)])
+        _run_packed(model, managers[1], [SeqChunk(0, prompt[start:start + n], start)])
         start += n
+    caches = [m.cache for m in managers]
     for i, (conv, ssm) in caches[0].ssm.pools.items():
         conv2, ssm2 = caches[1].ssm.pools[i]
         assert rel_err(conv2, conv) < 1e-5 and rel_err(ssm2, ssm) < 1e-4
     for i, (k, v) in caches[0].kv.pools.items():
         k2, v2 = caches[1].kv.pools[i]
         assert rel_err(k2, k) < 1e-5 and rel_err(v2, v) < 1e-5
-    one, chunked = (_run_packed(model, c, [SeqChunk(0, [3], 37)]) for c in caches)
+    one, chunked = (_run_packed(model, m, [SeqChunk(0, [3], 37)]) for m in managers)
     assert rel_err(chunked, one) < 1e-5
 
 
@@ -123,18 +129,20 @@ def test_paged_equals_contiguous(name):
     """Small blocks handed out in a scrambled order give the logits of one contiguous block per sequence."""
     model = tiny_model(name)
     prompts = prompts_of([23, 11], seed=3)
-    contiguous = HybridCache.for_model(model, num_blocks=2, block_size=64, max_seqs=2)
-    paged = HybridCache.for_model(model, num_blocks=20, block_size=2, max_seqs=2)
-    free = list(paged.kv.allocator._free)
+    contiguous = managed(model, num_blocks=2, block_size=64, max_seqs=2)
+    paged = managed(model, num_blocks=20, block_size=2, max_seqs=2)
+    allocator = paged.kv.allocator
+    free = allocator.free_ids()
     random.Random(0).shuffle(free)
-    paged.kv.allocator._free.clear()
-    paged.kv.allocator._free.extend(free)
+    allocator._free.clear()
+    allocator._free.extend(free)
     outs = []
-    for cache in (contiguous, paged):
-        first = _run_packed(model, cache, [SeqChunk(0, prompts[0], 0), SeqChunk(1, prompts[1], 0)])
-        second = _run_packed(model, cache, [SeqChunk(0, [1], 23), SeqChunk(1, [2], 11)])
+    for manager in (contiguous, paged):
+        first = _run_packed(model, manager, [SeqChunk(0, prompts[0], 0), SeqChunk(1, prompts[1], 0)])
+        second = _run_packed(model, manager, [SeqChunk(0, [1], 23), SeqChunk(1, [2], 11)])
         outs.append(torch.cat([first, second]))
-    assert paged.kv.tables[0] != sorted(paged.kv.tables[0])  # the blocks really are out of order
+    table = paged.block_table(0)
+    assert table != sorted(table)  # the blocks really are out of order
     assert rel_err(outs[1], outs[0]) < 1e-5
 
 
@@ -195,8 +203,7 @@ def test_continuous_batching_mixes_prefill_and_decode_and_frees_at_once():
     assert seen[-1] == (12, 1, 2)  # a's decode + the first 11 tokens of b's prompt, within the budget
     outs = engine.step()  # a's last token: it finishes and frees its blocks and slot in this step
     assert [o.finished for o in outs if o.request_id == a] == [True]
-    assert a not in engine.cache.ssm.owner and a not in engine.cache.kv.tables
-    assert b in engine.cache.ssm.owner
+    assert not engine.cache_manager.holds(a) and engine.cache_manager.holds(b)
     with pytest.raises(ValueError, match="has not finished"):
         engine.forget(b)
     assert len(engine.forget(a).output) == 4 and a not in engine.requests

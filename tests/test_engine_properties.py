@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid import AttentionConfig, Engine, HybridConfig, HybridLM, Mamba1Config, Mamba2Config, SamplingParams
+from hybrid.cache import NULL_BLOCK
 
 CFG = HybridConfig(vocab_size=64, d_model=32, pattern="M*-m",
                    attention=AttentionConfig(n_heads=2, n_kv_heads=1),
@@ -28,20 +29,21 @@ def model(request):
 
 
 def check_invariants(engine: Engine) -> None:
-    kv, ssm = engine.cache.kv, engine.cache.ssm
+    m = engine.cache_manager
+    alloc = m.kv.allocator
     live = {r.request_id for r in engine.running}
-    assert set(kv.tables) == live == set(ssm.owner)
-    blocks = [b for table in kv.tables.values() for b in table if b is not None]  # None: left the window
-    assert len(blocks) == len(set(blocks)), "a block belongs to two live sequences"
-    assert all(kv.allocator.ref_counts[b] == 1 for b in blocks)
-    assert sorted(kv.allocator._free) == sorted(set(range(NUM_BLOCKS)) - set(blocks)), "a block leaked"
-    slots = list(ssm.owner.values())
-    assert len(slots) == len(set(slots)) and ssm.num_free + len(slots) == MAX_SEQS
+    assert set(m.seqs) == live
+    blocks = m.blocks_in_use()  # the null block (left the window) is nobody's
+    assert NULL_BLOCK not in blocks and len(blocks) == len(set(blocks)), "a block belongs to two live sequences"
+    assert all(alloc.ref_counts[b] == 1 for b in blocks)
+    assert sorted(alloc.free_ids()) == sorted(set(range(1, NUM_BLOCKS + 1)) - set(blocks)), "a block leaked"
+    slots = [m.state_slot(r) for r in live]
+    assert len(slots) == len(set(slots)) and m.num_free_slots + len(slots) == MAX_SEQS
     for r in engine.running:
-        table = kv.tables[r.request_id]
+        table = m.block_table(r.request_id)
         assert len(table) * BLOCK_SIZE >= r.num_computed
-        held = len([b for b in table if b is not None])
-        assert held <= kv.blocks_held_at_most(len(r.tokens), engine.max_batch_tokens)
+        held = len([b for b in table if b != NULL_BLOCK])
+        assert held <= m.kv.blocks_held_at_most(len(r.tokens), engine.max_batch_tokens)
         assert not r.finished
     for r in engine.waiting:
         assert r.num_computed == 0 and r.request_id not in live
@@ -72,11 +74,11 @@ def test_random_workloads_keep_the_cache_consistent(model, ops, budget, temperat
         elif op == "abort" and engine.requests:
             engine.abort(sorted(engine.requests)[a % len(engine.requests)])
         elif op == "preempt" and engine.running:
-            engine._preempt(engine.running[-1])
+            engine.scheduler.preempt(engine.running[-1])
         check_invariants(engine)
     engine.run()
     check_invariants(engine)
-    assert engine.cache.kv.allocator.num_free == NUM_BLOCKS and engine.cache.ssm.num_free == MAX_SEQS
+    assert engine.cache_manager.num_free_blocks == NUM_BLOCKS and engine.cache_manager.num_free_slots == MAX_SEQS
     alone = Engine(model, num_blocks=64, block_size=BLOCK_SIZE, max_seqs=1)
     for r in engine.requests.values():
         assert r.finish_reason in ("length", "abort")

@@ -1,17 +1,30 @@
-"""Sampling filters, seeds and stop conditions (unit level, then through the engine)."""
+"""Sampling filters, seeds and stop conditions (unit level on batched tensors, then through the engine)."""
 
 import pytest
 import torch
 
 from hybrid import Engine, HybridLM, SamplingParams, load_tokenizer, recipes
-from hybrid.sampling import apply_repetition_penalty, draw, filtered_probs, sample_tokens
+from hybrid.sampling import SamplingBatch, apply_repetition_penalty, filtered_probs, sample, uniforms
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
 LOGITS = PROBS.log().float()
 
 
+def batch_of(params: list[SamplingParams], seeds=None, counters=None, contexts=None, vocab=4) -> SamplingBatch:
+    n = len(params)
+    return SamplingBatch.build(params, seeds or [0] * n, counters or [0] * n, contexts, vocab, "cpu")
+
+
+def probs_in_vocab_order(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The normalised sampling distribution of one row, token by token."""
+    probs, order = filtered_probs(logits[None], batch_of([params], vocab=logits.shape[-1]))
+    if order is not None:
+        probs = torch.zeros_like(probs).scatter(1, order, probs)
+    return (probs / probs.sum())[0]
+
+
 def support(params: SamplingParams) -> list[int]:
-    return torch.nonzero(filtered_probs(LOGITS, params)).flatten().tolist()
+    return torch.nonzero(probs_in_vocab_order(LOGITS, params)).flatten().tolist()
 
 
 def test_filters_keep_the_right_tokens():
@@ -22,31 +35,65 @@ def test_filters_keep_the_right_tokens():
     assert support(SamplingParams(temperature=1.0, top_p=0.81)) == [0, 1, 2]
     assert support(SamplingParams(temperature=1.0, min_p=0.5)) == [0, 1]  # p >= 0.25
     assert support(SamplingParams(temperature=1.0, top_k=3, min_p=0.4)) == [0, 1]
-    kept = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=2))
-    assert torch.allclose(kept[:2], torch.tensor([0.625, 0.375], dtype=torch.float64))
+    kept = probs_in_vocab_order(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(kept[:2].double(), torch.tensor([0.625, 0.375], dtype=torch.float64))
+
+
+def test_rows_with_different_settings_are_filtered_side_by_side():
+    """One batch: each row gets its own filter, exactly as it would alone."""
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=0.5, min_p=0.5)]
+    probs, order = filtered_probs(LOGITS.expand(4, 4), batch_of(params))
+    together = torch.zeros_like(probs).scatter(1, order, probs)
+    for b, p in enumerate(params):
+        alone = probs_in_vocab_order(LOGITS, p)
+        assert torch.allclose(together[b] / together[b].sum(), alone)
 
 
 def test_temperature_reshapes_the_distribution():
-    cold = filtered_probs(LOGITS, SamplingParams(temperature=0.5))
-    assert torch.allclose(cold, PROBS ** 2 / (PROBS ** 2).sum())
+    cold = probs_in_vocab_order(LOGITS, SamplingParams(temperature=0.5))
+    assert torch.allclose(cold.double(), PROBS ** 2 / (PROBS ** 2).sum(), atol=1e-6)
+
+
+def test_uniforms_are_a_pure_function_of_seed_and_counter():
+    seeds = torch.tensor([5, 5, 6, 2**62], dtype=torch.long)
+    counters = torch.tensor([0, 1, 0, 7], dtype=torch.long)
+    u = uniforms(seeds, counters)
+    assert torch.equal(u, uniforms(seeds, counters)) and ((u >= 0) & (u < 1)).all()
+    assert len(set(u.tolist())) == 4
+    assert uniforms(seeds[2:3], counters[2:3]).item() == u[2].item()  # batch composition does not matter
+    many = uniforms(torch.full((20000,), 3, dtype=torch.long), torch.arange(20000))
+    assert abs(many.mean().item() - 0.5) < 0.01 and abs(many.var().item() - 1 / 12) < 0.005
 
 
 def test_draws_follow_the_distribution_and_the_seed():
-    g = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.tensor([draw(PROBS, g) for _ in range(4000)]), minlength=4)
-    assert torch.allclose(counts / 4000, PROBS.float(), atol=0.03)
-    a = [draw(PROBS, torch.Generator().manual_seed(5)) for _ in range(3)]
-    assert len(set(a)) == 1
+    n = 4000
+    params = [SamplingParams(temperature=1.0)] * n
+    ids = sample(LOGITS.expand(n, 4), batch_of(params, seeds=[1] * n, counters=list(range(n))))
+    counts = torch.bincount(ids, minlength=4)
+    assert torch.allclose(counts / n, PROBS.float(), atol=0.03)
+    # the same (seed, counter) draws the same token; a filter never lets a filtered token through
+    again = sample(LOGITS.expand(n, 4), batch_of(params, seeds=[1] * n, counters=list(range(n))))
+    assert torch.equal(ids, again)
+    top2 = sample(LOGITS.expand(n, 4), batch_of([SamplingParams(temperature=1.0, top_k=2)] * n,
+                                                 seeds=[2] * n, counters=list(range(n))))
+    assert set(top2.tolist()) == {0, 1}
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    logits = torch.tensor([[0.1, 3.0, 0.2, 0.0], [5.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 9.0]])
+    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1), SamplingParams()]
+    assert sample(logits, batch_of(params)).tolist() == [1, 0, 3]
 
 
 def test_repetition_penalty():
-    logits = torch.tensor([2.0, 1.0, -1.0, 0.5])
-    out = apply_repetition_penalty(logits, torch.tensor([0, 2, 2]), 2.0)
-    assert out.tolist() == [1.0, 1.0, -2.0, 0.5]
-    # greedy with a strong penalty moves off the already-seen argmax
-    assert sample_tokens(logits[None], [SamplingParams(repetition_penalty=4.0)], [torch.tensor([0])],
-                         [torch.Generator()]) == [1]
-    assert sample_tokens(logits[None], [SamplingParams()], [torch.tensor([0])], [torch.Generator()]) == [0]
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+    seen = torch.tensor([[True, False, True, False]])
+    out = apply_repetition_penalty(logits, seen, torch.tensor([2.0]))
+    assert out.tolist() == [[1.0, 1.0, -2.0, 0.5]]
+    # greedy with a strong penalty moves off the already-seen argmax; without one it stays
+    assert sample(logits, batch_of([SamplingParams(repetition_penalty=4.0)], contexts=[[0]])).tolist() == [1]
+    assert sample(logits, batch_of([SamplingParams()], contexts=[[0]])).tolist() == [0]
 
 
 def test_params_are_validated():

@@ -33,14 +33,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, d_model, bias=cfg.out_bias)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [..., L, d_model], positions [..., L] -> q [..., L, Hq, D], k, v [..., L, Hkv, D] (RoPE applied)."""
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor,
+            rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        """x [..., L, d_model], positions [..., L] -> q [..., L, Hq, D], k, v [..., L, Hkv, D] (RoPE applied,
+        from ``rope`` = (cos, sin) of ``positions`` when the caller computed them once for all layers)."""
         lead = x.shape[:-1]
         q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
         if self.rope.rotary_dim:
-            cos, sin = self.rope.cos_sin(positions, q.dtype)
+            cos, sin = rope if rope is not None else self.rope.cos_sin(positions, q.dtype)
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         return q, k, v
 
@@ -51,21 +53,20 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(B, L, -1))
 
     def forward_packed(self, x: torch.Tensor, batch, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        """Packed inference: x [T, d_model] of a :class:`hybrid.inference.PackedBatch` -> [T, d_model].
+        """Packed inference: x [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
 
         Writes the new K/V into the paged pools, then attends over each sequence's cached history
-        through its block table; the batch's leading ``num_decodes`` one-token sequences take the
-        decode op, the rest (prefills and prefill chunks) the prefill op.
+        through its block table; the batch's one-token sequences (``batch.decode``) take the decode op,
+        the rest (``batch.prefill``: prompts and prompt chunks) the prefill op.
         """
-        q, k, v = self.qkv(x, batch.positions)
+        q, k, v = self.qkv(x, batch.positions, batch.rope)
         kernels.write_kv(k_pool, v_pool, k, v, batch.slot_mapping)
-        nd, w = batch.num_decodes, self.cfg.sliding_window
-        parts = []
-        if nd:
-            parts.append(kernels.paged_decode_attention(q[:nd], k_pool, v_pool, batch.seq_lens[:nd],
-                                                        batch.block_tables[:nd], window=w))
-        if nd < batch.num_seqs:
-            parts.append(kernels.paged_prefill_attention(q[nd:], k_pool, v_pool, batch.cu_seqlens[nd:] - nd,
-                                                         batch.seq_lens[nd:], batch.block_tables[nd:], window=w))
+        w, parts = self.cfg.sliding_window, []
+        if (d := batch.decode) is not None:
+            parts.append(kernels.paged_decode_attention(q[d.tokens], k_pool, v_pool, d.seq_lens, d.block_tables,
+                                                        window=w))
+        if (p := batch.prefill) is not None:
+            parts.append(kernels.paged_prefill_attention(q[p.tokens], k_pool, v_pool, p.cu_seqlens, p.seq_lens,
+                                                         p.block_tables, window=w))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         return self.o_proj(out.reshape(x.shape[0], -1))

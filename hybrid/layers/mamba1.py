@@ -78,20 +78,20 @@ class Mamba1(nn.Module):
         return self.out_proj(y * F.silu(z))
 
     def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
-        """Packed inference: u [T, d_model] of a :class:`hybrid.inference.PackedBatch` -> [T, d_model];
-        states in rows ``batch.state_slots`` of the pools (step ops for the leading one-token
-        sequences, varlen scans for the rest), as in :meth:`Mamba2.forward_packed`."""
+        """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model];
+        states in the sequences' rows of the pools (step ops for ``batch.decode``, varlen scans for
+        ``batch.prefill``), as in :meth:`Mamba2.forward_packed`."""
         x, z = self.in_proj(u).chunk(2, dim=-1)
-        w, bias, nd = self.conv1d.weight[:, 0], self.conv1d.bias, batch.num_decodes
+        w, bias = self.conv1d.weight[:, 0], self.conv1d.bias
         ys = []
-        if nd:
-            slots = batch.state_slots[:nd]
-            xd = kernels.causal_conv1d_step(conv_pool, x[:nd], w, bias, activation="silu", slots=slots)
+        if (d := batch.decode) is not None:
+            slots = d.state_slots
+            xd = kernels.causal_conv1d_step(conv_pool, x[d.tokens], w, bias, activation="silu", slots=slots)
             dt, B, C = self.dt_B_C(xd)
             ys.append(kernels.selective_step(ssm_pool, xd, dt, self.A(), B, C, D=self.D, slots=slots))
-        if nd < batch.num_seqs:
-            slots, cu = batch.state_slots[nd:], batch.cu_seqlens[nd:] - nd
-            xp, conv_final = kernels.causal_conv1d_varlen(x[nd:], w, bias, cu, initial_states=conv_pool[slots],
+        if (p := batch.prefill) is not None:
+            slots, cu = p.state_slots, p.cu_seqlens
+            xp, conv_final = kernels.causal_conv1d_varlen(x[p.tokens], w, bias, cu, initial_states=conv_pool[slots],
                                                           activation="silu")
             conv_pool[slots] = conv_final.to(conv_pool.dtype)
             dt, B, C = self.dt_B_C(xp)

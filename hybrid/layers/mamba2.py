@@ -94,28 +94,28 @@ class Mamba2(nn.Module):
         return self.out_proj(y)
 
     def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
-        """Packed inference: u [T, d_model] of a :class:`hybrid.inference.PackedBatch` -> [T, d_model].
+        """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
 
-        Each sequence starts from and leaves its state in rows ``batch.state_slots`` of the pools:
-        the leading ``num_decodes`` one-token sequences take the O(1) step ops, the rest run the
-        varlen conv and SSD scan from their slot's state (zero for a fresh sequence).
+        Each sequence starts from and leaves its state in its rows (``state_slots``) of the pools: the
+        one-token sequences (``batch.decode``) take the O(1) step ops, the rest (``batch.prefill``) run
+        the varlen conv and SSD scan from their slot's state (zero for a fresh sequence).
         """
         z, xBC, dt_raw = self.split_projection(self.in_proj(u))
-        w, bias, nd = self.conv1d.weight[:, 0], self.conv1d.bias, batch.num_decodes
+        w, bias = self.conv1d.weight[:, 0], self.conv1d.bias
         ys = []
-        if nd:
-            slots = batch.state_slots[:nd]
-            xBC_d = kernels.causal_conv1d_step(conv_pool, xBC[:nd], w, bias, activation="silu", slots=slots)
+        if (d := batch.decode) is not None:
+            slots = d.state_slots
+            xBC_d = kernels.causal_conv1d_step(conv_pool, xBC[d.tokens], w, bias, activation="silu", slots=slots)
             x, B, C = self.split_xBC(xBC_d)
-            dt, A = self.dt_A(dt_raw[:nd])
+            dt, A = self.dt_A(dt_raw[d.tokens])
             ys.append(kernels.ssd_step(ssm_pool, x, dt, A, B, C, D=self.D, slots=slots))
-        if nd < batch.num_seqs:
-            slots, cu = batch.state_slots[nd:], batch.cu_seqlens[nd:] - nd
-            xBC_p, conv_final = kernels.causal_conv1d_varlen(xBC[nd:], w, bias, cu, initial_states=conv_pool[slots],
-                                                             activation="silu")
+        if (p := batch.prefill) is not None:
+            slots, cu = p.state_slots, p.cu_seqlens
+            xBC_p, conv_final = kernels.causal_conv1d_varlen(xBC[p.tokens], w, bias, cu,
+                                                             initial_states=conv_pool[slots], activation="silu")
             conv_pool[slots] = conv_final.to(conv_pool.dtype)
             x, B, C = self.split_xBC(xBC_p)
-            dt, A = self.dt_A(dt_raw[nd:])
+            dt, A = self.dt_A(dt_raw[p.tokens])
             y, ssm_final = kernels.ssd_varlen_scan(x, dt, A, B, C, cu, chunk_size=self.cfg.chunk_size, D=self.D,
                                                    initial_states=ssm_pool[slots])
             ssm_pool[slots] = ssm_final.to(ssm_pool.dtype)

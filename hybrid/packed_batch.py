@@ -1,0 +1,141 @@
+"""One inference step's flat batch: many sequences of different lengths, no padding.
+
+A step's sequences are concatenated, one-token sequences first (decodes: they take the O(1) Mamba step
+ops and the paged decode-attention op), then prefills and prefill chunks. :func:`build_batch` makes the
+metadata once per step and validates it once; the ops trust it (see :mod:`hybrid.kernels.packing`):
+every length tensor carries its host copy, and the decode and prefill groups come pre-split, so no layer
+slices, re-validates or reads a tensor back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache_manager import CacheManager
+from .kernels.packing import with_host_values
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """New tokens of one sequence for this step: ``tokens`` go at positions ``start..start+len-1``
+    (``start`` tokens of the sequence are already in the cache)."""
+
+    seq_id: int
+    tokens: list[int]
+    start: int
+
+
+@dataclass(frozen=True)
+class SeqGroup:
+    """The decodes, or the prefills, of a step: what their attention and Mamba ops read.
+
+    cu_seqlens: [n+1] int32, relative to the group's first token; seq_lens: [n] int32 (cached history +
+    new tokens); block_tables: [n, max_blocks] int32; state_slots: [n] int64. The length tensors carry
+    their host values.
+    """
+
+    tokens: slice  # the group's rows of the packed token dimension
+    cu_seqlens: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    state_slots: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One step's flat batch. tokens, positions, slot_mapping: [T]; ``last_token_index`` [B] is each
+    sequence's last new token (its logits are what a sampler needs); ``rope`` the (cos, sin) of every
+    position, computed once for all attention layers (None: each layer computes its own)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    last_token_index: torch.Tensor
+    decode: SeqGroup | None
+    prefill: SeqGroup | None
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode.num_seqs if self.decode is not None else 0
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decodes + (self.prefill.num_seqs if self.prefill is not None else 0)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[0]
+
+    def with_rope(self, rope: tuple[torch.Tensor, torch.Tensor] | None) -> PackedBatch:
+        return PackedBatch(self.tokens, self.positions, self.slot_mapping, self.last_token_index, self.decode,
+                           self.prefill, rope)
+
+
+def _lengths(values: list[int], device) -> torch.Tensor:
+    return with_host_values(torch.tensor(values, dtype=torch.int32, device=device), tuple(values))
+
+
+def make_group(tokens: slice, lengths: list[int], seq_lens: list[int], tables: list[list[int]],
+               slots: list[int], device) -> SeqGroup:
+    """A :class:`SeqGroup` from host lists (``lengths``: new tokens per sequence)."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    width = max(1, max(len(t) for t in tables))
+    table = torch.zeros(len(tables), width, dtype=torch.int32)  # 0: the null block, never a live one
+    for b, t in enumerate(tables):
+        table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    return SeqGroup(tokens, _lengths(cu, device), _lengths(seq_lens, device), table.to(device),
+                    torch.tensor(slots, dtype=torch.long, device=device))
+
+
+def build_batch(manager: CacheManager, chunks: list[SeqChunk]) -> PackedBatch:
+    """Pack ``chunks`` (one-token chunks first) into a validated batch. Each sequence must already hold a
+    state slot and enough KV blocks for ``start + len(tokens)`` tokens (the scheduler saw to that)."""
+    if not chunks:
+        raise ValueError("build_batch: no sequences to run")
+    lengths = [len(c.tokens) for c in chunks]
+    if min(lengths) < 1:
+        raise ValueError("build_batch: every sequence needs at least one new token")
+    nd = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
+    if any(n == 1 for n in lengths[nd:]):
+        raise ValueError("build_batch: put the one-token (decode) sequences first")
+    missing = [c.seq_id for c in chunks if not manager.holds(c.seq_id)]
+    if missing:
+        raise ValueError(f"build_batch: sequences {missing} hold no cache in this manager")
+    short = [c.seq_id for c in chunks if manager.kv.enabled
+             and len(manager.block_table(c.seq_id)) * manager.block_size < c.start + len(c.tokens)]
+    if short:
+        raise ValueError(f"build_batch: sequences {short} hold too few KV blocks for their new tokens")
+    device = manager.cache.device
+    tokens, positions, slots = [], [], []
+    for c in chunks:
+        tokens.extend(c.tokens)
+        positions.extend(range(c.start, c.start + len(c.tokens)))
+        slots.extend(manager.pool_slots(c.seq_id, c.start, c.start + len(c.tokens)))
+    tables = [manager.block_table(c.seq_id) if manager.kv.enabled else [] for c in chunks]
+    seq_lens = [c.start + len(c.tokens) for c in chunks]
+    state_slots = [manager.state_slot(c.seq_id) for c in chunks]
+    groups = []
+    for lo, hi, t0 in ((0, nd, 0), (nd, len(chunks), nd)):
+        if hi > lo:
+            rows = slice(t0, t0 + sum(lengths[lo:hi]))
+            groups.append(make_group(rows, lengths[lo:hi], seq_lens[lo:hi], tables[lo:hi], state_slots[lo:hi], device))
+        else:
+            groups.append(None)
+    last, total = [], 0
+    for n in lengths:
+        total += n
+        last.append(total - 1)
+    return PackedBatch(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                       positions=torch.tensor(positions, dtype=torch.long, device=device),
+                       slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                       last_token_index=torch.tensor(last, dtype=torch.long, device=device),
+                       decode=groups[0], prefill=groups[1])

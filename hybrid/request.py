@@ -1,0 +1,62 @@
+"""A generation request as the engine tracks it, and what one step gives back for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+from .tokenizer import StreamDecoder
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: new token ids (and their text with a tokenizer)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "length", "stop" or "abort"
+
+
+@dataclass(eq=False)  # identity semantics: requests are compared and hashed as objects
+class Request:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    seed: int
+    decoder: StreamDecoder | None
+    arrival_time: float = 0.0
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens of ``tokens`` whose K/V and state are in the cache
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache: 1 while decoding, more while (re)filling a prompt."""
+        return self.num_tokens - self.num_computed
+
+    def pending(self, n: int) -> list[int]:
+        """The next ``n`` tokens to compute (without copying the whole sequence)."""
+        start, cut = self.num_computed, len(self.prompt)
+        if start >= cut:
+            return self.output[start - cut:start - cut + n]
+        return self.prompt[start:start + n] + self.output[:max(0, start + n - cut)]
+
+    @property
+    def text(self) -> str:
+        return self.decoder.text if self.decoder is not None else ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,101 @@
+"""The scheduler: which requests run this step and how many tokens each computes.
+
+Each step it packs, within a token budget, one token for every running sequence that is decoding, the
+next chunk of every running prefill, and then as many waiting requests as there are state slots, KV
+blocks and budget for. A request computes ``tokens[num_computed:]`` each time it is scheduled, so a
+prompt, a prompt chunk, a decode and a recompute after preemption are one code path. When a running
+sequence cannot grow, the newest running sequence is preempted: its cache is freed at once and it goes
+back to the front of the queue to recompute later from its tokens so far. All cache questions go to the
+:class:`~hybrid.cache_manager.CacheManager`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .cache_manager import CacheManager
+from .request import Request
+
+
+class Scheduler:
+    def __init__(self, manager: CacheManager, *, max_seqs: int, max_batch_tokens: int):
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.manager = manager
+        self.max_seqs = max_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.preemptions = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def release(self, req: Request) -> None:
+        """Take ``req`` out of the queues, freeing whatever cache it holds."""
+        if req in self.running:
+            self.running.remove(req)
+            self.manager.free(req.request_id)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def preempt(self, req: Request) -> None:
+        """Free everything ``req`` holds; it recomputes its tokens when it is scheduled again."""
+        self.release(req)
+        req.num_computed = 0
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+
+    def _admit(self, req: Request, n: int) -> bool:
+        if len(self.running) >= self.max_seqs or not self.manager.can_admit(n):
+            return False
+        self.manager.admit(req.request_id, n)
+        self.running.append(req)
+        return True
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """This step's (request, new tokens) pairs, one-token decodes first (the packed forward's decode group)."""
+        budget = self.max_batch_tokens
+        plan: dict[Request, int] = {}
+        decoding = [r for r in self.running if r.num_pending == 1]
+        prefilling = [r for r in self.running if r.num_pending > 1]
+        for req in decoding + prefilling:
+            if req not in self.running:  # preempted this step to make room for an older sequence
+                continue
+            n = min(req.num_pending, budget)
+            if n == 0:
+                break
+            while not self.manager.can_grow(req.request_id, req.num_computed + n):
+                victim = self.running[-1]  # the newest running sequence
+                self.preempt(victim)
+                budget += plan.pop(victim, 0)
+                if victim is req:
+                    break
+            if req not in self.running:
+                continue
+            self.manager.grow(req.request_id, req.num_computed + n)
+            plan[req] = n
+            budget -= n
+        while budget and self.waiting:
+            req = self.waiting[0]
+            n = min(req.num_tokens, budget)
+            if not self._admit(req, n):
+                break
+            self.waiting.popleft()
+            plan[req] = n
+            budget -= n
+        return sorted(plan.items(), key=lambda rn: rn[1] != 1)
+
+    def advance(self, plan: list[tuple[Request, int]]) -> list[Request]:
+        """After the forward: count the computed tokens, let a sliding window's old blocks go, and return
+        the requests that now need a sampled token (those whose pending tokens are all computed)."""
+        ready = []
+        for req, n in plan:
+            req.num_computed += n
+            self.manager.trim(req.request_id, req.num_computed)
+            if req.num_pending == 0:
+                ready.append(req)
+        return ready
