@@ -1,9 +1,14 @@
-"""Inference-engine benchmark: prefill and decode speed through the engine, cache memory, and
-greedy decoding against ``transformers``' ``generate`` on the same (random) Llama weights.
+"""Inference-engine benchmark: decode speed through the engine, eager and compiled, next to ``transformers``'
+``generate`` on the same weights, against this machine's memory-bandwidth floor; prefill speed; cache memory.
 
-    python -m hybrid.eval.engine_bench --recipes llama-small hybrid-1to7-small --threads 8
+    python -m hybrid.eval.engine_bench --recipes llama-small hybrid-1to7-small mamba2-small --threads 2
 
-Prints markdown tables (medians); ``--plot PATH`` also draws decode tokens/s against batch size.
+Decode rows: ``batch`` sequences at ``context`` tokens each decode together; the first sequence is prefilled
+once and forked ``batch - 1`` times (the prompt's KV blocks are shared, every sequence reads its whole
+context every step, as it would with distinct prompts). Every step is timed; the table gives the median
+with min and max. The floor is the bytes a decode step must move (every weight once, each sequence's K/V,
+each Mamba state read and written) over this machine's measured copy bandwidth. Compile time is
+reported on its own, never inside tokens/s. ``--plot PATH`` draws decode tokens/s against batch size.
 """
 
 from __future__ import annotations
@@ -40,6 +45,40 @@ def _prompt(model: HybridLM, n: int, seed: int) -> list[int]:
     return torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
 
 
+def spread(times: list[float]) -> dict:
+    """min / median / max in milliseconds, and whether the spread is wide (max > 1.25 x min)."""
+    return {"ms_min": round(min(times) * 1e3, 2), "ms_med": round(statistics.median(times) * 1e3, 2),
+            "ms_max": round(max(times) * 1e3, 2), "wide": max(times) > 1.25 * min(times)}
+
+
+# ---- the machine -----------------------------------------------------------------------------------
+def copy_bandwidth(device: str | torch.device = "cpu", mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per second a large tensor copy moves (read + write counted), median of ``repeats``."""
+    src = torch.ones(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if dst.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times[1:])
+
+
+def decode_step_bytes(model: HybridLM, batch: int, context: int) -> int:
+    """Bytes one decode step must move at least: every weight once (the embedding only for the looked-up
+    rows unless it is also the LM head), each sequence's K/V for its context, each Mamba state read and
+    written."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        emb = model.embed.weight
+        weights -= emb.numel() * emb.element_size() - batch * emb.shape[1] * emb.element_size()
+    spec = model.cache_spec()
+    return weights + batch * (context * spec.kv_bytes_per_token + 2 * spec.state_bytes_per_sequence)
+
+
+# ---- ours -------------------------------------------------------------------------------------------
 def prefill_speed(model: HybridLM, context: int, repeats: int) -> dict:
     """One prompt of ``context`` tokens prefilled in one engine step (sampling its first token)."""
     times = []
@@ -52,17 +91,31 @@ def prefill_speed(model: HybridLM, context: int, repeats: int) -> dict:
         engine.step()
         _sync(model)
         times.append(time.perf_counter() - t0)
-    med = statistics.median(times[1:])
-    return {"context": context, "prefill_ms": round(med * 1e3, 1), "prefill_tok/s": round(context / med, 1)}
+    s = spread(times[1:])
+    return {"context": context, **s, "prefill_tok/s": round(context / (s["ms_med"] / 1e3), 1)}
 
 
-def decode_speed(model: HybridLM, batch: int, prompt_len: int, steps: int) -> dict:
-    """``batch`` sequences decoding together: median time of a step of one token each."""
-    engine = Engine(model, num_blocks=batch * -(-(prompt_len + steps + 1) // BLOCK), block_size=BLOCK,
-                    max_seqs=batch, max_batch_tokens=batch * prompt_len)
-    for b in range(batch):
-        engine.add_request(_prompt(model, prompt_len, b), SamplingParams(max_new_tokens=steps + 1))
-    engine.step()  # every prompt prefilled, first tokens sampled
+def decode_engine(model: HybridLM, batch: int, context: int, *, steps: int, compile: bool, warmup: int) -> Engine:
+    """An engine holding ``batch`` sequences of ``context`` tokens, all decoding (compiled steps warmed up),
+    with room for ``steps`` more timed steps."""
+    new = warmup + steps + 2
+    blocks = -(-(context + new) // BLOCK) + (batch - 1) * (-(-new // BLOCK) + 1)  # shared prompt + own tails
+    engine = Engine(model, num_blocks=blocks, block_size=BLOCK, max_seqs=batch, max_batch_tokens=max(context, 1),
+                    compile=compile)
+    rid = engine.add_request(_prompt(model, context, 0), SamplingParams(max_new_tokens=new, ignore_eos=True))
+    while not engine.requests[rid].output:
+        engine.step()  # the prompt, prefilled once
+    for _ in range(batch - 1):
+        engine.fork(rid)
+    for _ in range(warmup):
+        engine.step()
+    return engine
+
+
+def decode_speed(engine: Engine, steps: int) -> tuple[dict, dict]:
+    """Time ``steps`` decode steps; returns the speed row and the mean time split of a step."""
+    model, batch = engine.model, len(engine.running)
+    s0 = dict(engine.stats.__dict__)
     times = []
     for _ in range(steps):
         _sync(model)
@@ -70,14 +123,58 @@ def decode_speed(model: HybridLM, batch: int, prompt_len: int, steps: int) -> di
         engine.step()
         _sync(model)
         times.append(time.perf_counter() - t0)
-    med = statistics.median(times)
-    return {"batch": batch, "context": prompt_len, "step_ms": round(med * 1e3, 2),
-            "decode_tok/s": round(batch / med, 1)}
+    s = spread(times)
+    split = {k: round((engine.stats.__dict__[k] - s0[k]) / steps * 1e3, 3)
+             for k in ("schedule_seconds", "forward_seconds", "sample_seconds", "output_seconds")}
+    split["overhead_ms"] = round(s["ms_med"] - sum(split.values()), 3)  # step() outside the four parts
+    return {"batch": batch, **s, "decode_tok/s": round(batch / (s["ms_med"] / 1e3), 1)}, split
 
 
+# ---- transformers -----------------------------------------------------------------------------------
+def hf_pair(cfg, dtype: torch.dtype) -> tuple[torch.nn.Module, HybridLM]:
+    """A random HybridLM and the ``transformers`` model loaded from its export (``format="hf"``: the first
+    Hugging Face format that represents it exactly): the same weights on both sides."""
+    from transformers import AutoModelForCausalLM
+
+    ours = HybridLM(cfg).eval()
+    with torch.no_grad():  # sharper logits than the 0.02 init, so greedy ties are rare
+        (ours.lm_head.weight if ours.lm_head is not None else ours.embed.weight).mul_(20)
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(ours, d, format="hf")
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    return hf.to(dtype), ours.to(dtype)
+
+
+@torch.inference_mode()
+def hf_decode(hf, prompt: list[int], batch: int, new_tokens: int) -> tuple[float, list[int]]:
+    """transformers' greedy ``generate`` decode rate (tokens/s over the batch), from the time of
+    ``new_tokens`` tokens less that of one (its prefill), and the first sequence's tokens."""
+    ids = torch.tensor([prompt] * batch)
+    kw = dict(do_sample=False, pad_token_id=0)
+    hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+    t0 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    t1 = time.perf_counter()
+    out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+    t2 = time.perf_counter()
+    decode = max((t2 - t1) - (t1 - t0), 1e-9)
+    return batch * (new_tokens - 1) / decode, out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def ours_greedy(model: HybridLM, prompt: list[int], new_tokens: int) -> list[int]:
+    engine = Engine(model, num_blocks=-(-(len(prompt) + new_tokens) // BLOCK) + 1, block_size=BLOCK, max_seqs=1,
+                    max_batch_tokens=len(prompt))
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    engine.run()
+    return engine.requests[rid].output
+
+
+# ---- memory ------------------------------------------------------------------------------------------
 def memory_rows(names: list[str], context: int, seq_len: int, cache_gib: float, chunk: int) -> list[dict]:
-    """KV and state bytes per sequence, and how many ``seq_len``-token sequences fit in the cache
-    (prefilled ``chunk`` tokens per step: sliding-window models keep only their window's blocks).
+    """KV and state bytes per sequence (from the layers' cache specs), and how many ``seq_len``-token
+    sequences fit in the cache (prefilled ``chunk`` tokens per step: sliding-window models keep only their
+    window's blocks).
 
     Beside each ``hybrid-1to7-SIZE`` comes ``attn-only-8-SIZE``: the same 8 blocks and width with
     attention in every block, the fair attention-only counterpart of the 1:7 hybrid."""
@@ -99,66 +196,31 @@ def memory_rows(names: list[str], context: int, seq_len: int, cache_gib: float, 
     return rows
 
 
-# ---- transformers comparison (Llama configs only) ------------------------------------------------
-def llama_pair(cfg) -> tuple[torch.nn.Module, HybridLM]:
-    """A random HybridLM with a Llama pattern and the ``transformers`` LlamaForCausalLM loaded from its
-    export (``hybrid.interop``): the same weights on both sides."""
-    from transformers import LlamaForCausalLM
-
-    ours = HybridLM(cfg).eval()
-    with tempfile.TemporaryDirectory() as d:
-        save_pretrained(ours, d, format="llama")  # refuses, with the reason, what Llama cannot represent
-        hf = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    return hf, ours
-
-
-@torch.inference_mode()
-def versus_transformers(cfg, prompt_len: int, new_tokens: int) -> dict:
-    hf, ours = llama_pair(cfg)
-    # random weights give near-uniform logits; sharpen them so greedy ties are rare (a tied head is the
-    # embedding: HF's lm_head shares its weight, ours has none and reads embed)
-    hf.lm_head.weight.mul_(20)
-    if ours.lm_head is not None:
-        ours.lm_head.weight.mul_(20)
-    elif ours.embed.weight.data_ptr() != hf.lm_head.weight.data_ptr():
-        ours.embed.weight.mul_(20)
-    prompt = _prompt(ours, prompt_len, 0)
-    ids = torch.tensor([prompt])
-    hf.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up
-    t0 = time.perf_counter()
-    hf_out = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-    hf_s = time.perf_counter() - t0
-    engine = Engine(ours, num_blocks=-(-(prompt_len + new_tokens) // BLOCK), block_size=BLOCK, max_seqs=1,
-                    max_batch_tokens=prompt_len)
-    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens))
-    t0 = time.perf_counter()
-    engine.run()
-    ours_s = time.perf_counter() - t0
-    same = hf_out[0, prompt_len:].tolist() == engine.requests[rid].output
-    return {"prompt": prompt_len, "new_tokens": new_tokens, "transformers_tok/s": round(new_tokens / hf_s, 1),
-            "engine_tok/s": round(new_tokens / ours_s, 1), "speedup": round(hf_s / ours_s, 2),
-            "same_greedy_tokens": same}
-
-
+# ---- the run -----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hybrid.eval.engine_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipes", nargs="+", default=["llama-small", "hybrid-1to7-small"])
+    ap.add_argument("--recipes", nargs="+", default=["llama-small", "hybrid-1to7-small", "mamba2-small"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="prefill lengths")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
-    ap.add_argument("--decode-context", type=int, default=128, help="prompt length before decoding")
-    ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-contexts", type=int, nargs="+", default=[128, 2048], help="context while decoding")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128], help="decode batch sizes")
+    ap.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per row")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (compiles each shape)")
+    ap.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    ap.add_argument("--compile-batches", type=int, nargs="+", default=None,
+                    help="batch sizes that also run compiled (default: all; each shape compiles once)")
+    ap.add_argument("--repeats", type=int, default=3, help="prefill repeats")
     ap.add_argument("--kv-context", type=int, default=8192, help="context for the KV bytes per sequence")
     ap.add_argument("--fit-seq-len", type=int, default=4096)
     ap.add_argument("--cache-gib", type=float, default=4.0)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk assumed for the memory table")
     ap.add_argument("--memory-recipes", nargs="+", default=None,
                     help="recipes for the memory table (default: --recipes)")
-    ap.add_argument("--hf-recipe", default=None, help="Llama recipe to race against transformers "
-                    "(default: the first llama-* in --recipes); 'none' skips it")
-    ap.add_argument("--hf-prompt", type=int, default=128)
-    ap.add_argument("--hf-new-tokens", type=int, default=64)
+    ap.add_argument("--hf", nargs="*", default=None,
+                    help="recipes raced against transformers' generate (default: all --recipes; none: skip)")
+    ap.add_argument("--hf-batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--hf-context", type=int, default=128)
+    ap.add_argument("--hf-new-tokens", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write all rows here")
@@ -167,59 +229,103 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    bandwidth = copy_bandwidth()
+    print(f"# engine on {threads} CPU threads, dtype {args.dtype}; copy bandwidth {bandwidth / 1e9:.2f} GB/s "
+          "(read + write); times are median [min, max] over the timed steps", flush=True)
 
-    speed = {"prefill": [], "decode": []}
-    todo = [(n, "prefill", c) for n in args.recipes for c in args.contexts]
-    todo += [(n, "decode", b) for n in args.recipes for b in args.batches]
-    models = {}
-    for name, kind, x in tqdm(todo, desc="engine bench", unit="run"):
+    # transformers first: its decode rate is the reference column of the decode table
+    hf_rows, hf_rate = [], {}
+    hf_names = args.recipes if args.hf is None else args.hf
+    for name in tqdm(hf_names, desc="transformers", unit="model"):
+        torch.manual_seed(0)
+        hf, ours = hf_pair(recipes.get(name), dtype)
+        prompt = _prompt(ours, args.hf_context, 0)
+        for b in args.hf_batches:
+            rate, tokens = hf_decode(hf, prompt, b, args.hf_new_tokens)
+            hf_rate[(name, b)] = rate
+            row = {"model": name, "batch": b, "context": args.hf_context, "transformers_tok/s": round(rate, 1)}
+            if b == 1:
+                row["same_greedy_tokens"] = ours_greedy(ours, prompt, args.hf_new_tokens) == tokens
+            hf_rows.append(row)
+        del hf, ours
+    if hf_rows:
+        print("\n## transformers generate, greedy decode (same weights)\n" + format_table(hf_rows), flush=True)
+
+    decode, splits, compile_rows = [], [], []
+    todo = [(n, c, b, m) for n in args.recipes for c in args.decode_contexts for b in args.batches for m in args.modes
+            if m == "eager" or args.compile_batches is None or b in args.compile_batches]
+    models: dict[str, HybridLM] = {}
+    for name, ctx, b, mode in tqdm(todo, desc="decode", unit="row"):
         if name not in models:
+            torch.manual_seed(0)
             models[name] = HybridLM(recipes.get(name)).to(dtype).eval()
-        m = models[name]
-        row = (prefill_speed(m, x, args.repeats) if kind == "prefill"
-               else decode_speed(m, x, args.decode_context, args.decode_steps))
-        speed[kind].append({"model": name, **row})
-    # print each table as soon as it exists: a late failure must not lose the runs before it
-    print(f"# engine on {torch.get_num_threads()} CPU threads, dtype {args.dtype}; medians")
-    print("\n## prefill (one sequence, one step)\n" + format_table(speed["prefill"]))
-    print("\n## decode (one token per sequence per step)\n" + format_table(speed["decode"]), flush=True)
+        model = models[name]
+        engine = decode_engine(model, b, ctx, steps=args.decode_steps, compile=mode == "compiled",
+                               warmup=args.warmup)
+        row, split = decode_speed(engine, args.decode_steps)
+        floor = decode_step_bytes(model, b, ctx) / bandwidth
+        row = {"model": name, "mode": mode, "context": ctx, **row, "floor_ms": round(floor * 1e3, 2),
+               "floor/step": round(floor / (row["ms_med"] / 1e3), 3)}
+        if hf_rate.get((name, 1)):
+            row["x_hf_batch1"] = round(row["decode_tok/s"] / hf_rate[(name, 1)], 2)
+        if hf_rate.get((name, b)) and args.hf_context == ctx:
+            row["x_hf_same_batch"] = round(row["decode_tok/s"] / hf_rate[(name, b)], 2)
+        decode.append(row)
+        if b == 1:
+            splits.append({"model": name, "mode": mode, "context": ctx, "step_ms": row["ms_med"], **split})
+        if mode == "compiled":
+            compile_rows.append({"model": name, "context": ctx, "batch": b,
+                                 "compile_s": round(engine.stats.compile_seconds, 1),
+                                 "shapes": len(engine.runner.compiled_shapes)})
+        del engine
+    print("\n## decode (one token per sequence per step)\n" + format_table(decode), flush=True)
+    if splits:
+        print("\n## batch-1 decode step, split (ms)\n" + format_table(splits), flush=True)
+    if compile_rows:
+        print("\n## compile time (not in any tokens/s above)\n" + format_table(compile_rows), flush=True)
+
+    prefill = []
+    for name in tqdm(args.recipes if args.contexts else [], desc="prefill", unit="model"):
+        model = models.get(name) or HybridLM(recipes.get(name)).to(dtype).eval()
+        prefill += [{"model": name, **prefill_speed(model, c, args.repeats)} for c in args.contexts]
+    if prefill:
+        print("\n## prefill (one sequence, one step)\n" + format_table(prefill), flush=True)
     memory = memory_rows(args.memory_recipes or args.recipes, args.kv_context, args.fit_seq_len, args.cache_gib,
                          args.chunk)
     print("\n## cache memory (KV and conv state bf16, SSM state fp32)\n" + format_table(memory), flush=True)
-    hf_name = args.hf_recipe or next((n for n in args.recipes if n.startswith("llama-")), "none")
-    hf_rows = []
-    if hf_name != "none":
-        torch.manual_seed(0)
-        hf_rows.append({"model": hf_name, **versus_transformers(recipes.get(hf_name), args.hf_prompt,
-                                                                args.hf_new_tokens)})
-    if hf_rows:
-        print("\n## greedy decode vs transformers generate (same weights, batch 1, fp32)\n" + format_table(hf_rows))
-    else:
-        print("\n(transformers comparison skipped: no llama-* recipe given)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**speed, "memory": memory, "transformers": hf_rows}, f, indent=2)
+            json.dump({"threads": threads, "dtype": args.dtype, "copy_GB/s": round(bandwidth / 1e9, 3),
+                       "decode": decode, "split": splits, "compile": compile_rows, "transformers": hf_rows,
+                       "prefill": prefill, "memory": memory}, f, indent=2)
     if args.plot:
-        _plot(speed["decode"], args.plot)
+        _plot(decode, hf_rows, args.plot, f"{threads} CPU threads, {args.dtype}")
 
 
-def _plot(rows: list[dict], path: str) -> None:
+def _plot(rows: list[dict], hf_rows: list[dict], path: str, where: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for name in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == name]
-        ax.plot([r["batch"] for r in mine], [r["decode_tok/s"] for r in mine], marker="o", label=name)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (name, mode, ctx) in dict.fromkeys((r["model"], r["mode"], r["context"]) for r in rows):
+        mine = [r for r in rows if (r["model"], r["mode"], r["context"]) == (name, mode, ctx)]
+        ax.plot([r["batch"] for r in mine], [r["decode_tok/s"] for r in mine], marker="o",
+                linestyle="-" if mode == "compiled" else "--", label=f"{name} {mode} @{ctx}")
+    for name in dict.fromkeys(r["model"] for r in hf_rows):
+        mine = [r for r in hf_rows if r["model"] == name]
+        ax.plot([r["batch"] for r in mine], [r["transformers_tok/s"] for r in mine], marker="x", linestyle=":",
+                label=f"{name} transformers @{mine[0]['context']}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequences decoding together")
-    ax.set_ylabel("decode tokens/s")
-    ax.legend()
+    ax.set_yscale("log")
+    ax.set_xlabel("sequences decoding together (batch)")
+    ax.set_ylabel("decode tokens/s (all sequences)")
+    ax.set_title(f"hybrid-lm engine decode throughput ({where})")
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=130)
 
 
 if __name__ == "__main__":

@@ -85,28 +85,6 @@ def time_prefill(model: HybridLM, seq_len: int, *, batch: int = 1, warmup: int =
     return row
 
 
-def time_decode(model: HybridLM, context_len: int, new_tokens: int, *, batch: int = 1, warmup: int = 1,
-                repeats: int = 3) -> dict:
-    """Decode tokens/s through the engine (``hybrid.generate``): the time of generating
-    ``new_tokens`` after a ``context_len`` prompt, less that of generating one (the prefill)."""
-    from .. import generate
-
-    if new_tokens < 2:
-        raise ValueError(f"new_tokens must be >= 2 to time decoding, got {new_tokens}")
-    device = next(model.parameters()).device
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, model.config.vocab_size, (batch, context_len), generator=g).tolist()
-
-    def run(n: int) -> Callable[[], object]:
-        return lambda: generate(model, prompts, max_new_tokens=n, ignore_eos=True)
-
-    full = median_seconds(run(new_tokens), device, warmup=warmup, repeats=repeats)
-    first = median_seconds(run(1), device, warmup=warmup, repeats=repeats)
-    decode = max(full - first, 1e-9)
-    return {"decode_ctx": context_len, "decode_batch": batch,
-            "decode_tokens_per_s": round(batch * (new_tokens - 1) / decode, 1)}
-
-
 def sweep(models: dict[str, HybridLM], lengths: list[int], *, batch: int = 1, warmup: int = 1, repeats: int = 3,
           peak_flops: float | None = None, progress: bool = True) -> list[dict]:
     """``time_prefill`` for every model at every length (shortest first); a length that runs out of

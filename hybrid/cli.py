@@ -49,7 +49,8 @@ def cmd_info(args) -> None:
 def cmd_bench(args) -> None:
     import torch
 
-    from .eval.prefill_bench import matmul_peak_flops, sweep, time_decode
+    from .eval.engine_bench import decode_engine, decode_speed
+    from .eval.prefill_bench import matmul_peak_flops, sweep
     from .eval.tables import markdown, write_rows
 
     if args.threads:
@@ -58,16 +59,22 @@ def cmd_bench(args) -> None:
     dtype = getattr(torch, args.dtype)
     peak = matmul_peak_flops(args.device, dtype) if args.peak else None
     rows = sweep(models, args.lengths, batch=args.batch, warmup=args.warmup, repeats=args.repeats, peak_flops=peak)
-    decode = [{"model": name, **time_decode(model, args.decode_ctx, args.decode_tokens, batch=args.batch,
-                                            warmup=args.warmup, repeats=args.repeats)}
-              for name, model in models.items()] if args.decode_tokens else []
+    decode = []
+    for name, model in models.items() if args.decode_tokens else ():
+        # one engine per model: compiled shapes compile in the warm-up steps, never inside the timed ones
+        engine = decode_engine(model, args.batch, args.decode_ctx, steps=args.decode_tokens, compile=args.compile,
+                               warmup=max(args.warmup, 1))
+        row, _ = decode_speed(engine, args.decode_tokens)
+        decode.append({"model": name, "decode_ctx": args.decode_ctx, "mode": "compiled" if args.compile else "eager",
+                       **row, "compile_s": round(engine.stats.compile_seconds, 1)})
     header = {"device": args.device, "threads": torch.get_num_threads(), "dtype": args.dtype,
               "repeats": args.repeats, "matmul_peak_GFLOP/s": round(peak / 1e9, 2) if peak else None}
     print(f"# prefill on {args.device}, {header['threads']} threads, dtype {args.dtype}, median of {args.repeats}"
           + (f"; matmul peak {header['matmul_peak_GFLOP/s']} GFLOP/s" if peak else ""))
     print(markdown(rows))
     if decode:
-        print(f"\n# decode through the engine: {args.decode_tokens} tokens after a {args.decode_ctx}-token prompt")
+        print(f"\n# decode through the engine: {args.decode_tokens} timed steps after a {args.decode_ctx}-token "
+              "prompt (median [min, max] step; compile time apart)")
         print(markdown(decode))
     if args.output:
         print(f"wrote {write_rows(rows + decode, args.output, **header)}")
@@ -155,7 +162,7 @@ def cmd_generate(args) -> None:
                             seed=args.seed, stop=tuple(args.stop or ()))
     block_size = 16
     engine = Engine(model, num_blocks=-(-(len(prompt) + args.max_new_tokens) // block_size), block_size=block_size,
-                    max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer)
+                    max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer, compile=args.compile)
     engine.add_request(prompt, params)
     sys.stdout.write(args.prompt)
     while engine.has_unfinished():
@@ -167,7 +174,8 @@ def cmd_generate(args) -> None:
     print(f"prefill: {s.prefill_tokens} tokens in {s.prefill_seconds:.3f} s "
           f"({s.prefill_tokens / max(s.prefill_seconds, 1e-9):.1f} tok/s); "
           f"decode: {s.decode_tokens} tokens in {s.decode_seconds:.3f} s "
-          f"({s.decode_tokens / max(s.decode_seconds, 1e-9):.1f} tok/s)", file=sys.stderr)
+          f"({s.decode_tokens / max(s.decode_seconds, 1e-9):.1f} tok/s)"
+          + (f"; compile: {s.compile_seconds:.1f} s (not counted)" if args.compile else ""), file=sys.stderr)
 
 
 def cmd_doctor(args) -> None:
@@ -196,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=0,
                    help="also time decoding this many tokens per sequence through the engine (0: skip)")
     p.add_argument("--decode-ctx", type=int, default=512, help="prompt length before the timed decode")
+    p.add_argument("--compile", action="store_true",
+                   help="time the compiled decode step (torch.compile; compile time reported apart)")
     p.add_argument("--no-peak", dest="peak", action="store_false",
                    help="skip measuring the matmul peak that achieved FLOP/s is compared with")
     p.add_argument("--output", help="also write the rows to this .json or .csv file")
@@ -272,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", nargs="*", help="stop when the text contains any of these strings")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per step)")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (torch.compile)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

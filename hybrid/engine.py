@@ -123,22 +123,11 @@ class Engine:
                              f"(valid ids are 0..{vocab - 1}); check the tokenizer matches the model")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {list(params.stop)} need a tokenizer: pass tokenizer= to the Engine")
-        need = len(prompt) + params.max_new_tokens - 1  # the last sampled token is never cached
-        kv = self.cache.kv
-        held = kv.blocks_held_at_most(need, self.max_batch_tokens)
-        if kv.enabled and held > kv.num_blocks:
-            raise ValueError(
-                f"request needs {need} cached tokens ({len(prompt)} prompt + {params.max_new_tokens} new - 1), "
-                f"{held} KV blocks at once, but the whole KV cache holds {kv.capacity_tokens} tokens "
-                f"({kv.num_blocks} blocks of {kv.block_size}); shorten the prompt, lower max_new_tokens "
-                "or give the engine a bigger cache")
-        stop_ids = set(params.stop_token_ids)
-        if self.tokenizer is not None and not params.ignore_eos:
-            stop_ids.update(eos_ids(self.tokenizer))
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self._check_fits(len(prompt), params)
+        seed = params.seed if params.seed is not None else _random_seed()
         rid = self._next_id
         self._next_id += 1
-        req = Request(rid, prompt, params, frozenset(stop_ids), seed,
+        req = Request(rid, prompt, params, self._stop_ids(params), seed,
                       StreamDecoder(self.tokenizer) if self.tokenizer is not None else None,
                       arrival_time=time.perf_counter())
         self.requests[rid] = req
@@ -151,6 +140,36 @@ class Engine:
         if not req.finished:
             self._finish(req, "abort")
 
+    def fork(self, request_id: int, params: SamplingParams | None = None) -> int:
+        """A new request continuing from where ``request_id`` is now, sharing its cached prompt (KV blocks by
+        reference count, the Mamba state copied): parallel samples of one prompt without prefilling it
+        twice. The source must be decoding (its prompt computed, its next token sampled); the fork gets the
+        same tokens so far and ``params`` (default: the source's, with a fresh seed unless given)."""
+        src = self.requests[request_id]
+        if src not in self.scheduler.running or src.num_pending != 1:
+            raise ValueError(f"request {request_id} cannot be forked now: only a request that is decoding (prompt "
+                             "computed, a token sampled) can be; step the engine until it has output")
+        if len(self.scheduler.running) >= self.max_seqs:
+            raise ValueError(f"cannot fork request {request_id}: all {self.max_seqs} sequence slots are running")
+        own = params is not None and params.seed is not None
+        params = params or src.params
+        if len(src.output) >= params.max_new_tokens:
+            raise ValueError(f"max_new_tokens={params.max_new_tokens} leaves the fork nothing to generate: the source "
+                             f"has {len(src.output)} tokens already")
+        self._check_fits(len(src.prompt), params)
+        rid = self._next_id
+        self._next_id += 1
+        seed = params.seed if own else _random_seed()  # a fork of a sampled request samples its own path
+        self.cache_manager.fork(request_id, rid, src.num_computed)
+        req = Request(rid, list(src.prompt), params, self._stop_ids(params), seed,
+                      StreamDecoder(self.tokenizer) if self.tokenizer is not None else None,
+                      arrival_time=time.perf_counter(), output=list(src.output), num_computed=src.num_computed)
+        if req.decoder is not None:
+            req.decoder.push(list(src.output))
+        self.requests[rid] = req
+        self.scheduler.add_running(req)
+        return rid
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -161,6 +180,24 @@ class Engine:
         if not req.finished:
             raise ValueError(f"request {request_id} has not finished; abort it first")
         return self.requests.pop(request_id)
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """A request the whole cache could never hold is refused up front, with the numbers."""
+        need = prompt_len + params.max_new_tokens - 1  # the last sampled token is never cached
+        kv = self.cache.kv
+        held = kv.blocks_held_at_most(need, self.max_batch_tokens)
+        if kv.enabled and held > kv.num_blocks:
+            raise ValueError(
+                f"request needs {need} cached tokens ({prompt_len} prompt + {params.max_new_tokens} new - 1), "
+                f"{held} KV blocks at once, but the whole KV cache holds {kv.capacity_tokens} tokens "
+                f"({kv.num_blocks} blocks of {kv.block_size}); shorten the prompt, lower max_new_tokens "
+                "or give the engine a bigger cache")
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        stop_ids = set(params.stop_token_ids)
+        if self.tokenizer is not None and not params.ignore_eos:
+            stop_ids.update(eos_ids(self.tokenizer))
+        return frozenset(stop_ids)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.release(req)
@@ -232,3 +269,7 @@ class Engine:
         while self.has_unfinished():
             self.step()
         return self.requests
+
+
+def _random_seed() -> int:
+    return int(torch.randint(0, 2**62, ()).item())

@@ -92,8 +92,8 @@ def make_group(tokens: slice, lengths: list[int], seq_lens: list[int], tables: l
     table = torch.zeros(len(tables), width, dtype=torch.int32)  # 0: the null block, never a live one
     for b, t in enumerate(tables):
         table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    return SeqGroup(tokens, _lengths(cu, device), _lengths(seq_lens, device), table.to(device),
-                    torch.tensor(slots, dtype=torch.long, device=device))
+    state_slots = with_host_values(torch.tensor(slots, dtype=torch.long, device=device), tuple(slots))
+    return SeqGroup(tokens, _lengths(cu, device), _lengths(seq_lens, device), table.to(device), state_slots)
 
 
 def build_batch(manager: CacheManager, chunks: list[SeqChunk]) -> PackedBatch:

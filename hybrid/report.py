@@ -23,11 +23,11 @@ def model_facts(name: str, model: HybridLM, seq_len: int = 2048) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    """A markdown table of ``rows`` (dicts with the same keys)."""
+    """A markdown table of ``rows``: the union of their keys in first-seen order, blank where a row has none."""
     if not rows:
         return "(no rows)"
-    keys = list(rows[0])
-    cells = [[str(r[k]) for k in keys] for r in rows]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[str(r.get(k, "")) for k in keys] for r in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True)) + " |"  # noqa: E731
     return "\n".join([line(keys), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])

@@ -34,6 +34,12 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """A request that already holds its cache (a fork) joins the running set."""
+        if len(self.running) >= self.max_seqs:
+            raise ValueError(f"all {self.max_seqs} sequence slots are running")
+        self.running.append(req)
+
     def release(self, req: Request) -> None:
         """Take ``req`` out of the queues, freeing whatever cache it holds."""
         if req in self.running:

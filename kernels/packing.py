@@ -52,11 +52,25 @@ def sequences(cu_seqlens: torch.Tensor) -> Iterator[tuple[int, slice]]:
         yield b, slice(cu[b], cu[b + 1])
 
 
+def slot_rows(state: torch.Tensor, slots: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """The rows ``slots`` of a state pool to update in place, and whether they must be scattered back.
+
+    When the slots' host values say they are one increasing run (always at batch 1, often beyond) the
+    rows are a view of the pool: updated where they live, no gather and no scatter (a decode step is
+    bound by moving the state). Otherwise (or under torch.compile, which fuses the copies) a gathered copy.
+    """
+    if slots is None:
+        return state, False
+    run = getattr(slots, _HOST, None)
+    if run and not torch.compiler.is_compiling() and all(b == a + 1 for a, b in zip(run, run[1:], strict=False)):
+        return state.narrow(0, run[0], len(run)), False
+    return state[slots], True
+
+
 def step_on_slots(step: Callable, state: torch.Tensor, slots: torch.Tensor | None, *args, **kw) -> torch.Tensor:
     """Run an in-place one-token ``step`` on rows ``slots`` of a state pool (or on ``state`` itself)."""
-    if slots is None:
-        return step(state, *args, **kw)
-    rows = state[slots]
+    rows, scatter = slot_rows(state, slots)
     y = step(rows, *args, **kw)
-    state[slots] = rows
+    if scatter:
+        state.index_copy_(0, slots, rows)
     return y

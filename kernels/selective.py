@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import cuda_backend, dispatch, triton_support
-from .packing import check_cu_seqlens, sequences, step_on_slots
+from .packing import check_cu_seqlens, sequences, slot_rows, step_on_slots
 from .triton_state_update import selective_state_update
 from .triton_support import needs_grad
 
@@ -122,12 +122,12 @@ def _selective_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
     if state.dtype != torch.float32:
         return step_on_slots(selective_step_ref, state, slots, x, dt, A, B, C, D=D)
     # in place on the rows, one gather and one scatter for a slot pool (see ssd's step)
-    rows = state if slots is None else state[slots]
+    rows, scatter = slot_rows(state, slots)
     dt = dt.float()
     rows.mul_(torch.exp(dt[..., None] * A.float()))
     rows.addcmul_((dt * x.float())[..., None], B.float()[:, None, :])
     y = torch.matmul(rows, C.float()[..., None])[..., 0]
-    if slots is not None:
+    if scatter:
         state.index_copy_(0, slots, rows)
     if D is not None:
         y = y + x.float() * D.float()

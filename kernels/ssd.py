@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cuda_backend, dispatch, triton_support
-from .packing import check_cu_seqlens, sequences, step_on_slots
+from .packing import check_cu_seqlens, sequences, slot_rows, step_on_slots
 from .triton_state_update import ssd_state_update
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl, triton
 
@@ -136,7 +136,7 @@ def _ssd_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
         return step_on_slots(ssd_step_ref, state, slots, x, dt, A, B, C, D=D)
     # Decode is bound by reading and writing the state (H*P*N floats per sequence and layer): update the
     # rows in place (no [B, H, P, N] temporaries) with one gather and one scatter for a slot pool.
-    rows = state if slots is None else state[slots]
+    rows, scatter = slot_rows(state, slots)
     rep = x.shape[1] // B.shape[1]
     Bh = B.float().repeat_interleave(rep, dim=1)
     Ch = C.float().repeat_interleave(rep, dim=1)
@@ -144,7 +144,7 @@ def _ssd_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
     rows.mul_(torch.exp(dt * A.float())[..., None, None])
     rows.addcmul_((dt[..., None] * x.float())[..., None], Bh[:, :, None, :])
     y = torch.matmul(rows, Ch[..., None])[..., 0]
-    if slots is not None:
+    if scatter:
         state.index_copy_(0, slots, rows)
     if D is not None:
         y = y + x.float() * D.float()[:, None]

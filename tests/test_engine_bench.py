@@ -1,30 +1,49 @@
-"""Smoke run of the engine benchmark at tiny sizes (the real run is the lead's, on a quiet machine)."""
+"""Smoke run of the engine benchmark at tiny sizes (the real run is on a quiet machine, see the README)."""
 
 import json
 
 import torch
-from hybrid.eval.engine_bench import main
+from hybrid.eval.engine_bench import copy_bandwidth, decode_step_bytes, main
+
+from hybrid import HybridLM, recipes
 
 
 def test_engine_bench_runs_and_reports_every_table(tmp_path, capsys):
     n = torch.get_num_threads()
     try:
-        main(["--recipes", "llama-tiny", "hybrid-1to7-tiny", "--contexts", "16", "--batches", "1", "3",
-              "--decode-context", "8", "--decode-steps", "2", "--repeats", "1", "--hf-prompt", "8",
-              "--hf-new-tokens", "4", "--threads", "1", "--memory-recipes", "llama-small", "hybrid-1to7-small",
+        main(["--recipes", "llama-tiny", "hybrid-1to7-tiny", "--contexts", "16", "--decode-contexts", "8",
+              "--batches", "1", "3", "--modes", "eager", "--decode-steps", "2", "--warmup", "1", "--repeats", "1",
+              "--hf", "llama-tiny", "--hf-batches", "1", "2", "--hf-context", "8", "--hf-new-tokens", "4",
+              "--threads", "1", "--memory-recipes", "llama-small", "hybrid-1to7-small",
               "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "decode.png")])
     finally:
         torch.set_num_threads(n)
     out = capsys.readouterr().out
-    assert "## prefill" in out and "## decode" in out and "## cache memory" in out and "transformers" in out
+    for table in ("## prefill", "## decode", "## batch-1 decode step, split", "## cache memory", "transformers"):
+        assert table in out
     rows = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["batch"] for r in rows["decode"]] == [1, 3, 1, 3]
+    assert [(r["model"], r["batch"]) for r in rows["decode"]] == [
+        ("llama-tiny", 1), ("llama-tiny", 3), ("hybrid-1to7-tiny", 1), ("hybrid-1to7-tiny", 3)]
+    for r in rows["decode"]:
+        assert r["ms_min"] <= r["ms_med"] <= r["ms_max"] and r["decode_tok/s"] > 0 and 0 < r["floor/step"]
     assert all(r["prefill_tok/s"] > 0 for r in rows["prefill"])
+    assert {r["model"] for r in rows["split"]} == {"llama-tiny", "hybrid-1to7-tiny"}
     mem = {r["model"]: r for r in rows["memory"]}
     assert list(mem) == ["llama-small", "hybrid-1to7-small", "attn-only-8-small"]
     llama, hyb, attn8 = mem.values()
     assert llama["KV_bytes/token(bf16)"] == 12 * hyb["KV_bytes/token(bf16)"]  # 12 attention layers vs 1
     assert attn8["KV_bytes/token(bf16)"] == 8 * hyb["KV_bytes/token(bf16)"]  # same 8 blocks, all attention
     assert hyb["seqs_of_4096_in_4GiB"] > 3 * attn8["seqs_of_4096_in_4GiB"]
-    assert rows["transformers"][0]["same_greedy_tokens"] is True
+    hf = {r["batch"]: r for r in rows["transformers"]}
+    assert hf[1]["same_greedy_tokens"] is True and hf[2]["transformers_tok/s"] > 0
+    assert rows["decode"][0]["x_hf_batch1"] > 0
     assert (tmp_path / "decode.png").stat().st_size > 0
+
+
+def test_decode_floor_counts_weights_kv_and_state():
+    model = HybridLM(recipes.get("hybrid-1to7-tiny"))
+    spec = model.cache_spec()
+    one, two = decode_step_bytes(model, 1, 100), decode_step_bytes(model, 2, 100)
+    per_seq = 100 * spec.kv_bytes_per_token + 2 * spec.state_bytes_per_sequence + model.config.d_model * 4
+    assert two - one == per_seq
+    assert copy_bandwidth(mib=8, repeats=2) > 1e8

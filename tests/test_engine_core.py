@@ -195,3 +195,49 @@ def test_compiled_decode_with_inductor_equals_eager():
     assert compiled == eager
     assert engine.runner.compiled_shapes == [(2, 4)] and engine.stats.compile_seconds > 0
     assert engine.stats.compiled_steps == engine.stats.decode_steps == 2  # the compiling step is not counted
+
+
+@pytest.mark.parametrize("name", ["hybrid-1to7-tiny", "llama-tiny", "samba-tiny", "mamba1-tiny"])
+def test_fork_continues_like_the_same_tokens_run_alone(name):
+    """A fork shares the prompt's cache; greedy, both branches give what the same tokens give alone, and a
+    sampled fork with its own seed gives what a request with that seed gives from the same point."""
+    model = tiny_model(name)
+    prompt = prompts_of([13], seed=7)[0]
+    engine = Engine(model, num_blocks=32, block_size=4, max_seqs=3)
+    src = engine.add_request(prompt, SamplingParams(max_new_tokens=8))
+    engine.step()
+    engine.step()  # two tokens out, decoding
+    branch = engine.fork(src)
+    sampled = engine.fork(src, SamplingParams(max_new_tokens=8, temperature=1.0, seed=4))
+    before = engine.cache_manager.num_free_blocks
+    engine.run()
+    greedy_alone, _ = run_engine(model, [prompt], [SamplingParams(max_new_tokens=8)])
+    assert engine.requests[src].output == engine.requests[branch].output == greedy_alone[0]
+    head = engine.requests[src].output[:2]
+    # the fork's draws continue from 2 tokens: a fresh request with the same seed and the same two tokens
+    fresh = Engine(model, num_blocks=32, block_size=4)
+    rid = fresh.add_request(prompt, SamplingParams(max_new_tokens=8, temperature=1.0, seed=4))
+    fresh.requests[rid].output.extend(head)  # the same two tokens, as if sampled
+    fresh.run()
+    assert engine.requests[sampled].output == fresh.requests[rid].output
+    if engine.cache.kv.enabled:  # 14 cached tokens = 3 full blocks shared + 1 partial block each; all came back
+        assert before == 32 - 4 - 1 - 1 and engine.cache_manager.num_free_blocks == 32
+    with pytest.raises(ValueError, match="cannot be forked now"):
+        engine.fork(src)
+
+
+def test_trusted_metadata_skips_validation_unless_debug_checks(monkeypatch):
+    """Ops trust lengths that carry host values (validated once by the runner); HYBRID_DEBUG_CHECKS=1
+    validates them again in every op."""
+    from hybrid.kernels import packing
+
+    bad = packing.with_host_values(torch.tensor([0, 3, 2], dtype=torch.int32), (0, 3, 2))
+    packing.check_cu_seqlens(bad, 2, "op")  # trusted: not re-checked
+    with pytest.raises(ValueError, match="rise strictly"):
+        packing.check_cu_seqlens(torch.tensor([0, 3, 2], dtype=torch.int32), 2, "op")  # a plain tensor is
+    monkeypatch.setattr(packing, "DEBUG_CHECKS", True)
+    with pytest.raises(ValueError, match="rise strictly"):
+        packing.check_cu_seqlens(bad, 2, "op")
+    model = tiny_model("hybrid-1to7-tiny")  # the runner's own metadata passes the re-validation
+    assert run_engine(model, prompts_of([5, 9]), [SamplingParams(max_new_tokens=3)] * 2)[0] == \
+        [run_engine(model, [p], [SamplingParams(max_new_tokens=3)])[0][0] for p in prompts_of([5, 9])]
