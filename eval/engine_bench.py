@@ -124,7 +124,7 @@ def decode_speed(engine: Engine, steps: int) -> tuple[dict, dict]:
         _sync(model)
         times.append(time.perf_counter() - t0)
     s = spread(times)
-    split = {k: round((engine.stats.__dict__[k] - s0[k]) / steps * 1e3, 3)
+    split = {k.replace("_seconds", "_ms"): round((engine.stats.__dict__[k] - s0[k]) / steps * 1e3, 3)
              for k in ("schedule_seconds", "forward_seconds", "sample_seconds", "output_seconds")}
     split["overhead_ms"] = round(s["ms_med"] - sum(split.values()), 3)  # step() outside the four parts
     return {"batch": batch, **s, "decode_tok/s": round(batch / (s["ms_med"] / 1e3), 1)}, split
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hybrid.eval.engine_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="+", default=["llama-small", "hybrid-1to7-small", "mamba2-small"])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="prefill lengths")
+    ap.add_argument("--contexts", type=int, nargs="*", default=[512, 2048, 8192], help="prefill lengths (none: skip)")
     ap.add_argument("--decode-contexts", type=int, nargs="+", default=[128, 2048], help="context while decoding")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128], help="decode batch sizes")
     ap.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per row")
