@@ -128,7 +128,11 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
         try:
             await asyncio.wrap_future(loop.submit(group))
         except ValueError as e:  # the engine's refusals: prompt + max_tokens beyond the cache, ...
-            raise APIError(str(e), param="max_tokens" if "max_new_tokens" in str(e) else "prompt") from e
+            message = str(e)
+            param = "max_tokens" if "max_new_tokens" in message else "prompt"
+            message = message.replace("max_new_tokens", "max_tokens").replace(
+                "give the engine a bigger cache", "start the server with a bigger --cache-bytes")
+            raise APIError(message, param=param) from e
 
     async def collect(group: RequestGroup, request: Request) -> list[FinalEvent]:
         finals: dict[int, FinalEvent] = {}
