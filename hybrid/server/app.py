@@ -291,14 +291,16 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
 
 async def stream_choices(group: RequestGroup, make_choice, make_body, rid: str, model: str, created: int,
                          prompt_tokens: int, include_usage: bool):
-    """Server-sent events for ``group``: a chunk per choice per step that made text, one with each
+    """Server-sent events for ``group``: a chunk per choice per step that made tokens, one with each
     choice's finish_reason (the last of them carries the request's ``usage``), with
     ``stream_options.include_usage`` OpenAI's extra usage-only chunk, and ``data: [DONE]``."""
     finished, completion_tokens = 0, 0
     while finished < len(group.choices):
         event = await group.events.get()
         if isinstance(event, TokenEvent):
-            if event.text:
+            # a chunk per step that made tokens, even when their text is held back (a partial UTF-8
+            # character): clients see each token's arrival, as vLLM's streams show it
+            if event.token_ids or event.text:
                 yield R.sse(make_body(rid, model, [make_choice(event.index, event.text, None)], None,
                                       created=created, chunk=True))
         elif isinstance(event, FinalEvent):

@@ -83,14 +83,22 @@ class RequestGroup:
         self.choices = choices
         self.events: asyncio.Queue = asyncio.Queue()
         self.arrival = time.perf_counter()
-        self._aio_loop = aio_loop
+        self.aio_loop = aio_loop
         self.request_ids: list[int] = []  # engine ids, set by the loop thread
 
     def push(self, event) -> None:
-        try:
-            self._aio_loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop has closed (shutdown); nobody is listening
-            pass
+        deliver(self.aio_loop, [(self, event)])
+
+
+def deliver(aio_loop: asyncio.AbstractEventLoop, items: list[tuple[RequestGroup, object]]) -> None:
+    """Hand events to their groups' queues on the event loop, in one wake-up for all of them."""
+    def put_all():
+        for group, event in items:
+            group.events.put_nowait(event)
+    try:
+        aio_loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the event loop has closed (shutdown); nobody is listening
+        pass
 
 
 @dataclass
@@ -205,6 +213,7 @@ class EngineLoop:
         self.stats.steps += 1
         self.metrics.engine_steps.inc()
         now = time.perf_counter()
+        batches: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up per event loop per step
         for out in outputs:
             track = self._tracks.get(out.request_id)
             if track is None:
@@ -212,9 +221,12 @@ class EngineLoop:
             if out.new_token_ids:
                 self._observe_tokens(track, len(out.new_token_ids), now)
             if out.finished:
-                self._finish(out.request_id, track, out.new_token_ids, out.text, out.finish_reason, now)
+                event = self._finish(out.request_id, track, out.new_token_ids, out.text, out.finish_reason, now)
             else:
-                track.group.push(TokenEvent(track.index, list(out.new_token_ids), out.text))
+                event = TokenEvent(track.index, list(out.new_token_ids), out.text)
+            batches.setdefault(track.group.aio_loop, []).append((track.group, event))
+        for aio_loop, items in batches.items():
+            deliver(aio_loop, items)
 
     def _observe_tokens(self, track: _Track, n: int, now: float) -> None:
         m = self.metrics
@@ -226,7 +238,7 @@ class EngineLoop:
             m.itl.observe(now - track.last_token_at)
         track.last_token_at = now
 
-    def _finish(self, rid: int, track: _Track, last_ids, last_text, reason: str, now: float) -> None:
+    def _finish(self, rid: int, track: _Track, last_ids, last_text, reason: str, now: float) -> FinalEvent:
         req = self.engine.forget(rid)
         del self._tracks[rid]
         choice = track.group.choices[track.index]
@@ -234,7 +246,7 @@ class EngineLoop:
         logprobs = self._score(choice, output)
         self.metrics.requests_finished.inc(label_value=reason)
         self.metrics.e2e.observe(now - track.group.arrival)
-        track.group.push(FinalEvent(track.index, list(last_ids), last_text, output, req.text, reason, logprobs))
+        return FinalEvent(track.index, list(last_ids), last_text, output, req.text, reason, logprobs)
 
     def _score(self, choice: Choice, output: list[int]) -> TokenLogprobs | None:
         if choice.logprobs is None:
