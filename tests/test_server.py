@@ -120,6 +120,21 @@ def test_echo_with_logprobs_scores_the_prompt(model, tok, client):
         assert lp.token_logprobs[p] == pytest.approx(float(ref[p - 1, whole[p]]), abs=1e-4)
         assert max(lp.top_logprobs[p].values()) == pytest.approx(float(ref[p - 1].max()), abs=1e-4)
     assert r.choices[0].text.startswith("hello world")
+    # without echo: the generated tokens' own log-probabilities (completions and chat)
+    gen = client.completions.create(model=NAME, prompt=ids, max_tokens=5, temperature=0, logprobs=3)
+    out = hybrid.generate(model, [ids], max_new_tokens=5)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids + out]))[0].float(), -1)
+    assert gen.choices[0].logprobs.token_logprobs == pytest.approx(
+        [float(ref[len(ids) + k - 1, t]) for k, t in enumerate(out)], abs=1e-4)
+    # greedy: each token is the best of its alternatives (which share keys when ids decode alike, e.g. to U+FFFD)
+    assert all(max(t.values()) == pytest.approx(v, abs=1e-5) for t, v in
+               zip(gen.choices[0].logprobs.top_logprobs, gen.choices[0].logprobs.token_logprobs, strict=True))
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5) for c in content)  # greedy
     # max_tokens=0 with echo: the prompt and its scores only, no engine request
     r0 = client.completions.create(model=NAME, prompt=ids, max_tokens=0, logprobs=0, echo=True)
     assert r0.choices[0].text == "hello world" and r0.usage.completion_tokens == 0
@@ -188,6 +203,22 @@ def test_a_dropped_stream_frees_its_cache_within_one_step(served):
     assert after["hybrid_generation_tokens_total"] - before["hybrid_generation_tokens_total"] < 3000
     record = app.state.loop.stats.aborts[-1]
     assert record.step_applied - record.step_asked <= 1  # freed before the engine's next step
+
+
+def test_a_client_that_leaves_a_whole_response_is_aborted(served):
+    server, _ = served
+    before = metrics(server)
+    sock = socket.create_connection((server.host, server.port))
+    body = json.dumps({"prompt": "patience", "max_tokens": 3000, "temperature": 0}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    wait_until(lambda: metrics(server)["hybrid_state_slots_in_use"] == 1)
+    sock.close()
+    wait_until(lambda: idle_and_empty(server), timeout=5)
+    after = metrics(server)
+    finished = 'hybrid_requests_finished_total{finish_reason="abort"}'
+    assert after.get(finished, 0) - before.get(finished, 0) == 1
+    assert after["hybrid_generation_tokens_total"] - before["hybrid_generation_tokens_total"] < 3000
 
 
 BAD = [

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling import SamplingParams
@@ -127,6 +127,9 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
                            type="server_error")
         try:
             await asyncio.wrap_future(loop.submit(group))
+        except asyncio.CancelledError:  # the client left while its requests were being queued
+            loop.abort(group)  # runs after the add (commands are FIFO), so nothing is left behind
+            raise
         except ValueError as e:  # the engine's refusals: prompt + max_tokens beyond the cache, ...
             message = str(e)
             param = "max_tokens" if "max_new_tokens" in message else "prompt"
@@ -136,13 +139,17 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
 
     async def collect(group: RequestGroup, request: Request) -> list[FinalEvent]:
         finals: dict[int, FinalEvent] = {}
+        checked = time.monotonic()
         try:
             while len(finals) < len(group.choices):
+                # token events arrive every step, so look at the connection by the clock, not on a timeout
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    if await request.is_disconnected():
+                        raise ClientGone()
+                    checked = time.monotonic()
                 try:
                     event = await asyncio.wait_for(group.events.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        raise ClientGone() from None
                     continue
                 if isinstance(event, ErrorEvent):
                     raise APIError(event.message, status=500, type="server_error")
@@ -228,7 +235,10 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
                     loop.abort(group)
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        finals = await collect(group, request)
+        try:
+            finals = await collect(group, request)
+        except ClientGone:
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         out = []
         for i, f in enumerate(finals):
             lp = R.completion_logprobs(f.logprobs, token_text) if f.logprobs is not None else None
@@ -279,7 +289,10 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
                     loop.abort(group)
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        finals = await collect(group, request)
+        try:
+            finals = await collect(group, request)
+        except ClientGone:
+            return Response(status_code=499)
         out = [R.chat_choice(i, f.output_text, f.finish_reason,
                              R.chat_logprobs(f.logprobs, token_text) if f.logprobs is not None else None)
                for i, f in enumerate(finals)]
@@ -342,6 +355,12 @@ def describe_validation_error(e: RequestValidationError) -> tuple[str, str | Non
         return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
     if not loc:
         return f"the request body must be a JSON object: {err.get('msg')}", None
-    field = ".".join(loc)
+    same_field = [x for x in errors if [str(y) for y in x.get("loc", ()) if y != "body"][:1] == loc[:1]]
+    if len(same_field) > 1 and loc[0] in UNION_FIELDS:  # pydantic lists one complaint per allowed type
+        return f"{loc[0]} has the wrong type: it must be {UNION_FIELDS[loc[0]]}", loc[0]
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return f"{field}: {err.get('msg')}{more}", loc[0]
+    return f"{'.'.join(loc)}: {err.get('msg')}{more}", loc[0]
+
+
+UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
+                "stop": "a string or a list of strings"}

@@ -103,7 +103,8 @@ class ServerMetrics:
 
     def __init__(self):
         p = self.PREFIX
-        self.prompt_tokens = Counter(p + "prompt_tokens_total", "prompt tokens of accepted engine requests")
+        self.prompt_tokens = Counter(p + "prompt_tokens_total",
+                                     "prompt tokens of accepted requests (counted per choice)")
         self.generation_tokens = Counter(p + "generation_tokens_total", "tokens generated")
         self.requests_finished = Counter(p + "requests_finished_total",
                                          "engine requests finished, by reason (length, stop, abort, error)",
