@@ -231,6 +231,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p must be in (0, 1]", "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p must be in (0, 1]", "top_p"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n must be >= 1", "n"),
+    ("/v1/completions", {"prompt": "x", "n": 1000}, "n must be <= 128", "n"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, "seed must be a signed 64-bit integer", "seed"),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens must be >= 0", "max_tokens"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs must be in [0, 20]", "logprobs"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop strings must be non-empty", "stop"),

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..sampling import SamplingParams
 from . import responses as R
 from .chat_template import ChatTemplate, ChatTemplateError
-from .engine_loop import Choice, EngineLoop, ErrorEvent, FinalEvent, RequestGroup, TokenEvent
+from .engine_loop import Choice, EngineLoop, ErrorEvent, FinalEvent, LoopClosed, RequestGroup, TokenEvent
 from .limits import BodySizeLimit
 from .protocol import (
     MAX_LOGPROBS,
@@ -87,6 +87,12 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
         message, param = describe_validation_error(e)
         return JSONResponse(error_body(message, param=param), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"),
+                            status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         return JSONResponse(error_body(str(e.detail), type="invalid_request_error" if e.status_code < 500
@@ -127,6 +133,8 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
                            type="server_error")
         try:
             await asyncio.wrap_future(loop.submit(group))
+        except LoopClosed as e:
+            raise APIError(str(e), status=503, type="server_error") from e
         except asyncio.CancelledError:  # the client left while its requests were being queued
             loop.abort(group)  # runs after the add (commands are FIFO), so nothing is left behind
             raise

@@ -76,6 +76,10 @@ class ErrorEvent:
     message: str
 
 
+class LoopClosed(RuntimeError):
+    """The engine loop stopped before it could take the request."""
+
+
 class RequestGroup:
     """The choices of one HTTP request and the asyncio queue their events arrive on."""
 
@@ -152,7 +156,10 @@ class EngineLoop:
                     fut.set_result(fn(self.engine))
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
+        run.future = fut  # failed with LoopClosed if the loop ends before running it
         self._commands.put(run)
+        if self._thread.ident is not None and not self._thread.is_alive():
+            self._close()  # the loop has already ended: nobody else will ever take it
         return fut
 
     def submit(self, group: RequestGroup) -> concurrent.futures.Future:
@@ -185,6 +192,7 @@ class EngineLoop:
                                                or time.perf_counter() > self._stopping):
                 self._abort_all("abort")
                 self._publish()
+                self._close()
                 return
             if self.engine.has_unfinished():
                 self._step()
@@ -196,11 +204,25 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            cmd()
+            try:
+                cmd()
+            except Exception:  # noqa: BLE001 - a failed abort must not end the loop
+                log.error("engine-loop command failed:\n%s", traceback.format_exc())
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _close(self) -> None:
+        """Refuse what was queued after the loop's last look (a submit racing the shutdown)."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fut = getattr(cmd, "future", None)
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(LoopClosed("the engine loop has stopped (the server is shutting down)"))
 
     def _step(self) -> None:
         try:

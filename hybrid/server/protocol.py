@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_LOGPROBS = 20  # as vLLM: top alternatives per position
+MAX_N = 128  # choices per prompt: each is an engine request, so a bound keeps one client from flooding the queue
 
 
 class APIError(Exception):
@@ -101,6 +102,10 @@ def check_common(req: _Request) -> None:
 
     if req.n < 1:
         raise bad("n", f"n must be >= 1 (the number of choices per prompt), got {req.n}")
+    if req.n > MAX_N:
+        raise bad("n", f"n must be <= {MAX_N}, got {req.n}")
+    if req.seed is not None and not -2**63 <= req.seed < 2**63:
+        raise bad("seed", f"seed must be a signed 64-bit integer, got {req.seed}")
     if req.max_tokens is not None and req.max_tokens < 0:
         raise bad("max_tokens", f"max_tokens must be >= 0, got {req.max_tokens}")
     if req.temperature is not None and req.temperature < 0:
