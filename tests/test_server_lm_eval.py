@@ -48,18 +48,21 @@ def scores(results) -> list[list[tuple[float, bool]]]:
 
 def test_lm_eval_local_completions_equals_the_hybrid_model(checkpoint, mmlu_dir):
     import lm_eval
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
 
     model = hybrid.from_pretrained(checkpoint)
     with running_server(model, name="ckpt") as (server, _, _):
         manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False,
                               metadata={"mmlu_dir": str(mmlu_dir)})
-        # tokenizer_backend=auto finds the server's /tokenizer_info and /tokenize: lm-eval tokenizes as we do
-        served = lm_eval.simple_evaluate(
-            model="local-completions",
-            model_args=f"base_url={server.url}/v1/completions,model=ckpt,batch_size=4,num_concurrent=1,"
-                       "max_retries=1",
-            tasks=[TASK], num_fewshot=1, task_manager=manager, log_samples=True, bootstrap_iters=0)
+        # lm-eval's own "local-completions" class (built directly: its registry by name depends on what
+        # was imported first). tokenizer_backend=auto finds the server's /tokenizer_info and /tokenize,
+        # so lm-eval tokenizes as the server does.
+        lm = LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model="ckpt", batch_size=4,
+                                 num_concurrent=1, max_retries=1)
+        assert lm.tokenizer_backend == "remote"
+        served = lm_eval.simple_evaluate(model=lm, tasks=[TASK], num_fewshot=1, task_manager=manager,
+                                         log_samples=True, bootstrap_iters=0)
         assert idle_and_empty(server)
     ours = run(str(checkpoint), tasks=[TASK], num_fewshot=1, mmlu_dir=str(mmlu_dir), batch_size=3, log_samples=True)
     got, want = scores(served), scores(ours)
