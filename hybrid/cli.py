@@ -178,6 +178,68 @@ def cmd_generate(args) -> None:
           + (f"; compile: {s.compile_seconds:.1f} s (not counted)" if args.compile else ""), file=sys.stderr)
 
 
+def _byte_size(text: str) -> int:
+    """``268435456``, ``256MiB``, ``2GiB``, ``512MB`` -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("abgikm")
+    unit = t[len(num):]
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 268435456, 256MiB or 2GiB") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return int(value)
+
+
+def cmd_serve(args) -> None:
+    import logging
+    from pathlib import Path
+
+    import torch
+
+    try:
+        from .server import ServerSettings, create_app, load_chat_template, run
+    except ImportError as e:
+        raise SystemExit(f"hybrid serve needs the serve extra: pip install 'hybrid-lm[serve]' ({e})") from e
+    from . import from_pretrained, recipes
+    from .engine import Engine
+    from .model import HybridLM
+    from .tokenizer import load_tokenizer
+
+    if (args.model is None) == (args.recipe is None):
+        raise SystemExit("give exactly one of --model DIR or --recipe NAME")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if args.recipe:
+        torch.manual_seed(args.seed)  # a recipe has random weights; the seed makes them reproducible
+        model = HybridLM(recipes.get(args.recipe)).to(device=args.device, dtype=dtype).eval()
+        tokenizer, template = load_tokenizer(None), load_chat_template(None)
+    else:
+        model = from_pretrained(args.model, dtype=dtype, device=args.device)
+        tokenizer, template = load_tokenizer(args.model), load_chat_template(args.model)
+    name = args.served_model_name or args.recipe or Path(args.model).resolve().name
+    engine_options = {"compile": True} if args.compile else {}
+    try:
+        engine = Engine(model, cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
+                        max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, **engine_options)
+    except ValueError as e:
+        raise SystemExit(f"hybrid serve: {e}") from e
+    settings = ServerSettings(model_name=name, max_body_bytes=args.max_body_bytes,
+                              default_chat_tokens=args.default_max_tokens, shutdown_timeout=args.shutdown_timeout)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    report = engine.cache.report()
+    chat = "ChatML default" if template.is_default else "the checkpoint's"
+    print(f"hybrid serve: {name!r} ({model.num_parameters():,} parameters, pattern {model.config.pattern!r}) on "
+          f"http://{args.host}:{args.port}/v1; cache {report.bytes_total / 2**20:.0f} MiB: "
+          f"{report.token_capacity:g} KV tokens, {report.max_sequences} sequences; chat template: "
+          f"{chat}", flush=True)
+    run(create_app(engine, tokenizer, settings, template), args.host, args.port, log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout)
+
+
 def cmd_doctor(args) -> None:
     from .kernels.doctor import report
 
@@ -287,6 +349,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics) over the engine")
+    p.add_argument("--model", help="checkpoint folder (its tokenizer.json and chat template are used if present)")
+    p.add_argument("--recipe", help="recipe name (random weights from --seed, byte tokenizer)")
+    p.add_argument("--served-model-name", help="the name clients ask for (default: the recipe or folder name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--cache-bytes", type=_byte_size, default=256 * 2**20,
+                   help="KV blocks + Mamba state slots, e.g. 256MiB (default) or 8GiB")
+    p.add_argument("--max-seqs", type=int, default=32, help="sequences in flight (state slots)")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per engine step (prefill chunk)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the engine's model runner")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0, help="initialises a --recipe's random weights")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of a chat request that gives none (completions default to 16, as OpenAI)")
+    p.add_argument("--max-body-bytes", type=_byte_size, default=8 * 2**20,
+                   help="refuse request bodies larger than this (413) before parsing them")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("doctor", help="which kernel backend each op uses here, and why not the others")
     p.set_defaults(func=cmd_doctor)

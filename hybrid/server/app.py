@@ -1,0 +1,374 @@
+"""The FastAPI app: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, plus
+``/health``, ``/metrics`` and vLLM's ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (which
+lm-eval's ``local-completions`` model uses to tokenize like the server).
+
+Handlers validate, tokenize and hand their choices to the one :class:`EngineLoop`; they never
+touch the engine. A client that disconnects has its requests aborted (streams at once, whole
+responses within half a second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..sampling import SamplingParams
+from . import responses as R
+from .chat_template import ChatTemplate, ChatTemplateError
+from .engine_loop import Choice, EngineLoop, ErrorEvent, FinalEvent, LoopClosed, RequestGroup, TokenEvent
+from .limits import BodySizeLimit
+from .protocol import (
+    MAX_LOGPROBS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_common,
+    error_body,
+    stop_list,
+)
+
+log = logging.getLogger("hybrid.server")
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    max_body_bytes: int = 8 * 2**20
+    default_completion_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
+    default_chat_tokens: int = 256
+    shutdown_timeout: float = 10.0
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatTemplate | None = None) -> FastAPI:
+    """An app serving ``engine`` (its model's requests tokenized with ``tokenizer``). The engine loop
+    starts with the app's lifespan and stops with it (in-flight requests get
+    ``settings.shutdown_timeout`` seconds to finish, then are aborted)."""
+    loop = EngineLoop(engine)
+    template = chat_template or ChatTemplate()
+    vocab = engine.model.config.vocab_size
+    token_text = R.TokenText(tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, loop.stop, settings.shutdown_timeout)
+
+    app = FastAPI(title="hybrid-lm", lifespan=lifespan)
+    app.state.loop, app.state.settings = loop, settings
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+
+    # ---- errors: OpenAI's error object everywhere ------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        if e.status < 500:
+            loop.metrics.requests_rejected.inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _shape_error(request: Request, e: RequestValidationError):
+        loop.metrics.requests_rejected.inc()
+        message, param = describe_validation_error(e)
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"),
+                            status_code=500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(error_body(str(e.detail), type="invalid_request_error" if e.status_code < 500
+                                       else "server_error"), status_code=e.status_code)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.model_name:
+            raise APIError(f"model {name!r} is not served here; this server serves {settings.model_name!r} "
+                           "(GET /v1/models)", param="model", code="model_not_found")
+
+    def check_ids(ids: list[int], what: str = "prompt") -> list[int]:
+        if not ids:
+            raise APIError(f"{what} is empty: give at least one token (text or token ids)", param=what)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"{what} token id {bad} is out of range: the model's vocabulary has ids 0..{vocab - 1}",
+                           param=what)
+        return ids
+
+    def sampling(body, max_tokens: int, stop: tuple[str, ...], j: int) -> SamplingParams | None:
+        if max_tokens == 0:
+            return None
+        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+        try:
+            return SamplingParams(
+                max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                top_k=top_k, top_p=1.0 if body.top_p is None else body.top_p,
+                min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
+                seed=None if body.seed is None else body.seed + j, stop=stop,
+                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+        except ValueError as e:
+            raise APIError(str(e)) from e
+
+    async def submit(group: RequestGroup) -> None:
+        if not loop.alive:
+            raise APIError("the engine loop is not running (the server is shutting down)", status=503,
+                           type="server_error")
+        try:
+            await asyncio.wrap_future(loop.submit(group))
+        except LoopClosed as e:
+            raise APIError(str(e), status=503, type="server_error") from e
+        except asyncio.CancelledError:  # the client left while its requests were being queued
+            loop.abort(group)  # runs after the add (commands are FIFO), so nothing is left behind
+            raise
+        except ValueError as e:  # the engine's refusals: prompt + max_tokens beyond the cache, ...
+            message = str(e)
+            param = "max_tokens" if "max_new_tokens" in message else "prompt"
+            message = message.replace("max_new_tokens", "max_tokens").replace(
+                "give the engine a bigger cache", "start the server with a bigger --cache-bytes")
+            raise APIError(message, param=param) from e
+
+    async def collect(group: RequestGroup, request: Request) -> list[FinalEvent]:
+        finals: dict[int, FinalEvent] = {}
+        checked = time.monotonic()
+        try:
+            while len(finals) < len(group.choices):
+                # token events arrive every step, so look at the connection by the clock, not on a timeout
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    if await request.is_disconnected():
+                        raise ClientGone()
+                    checked = time.monotonic()
+                try:
+                    event = await asyncio.wait_for(group.events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    continue
+                if isinstance(event, ErrorEvent):
+                    raise APIError(event.message, status=500, type="server_error")
+                if isinstance(event, FinalEvent):
+                    finals[event.index] = event
+        finally:
+            loop.abort(group)  # a no-op once every choice finished
+        return [finals[i] for i in range(len(group.choices))]
+
+    def include_usage(body) -> bool:
+        return bool((body.stream_options or {}).get("include_usage"))
+
+    # ---- endpoints -------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(loop.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "hybrid-lm"}]}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        def special(i):
+            return None if i is None else tokenizer.decode([i], skip_special_tokens=False)
+        return {"tokenizer_class": type(tokenizer).__name__, "bos_token": special(tokenizer.bos_token_id),
+                "eos_token": special(tokenizer.eos_token_id), "pad_token": special(tokenizer.pad_token_id),
+                "chat_template": None if template.is_default else template.source}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_common(body)
+        check_model(body.model)
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+            raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", param="logprobs")
+        if body.stream and body.logprobs is not None:
+            raise APIError("logprobs with stream=true is not supported yet; ask without stream", param="logprobs")
+        if body.best_of not in (None, body.n):
+            raise APIError("best_of is not supported (it must equal n)", param="best_of")
+        if body.suffix:
+            raise APIError("suffix (insertion) is not supported", param="suffix")
+        texts, prompts = completion_prompts(body.prompt, tokenizer)
+        prompts = [check_ids(p) for p in prompts]
+        max_tokens = settings.default_completion_tokens if body.max_tokens is None else body.max_tokens
+        stop = stop_list(body.stop)
+        n = body.n
+        choices = [Choice(p, sampling(body, max_tokens, stop, j), body.logprobs, body.echo)
+                   for p in prompts for j in range(n)]
+        group = RequestGroup(choices, asyncio.get_running_loop())
+        await submit(group)
+        rid, model, created = R.new_id("cmpl"), settings.model_name, int(time.time())
+        prompt_tokens = sum(len(p) for p in prompts)
+        echo = [texts[i // n] if body.echo else "" for i in range(len(choices))]
+
+        if body.stream:
+            async def events():
+                try:
+                    if body.echo:
+                        for i, text in enumerate(echo):
+                            yield R.sse(R.completion_body(rid, model, [R.completion_choice(i, text, None)], None,
+                                                          created=created, chunk=True))
+                    async for chunk in stream_choices(group, lambda i, text, reason: R.completion_choice(
+                            i, text, reason), R.completion_body, rid, model, created, prompt_tokens,
+                            include_usage(body)):
+                        yield chunk
+                finally:
+                    loop.abort(group)
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        try:
+            finals = await collect(group, request)
+        except ClientGone:
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        out = []
+        for i, f in enumerate(finals):
+            lp = R.completion_logprobs(f.logprobs, token_text) if f.logprobs is not None else None
+            out.append(R.completion_choice(i, echo[i] + f.output_text, f.finish_reason, lp))
+        completion_tokens = sum(len(f.output_ids) for f in finals)
+        return R.completion_body(rid, model, out, R.usage(prompt_tokens, completion_tokens), created=created)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_common(body)
+        check_model(body.model)
+        if body.tools:
+            raise APIError("tools (function calling) are not supported", param="tools")
+        if body.response_format and body.response_format.get("type") not in (None, "text"):
+            raise APIError("only response_format {'type': 'text'} is supported", param="response_format")
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+        if body.stream and body.logprobs:
+            raise APIError("logprobs with stream=true is not supported yet; ask without stream", param="logprobs")
+        try:
+            text = template.render([m.model_dump() for m in body.messages], add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise APIError(str(e), param="messages") from e
+        prompt = check_ids(tokenizer.encode(text, add_special_tokens=False), "messages")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = settings.default_chat_tokens if max_tokens is None else max_tokens
+        stop = stop_list(body.stop) + template.stop
+        logprobs = (top or 0) if body.logprobs else None
+        choices = [Choice(prompt, sampling(body, max_tokens, stop, j), logprobs) for j in range(body.n)]
+        group = RequestGroup(choices, asyncio.get_running_loop())
+        await submit(group)
+        rid, model, created = R.new_id("chatcmpl"), settings.model_name, int(time.time())
+
+        if body.stream:
+            async def events():
+                try:
+                    for i in range(len(choices)):
+                        yield R.sse(R.chat_body(rid, model, [R.chat_delta(i, {"role": "assistant", "content": ""})],
+                                                None, created=created, chunk=True))
+
+                    def delta(i, text, reason):
+                        return R.chat_delta(i, {"content": text} if text or reason is None else {}, reason)
+                    async for chunk in stream_choices(group, delta, R.chat_body, rid, model, created, len(prompt),
+                                                      include_usage(body)):
+                        yield chunk
+                finally:
+                    loop.abort(group)
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        try:
+            finals = await collect(group, request)
+        except ClientGone:
+            return Response(status_code=499)
+        out = [R.chat_choice(i, f.output_text, f.finish_reason,
+                             R.chat_logprobs(f.logprobs, token_text) if f.logprobs is not None else None)
+               for i, f in enumerate(finals)]
+        return R.chat_body(rid, model, out, R.usage(len(prompt), sum(len(f.output_ids) for f in finals)),
+                           created=created)
+
+    return app
+
+
+async def stream_choices(group: RequestGroup, make_choice, make_body, rid: str, model: str, created: int,
+                         prompt_tokens: int, include_usage: bool):
+    """Server-sent events for ``group``: a chunk per choice per step that made tokens, one with each
+    choice's finish_reason (the last of them carries the request's ``usage``), with
+    ``stream_options.include_usage`` OpenAI's extra usage-only chunk, and ``data: [DONE]``."""
+    finished, completion_tokens = 0, 0
+    while finished < len(group.choices):
+        event = await group.events.get()
+        if isinstance(event, TokenEvent):
+            # a chunk per step that made tokens, even when their text is held back (a partial UTF-8
+            # character): clients see each token's arrival, as vLLM's streams show it
+            if event.token_ids or event.text:
+                yield R.sse(make_body(rid, model, [make_choice(event.index, event.text, None)], None,
+                                      created=created, chunk=True))
+        elif isinstance(event, FinalEvent):
+            finished += 1
+            completion_tokens += len(event.output_ids)
+            done = finished == len(group.choices)
+            use = R.usage(prompt_tokens, completion_tokens) if done else None
+            yield R.sse(make_body(rid, model, [make_choice(event.index, event.text, event.finish_reason)], use,
+                                  created=created, chunk=True))
+            if done and include_usage:
+                yield R.sse(make_body(rid, model, [], use, created=created, chunk=True))
+        elif isinstance(event, ErrorEvent):
+            yield R.sse(error_body(event.message, type="server_error"))
+            break
+    yield R.SSE_DONE
+
+
+def completion_prompts(prompt, tokenizer) -> tuple[list[str], list[list[int]]]:
+    """``prompt`` (text, token ids, or a list of either) -> (each prompt's text, its ids)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError("prompt is empty: give text, token ids, or a list of them", param="prompt")
+    if isinstance(prompt[0], str):
+        return list(prompt), [tokenizer.encode(p) for p in prompt]
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    return [tokenizer.decode(p) for p in prompt], [list(p) for p in prompt]
+
+
+def describe_validation_error(e: RequestValidationError) -> tuple[str, str | None]:
+    """pydantic's first complaint as one sentence naming the field (and the JSON error, if any)."""
+    errors = e.errors()
+    if not errors:
+        return "the request body is malformed", None
+    err = errors[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    if not loc:
+        return f"the request body must be a JSON object: {err.get('msg')}", None
+    same_field = [x for x in errors if [str(y) for y in x.get("loc", ()) if y != "body"][:1] == loc[:1]]
+    if len(same_field) > 1 and loc[0] in UNION_FIELDS:  # pydantic lists one complaint per allowed type
+        return f"{loc[0]} has the wrong type: it must be {UNION_FIELDS[loc[0]]}", loc[0]
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"{'.'.join(loc)}: {err.get('msg')}{more}", loc[0]
+
+
+UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
+                "stop": "a string or a list of strings"}

@@ -1,0 +1,114 @@
+"""Chat messages -> prompt text: the checkpoint's own Jinja chat template, else a documented default.
+
+The template comes from ``tokenizer_config.json`` (``chat_template``: a string, or a list of
+``{"name", "template"}`` of which ``default`` is used) or a ``chat_template.jinja`` file beside
+it, and is rendered the way ``transformers`` renders it: a sandboxed Jinja environment with
+``trim_blocks``/``lstrip_blocks``, ``raise_exception``, the ``tojson`` filter, and the variables
+``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``. Its text is tokenized without
+adding special tokens (a template writes its own BOS).
+
+Without a template the prompt is ChatML, ``DEFAULT_CHAT_TEMPLATE`` below::
+
+    <|im_start|>system
+    You are helpful.<|im_end|>
+    <|im_start|>user
+    Hi<|im_end|>
+    <|im_start|>assistant
+
+and generation also stops at the string ``<|im_end|>`` (``DEFAULT_STOP``).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+DEFAULT_STOP = ("<|im_end|>",)
+
+
+class ChatTemplateError(ValueError):
+    """A template that does not load or does not render these messages."""
+
+
+class ChatTemplate:
+    def __init__(self, source: str | None = None, *, bos_token: str | None = None, eos_token: str | None = None):
+        """``source``: Jinja text, or None for the ChatML default."""
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.is_default = source is None
+        self.source = DEFAULT_CHAT_TEMPLATE if source is None else source
+        self.bos_token, self.eos_token = bos_token or "", eos_token or ""
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(self.source)
+        except TemplateError as e:
+            raise ChatTemplateError(f"the chat template does not parse: {e}") from e
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """Stop strings the template implies (the default's end-of-turn marker; a checkpoint's own
+        template ends turns with its EOS token, which the engine already stops at)."""
+        return DEFAULT_STOP if self.is_default else ()
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        from jinja2.exceptions import TemplateError
+
+        messages = [{**m, "content": _text_of(m.get("content"))} for m in messages]
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+        except TemplateError as e:
+            raise ChatTemplateError(f"the chat template refused these messages: {e}") from e
+
+
+def _raise(message: str):
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _text_of(content) -> str:
+    """A message's content as text: a string, or OpenAI's list of parts of which only text is read."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ChatTemplateError(f"only text content parts are supported, got a part of type {part.get('type')!r}")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _token_text(entry) -> str | None:
+    return entry.get("content") if isinstance(entry, dict) else entry if isinstance(entry, str) else None
+
+
+def load_chat_template(checkpoint: str | Path | None) -> ChatTemplate:
+    """The checkpoint folder's chat template, or the ChatML default when it has none (or no folder)."""
+    if checkpoint is None:
+        return ChatTemplate()
+    folder = Path(checkpoint)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default") or next(iter(named.values()), None)
+    if source is None and (folder / "chat_template.jinja").is_file():
+        source = (folder / "chat_template.jinja").read_text()
+    return ChatTemplate(source, bos_token=_token_text(config.get("bos_token")),
+                        eos_token=_token_text(config.get("eos_token")))
