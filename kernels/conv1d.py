@@ -49,7 +49,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
     _, fn = dispatch.choose("causal_conv1d", x.device.type)
-    return fn(x, weight, bias, initial_state=initial_state, activation=activation)
+    with torch.profiler.record_function("conv1d"):
+        return fn(x, weight, bias, initial_state=initial_state, activation=activation)
 
 
 def causal_conv1d_step_ref(state, x, weight, bias=None, *, activation=None):
@@ -101,7 +102,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     None. Returns (y [T, C], final_states [B, C, K-1]); no tap reaches across a sequence boundary."""
     check_cu_seqlens(cu_seqlens, x.shape[0], "causal_conv1d_varlen")
     _, fn = dispatch.choose("causal_conv1d_varlen", x.device.type)
-    return fn(x, weight, bias, cu_seqlens, initial_states=initial_states, activation=activation)
+    with torch.profiler.record_function("conv1d"):
+        return fn(x, weight, bias, cu_seqlens, initial_states=initial_states, activation=activation)
 
 
 dispatch.register("causal_conv1d", "torch", _causal_conv1d_torch)

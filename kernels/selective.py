@@ -104,7 +104,8 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         raise ValueError(f"selective_scan: B and C must be [B, L, N] = {(*x.shape[:2], A.shape[1])}, "
                          f"got {tuple(B.shape)}, {tuple(C.shape)}")
     _, fn = dispatch.choose("selective_scan", x.device.type)
-    return fn(x, dt, A, B, C, D=D, initial_state=initial_state)
+    with torch.profiler.record_function("selective.scan"):
+        return fn(x, dt, A, B, C, D=D, initial_state=initial_state)
 
 
 def selective_step_ref(state, x, dt, A, B, C, *, D=None):
@@ -169,7 +170,8 @@ def selective_varlen_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     [B, D, N] or None. Returns (y [T, D], final_states [B, D, N] fp32)."""
     check_cu_seqlens(cu_seqlens, x.shape[0], "selective_varlen_scan")
     _, fn = dispatch.choose("selective_varlen_scan", x.device.type)
-    return fn(x, dt, A, B, C, cu_seqlens, D=D, initial_states=initial_states)
+    with torch.profiler.record_function("selective.scan"):
+        return fn(x, dt, A, B, C, cu_seqlens, D=D, initial_states=initial_states)
 
 
 dispatch.register("selective_scan", "torch", _selective_scan_torch)
