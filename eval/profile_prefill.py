@@ -36,6 +36,16 @@ from tqdm import tqdm
 LAYER_KINDS = ("mamba2", "mamba1", "attention", "mlp", "moe")
 
 
+class _Restore:
+    """Undoes :func:`_label_modules`'s instance-level ``forward_packed`` wrapper (a hook-like handle)."""
+
+    def __init__(self, mixer: nn.Module):
+        self.mixer = mixer
+
+    def remove(self) -> None:
+        del self.mixer.forward_packed
+
+
 def _label_modules(model: nn.Module) -> list:
     """Forward hooks that open a profiler label around each sub-layer and each named part."""
     from ..layers.norm import GatedRMSNorm, RMSNorm
@@ -56,8 +66,21 @@ def _label_modules(model: nn.Module) -> list:
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
 
+    def wrap_packed(mixer: nn.Module, label: str) -> None:
+        """The engine calls ``forward_packed`` directly (no module hooks): label it on the instance."""
+        inner = mixer.forward_packed
+
+        def labelled(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return inner(*args, **kwargs)
+
+        mixer.forward_packed = labelled
+        handles.append(_Restore(mixer))
+
     for block in model.layers:
         wrap(block.mixer, f"layer.{block.kind}")
+        if hasattr(block.mixer, "forward_packed"):
+            wrap_packed(block.mixer, f"layer.{block.kind}")
         wrap(block.norm, "rmsnorm")
         for name, sub in block.mixer.named_modules():
             if isinstance(sub, nn.Linear):
@@ -70,7 +93,7 @@ def _label_modules(model: nn.Module) -> list:
 
 
 def _run_fn(model, seq_len: int, engine_chunk: int | None):
-    """The prefill to profile: one forward, or one prompt through the engine in chunks."""
+    """The prefill to profile: one forward, or one prompt through the engine in chunks of ``engine_chunk``."""
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
     if engine_chunk is None:
@@ -148,14 +171,15 @@ def top_ops(prof, n: int = 12) -> list[tuple[str, float, int]]:
 @torch.inference_mode()
 def profile_one(model, seq_len: int, *, engine_chunk: int | None = None, repeats: int = 1) -> dict:
     fn = _run_fn(model, seq_len, engine_chunk)
+    _run_fn(model, min(seq_len, 256), engine_chunk)()  # warm-up (one-time setup) at a short length
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    fn()  # warm-up (allocator, one-time setup)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    peak_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_mb = (rss1 - rss0) / 1024
     handles = _label_modules(model)
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -169,7 +193,8 @@ def profile_one(model, seq_len: int, *, engine_chunk: int | None = None, repeats
     total = sum(parts.values())
     return {"seq_len": seq_len, "engine_chunk": engine_chunk, "seconds": [round(t, 4) for t in times],
             "tokens_per_s": round(seq_len / best, 1), "GFLOP/s": round(flops / best / 1e9, 2),
-            "peak_rss_growth_MB": round(peak_mb, 1), "profiled_ms": round(total, 1),
+            "peak_rss_growth_MB": round(peak_mb, 1), "peak_rss_MB": round(rss1 / 1024, 1),
+            "profiled_ms": round(total, 1),
             "parts_ms": {k: round(v, 2) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
             "top_ops": [(k, round(ms, 2), c) for k, ms, c in top_ops(prof)]}
 
@@ -178,7 +203,8 @@ def format_report(name: str, dtype: str, row: dict) -> str:
     total = row["profiled_ms"] or 1.0
     how = f"engine, chunks of {row['engine_chunk']}" if row["engine_chunk"] else "forward"
     lines = [f"## {name}, {row['seq_len']} tokens, {dtype}, {how}: {row['tokens_per_s']} tok/s, "
-             f"{row['GFLOP/s']} GFLOP/s, peak RSS +{row['peak_rss_growth_MB']} MB (runs {row['seconds']} s)",
+             f"{row['GFLOP/s']} GFLOP/s, peak RSS {row['peak_rss_MB']} MB (+{row['peak_rss_growth_MB']} MB in this "
+             f"run; runs {row['seconds']} s)",
              "", "| layer kind / part | ms | share |", "|---|---:|---:|"]
     by_kind: dict[str, float] = collections.defaultdict(float)
     for key, ms in row["parts_ms"].items():
