@@ -91,11 +91,19 @@ def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
     with torch.profiler.record_function("ssd.state_passing"):
         chunk_decay = cs[:, :, -1].exp()[..., None, None]  # [b, nc, H, 1, 1]
         states = states.view(b, nc, H, P, N)
-        entering = []
-        for c in range(nc):
-            entering.append(state)
-            state = torch.addcmul(states[:, c], state, chunk_decay[:, c])
-        entering = torch.stack(entering, 1).view(b, nc, G, hpg * P, N)
+        if inplace:  # each chunk's entering state written straight into its row: no stacking copy
+            entering = torch.empty_like(states)
+            entering[:, 0] = state
+            for c in range(nc - 1):
+                torch.addcmul(states[:, c], entering[:, c], chunk_decay[:, c], out=entering[:, c + 1])
+            state = torch.addcmul(states[:, -1], entering[:, -1], chunk_decay[:, -1])
+        else:
+            rows = []
+            for c in range(nc):
+                rows.append(state)
+                state = torch.addcmul(states[:, c], state, chunk_decay[:, c])
+            entering = torch.stack(rows, 1)
+        entering = entering.view(b, nc, G, hpg * P, N)
 
     with torch.profiler.record_function("ssd.state_output"):
         y_state = torch.matmul(Cc, entering.transpose(-1, -2).to(mm))  # [b, nc, G, T, hpg*P]
@@ -104,7 +112,7 @@ def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
         y_tok = y_tok.add_(y.transpose(2, 3)) if inplace else y_tok + y.transpose(2, 3)
         y_tok = y_tok.view(b, nc * T, H, P)[:, :n]
         if D is not None:
-            y_tok = y_tok + x.float() * D.float()[:, None]
+            y_tok = y_tok.addcmul_(x, D.float()[:, None]) if inplace else y_tok + x.float() * D.float()[:, None]
     return y_tok, state
 
 
@@ -118,11 +126,18 @@ def _ssd_chunk_scan_torch(x, dt, A, B, C, *, chunk_size, D=None, initial_state=N
     state = (torch.zeros(b, H, P, N, device=x.device) if initial_state is None
              else initial_state.float().reshape(b, H, P, N))
     Af = A.float()
+    # without autograd each block writes its rows of one output; with it the blocks are concatenated
+    y_out = torch.empty_like(x, memory_format=torch.contiguous_format) if inplace else None
     ys = []
     for t0 in range(0, L, block):
         s = slice(t0, min(t0 + block, L))
         y, state = _ssd_block(x[:, s], dt[:, s], Af, B[:, s], C[:, s], state, T=T, mm=mm, D=D, inplace=inplace)
-        ys.append(y.to(x.dtype))
+        if inplace:
+            y_out[:, s] = y
+        else:
+            ys.append(y.to(x.dtype))
+    if inplace:
+        return y_out, state
     return (torch.cat(ys, 1) if len(ys) > 1 else ys[0]), state
 
 
