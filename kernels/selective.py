@@ -48,12 +48,13 @@ def _scan_block(h0, x, dt, A, B, C):
     b, T, Dm = x.shape
     N = A.shape[1]
     nS = T // _SUB
-    cum = torch.cumsum((dt[..., None] * A).view(b, nS, _SUB, Dm, N), dim=2)
+    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (h0, x, dt, A, B, C)))
+    log_decay = (dt[..., None] * A).view(b, nS, _SUB, Dm, N)
+    cum = log_decay.cumsum_(dim=2) if inplace else log_decay.cumsum(dim=2)
     log_range = float(-cum[:, :, -1].detach().min())
     if log_range > _FP64_SAFE_LOG_RANGE:
         return selective_scan_ref(x, dt, A, B, C, initial_state=h0)
     work = torch.float64 if log_range > _FP32_SAFE_LOG_RANGE else torch.float32
-    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (h0, x, dt, A, B, C)))
     u = ((dt * x)[..., None] * B[:, :, None, :]).view(b, nS, _SUB, Dm, N).to(work)
     cum = cum.to(work)
     e = cum.exp_() if inplace else cum.exp()  # decay since the sub-chunk's start, in (0, 1]
