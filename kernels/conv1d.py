@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cuda_backend, dispatch, triton_support
+from .compute_dtype import matmul_dtype
 from .packing import check_cu_seqlens, sequences, step_on_slots
 from .triton_support import INTERPRET, jit, needs_grad, next_pow2, tl, triton
 
@@ -35,8 +36,11 @@ def _causal_conv1d_torch(x, weight, bias=None, *, initial_state=None, activation
     xt = x.transpose(1, 2)
     prev = x.new_zeros(b, Cn, K - 1) if initial_state is None else initial_state.to(x.dtype)
     xs = torch.cat([prev, xt], dim=-1)
-    y = F.conv1d(xs, weight[:, None, :].to(x.dtype), None if bias is None else bias.to(x.dtype), groups=Cn)
-    return _ACTIVATIONS[activation](y).transpose(1, 2), xs[:, :, xs.shape[-1] - (K - 1):].contiguous()
+    # one grouped (depthwise) conv over every channel; bf16 only where the CPU has bf16 arithmetic
+    cd = matmul_dtype(x.dtype, x.device)
+    y = F.conv1d(xs.to(cd), weight[:, None, :].to(cd), None if bias is None else bias.to(cd), groups=Cn)
+    y = _ACTIVATIONS[activation](y).to(x.dtype)
+    return y.transpose(1, 2), xs[:, :, xs.shape[-1] - (K - 1):].contiguous()
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -49,7 +53,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
     _, fn = dispatch.choose("causal_conv1d", x.device.type)
-    return fn(x, weight, bias, initial_state=initial_state, activation=activation)
+    with torch.profiler.record_function("conv1d"):
+        return fn(x, weight, bias, initial_state=initial_state, activation=activation)
 
 
 def causal_conv1d_step_ref(state, x, weight, bias=None, *, activation=None):
@@ -101,7 +106,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     None. Returns (y [T, C], final_states [B, C, K-1]); no tap reaches across a sequence boundary."""
     check_cu_seqlens(cu_seqlens, x.shape[0], "causal_conv1d_varlen")
     _, fn = dispatch.choose("causal_conv1d_varlen", x.device.type)
-    return fn(x, weight, bias, cu_seqlens, initial_states=initial_states, activation=activation)
+    with torch.profiler.record_function("conv1d"):
+        return fn(x, weight, bias, cu_seqlens, initial_states=initial_states, activation=activation)
 
 
 dispatch.register("causal_conv1d", "torch", _causal_conv1d_torch)

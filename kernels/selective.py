@@ -48,12 +48,13 @@ def _scan_block(h0, x, dt, A, B, C):
     b, T, Dm = x.shape
     N = A.shape[1]
     nS = T // _SUB
-    cum = torch.cumsum((dt[..., None] * A).view(b, nS, _SUB, Dm, N), dim=2)
+    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (h0, x, dt, A, B, C)))
+    log_decay = (dt[..., None] * A).view(b, nS, _SUB, Dm, N)
+    cum = log_decay.cumsum_(dim=2) if inplace else log_decay.cumsum(dim=2)
     log_range = float(-cum[:, :, -1].detach().min())
     if log_range > _FP64_SAFE_LOG_RANGE:
         return selective_scan_ref(x, dt, A, B, C, initial_state=h0)
     work = torch.float64 if log_range > _FP32_SAFE_LOG_RANGE else torch.float32
-    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (h0, x, dt, A, B, C)))
     u = ((dt * x)[..., None] * B[:, :, None, :]).view(b, nS, _SUB, Dm, N).to(work)
     cum = cum.to(work)
     e = cum.exp_() if inplace else cum.exp()  # decay since the sub-chunk's start, in (0, 1]
@@ -104,7 +105,8 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         raise ValueError(f"selective_scan: B and C must be [B, L, N] = {(*x.shape[:2], A.shape[1])}, "
                          f"got {tuple(B.shape)}, {tuple(C.shape)}")
     _, fn = dispatch.choose("selective_scan", x.device.type)
-    return fn(x, dt, A, B, C, D=D, initial_state=initial_state)
+    with torch.profiler.record_function("selective.scan"):
+        return fn(x, dt, A, B, C, D=D, initial_state=initial_state)
 
 
 def selective_step_ref(state, x, dt, A, B, C, *, D=None):
@@ -169,7 +171,8 @@ def selective_varlen_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     [B, D, N] or None. Returns (y [T, D], final_states [B, D, N] fp32)."""
     check_cu_seqlens(cu_seqlens, x.shape[0], "selective_varlen_scan")
     _, fn = dispatch.choose("selective_varlen_scan", x.device.type)
-    return fn(x, dt, A, B, C, cu_seqlens, D=D, initial_states=initial_states)
+    with torch.profiler.record_function("selective.scan"):
+        return fn(x, dt, A, B, C, cu_seqlens, D=D, initial_states=initial_states)
 
 
 dispatch.register("selective_scan", "torch", _selective_scan_torch)

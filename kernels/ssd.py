@@ -13,11 +13,18 @@ import torch
 import torch.nn.functional as F
 
 from . import cuda_backend, dispatch, triton_support
+from .compute_dtype import matmul_dtype
 from .packing import check_cu_seqlens, sequences, slot_rows, step_on_slots
 from .triton_state_update import ssd_state_update
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl, triton
 
-_TORCH_MAX_CHUNK = 128
+# Chunk length of the torch path. The chunk size changes only the cost, never the result. Per token the
+# per-head [T, T] decay work grows with T while the [H, P, N] chunk states shrink with it; 64 keeps both a
+# chunk's decay ([H, 64, 64], 0.4 MB fp32 at H=24) and its state in a core's L2 (eval/profile_prefill.py).
+_TORCH_CHUNK = 64
+# Tokens scanned at once: every temporary is sized by this block, not by the sequence, so a 64K prompt
+# costs the memory of a 1K one and the block's working set stays in the last-level cache.
+_TORCH_BLOCK = 512
 
 
 def ssd_scan_ref(x, dt, A, B, C, *, D=None, initial_state=None):
@@ -39,62 +46,99 @@ def ssd_scan_ref(x, dt, A, B, C, *, D=None, initial_state=None):
     return y.to(x.dtype), s
 
 
-def _segsum(a: torch.Tensor) -> torch.Tensor:
-    """[..., T] -> [..., T, T] with out[i, j] = a[j+1] + ... + a[i] for i >= j, -inf above.
+def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
+    """One block of n tokens from ``state`` [b, H, P, N] fp32 -> (y [b, n, H, P] fp32, state at its end).
 
-    Summing masked copies (rather than subtracting cumsums) keeps it exact for long chunks.
+    Per chunk of T tokens with cs = cumsum(dt A) (fp32, restarted at the chunk start, non-increasing):
+      y_l   = sum_{s<=l} (C_l . B_s) e^{cs_l - cs_s} dt_s x_s  +  e^{cs_l} C_l . state  +  D x_l
+      state = e^{cs_T} state + sum_s e^{cs_T - cs_s} dt_s x_s B_s^T
+    Each term is one batched matmul in ``mm`` (the block's chunks and groups are its batch); only the
+    hand-over of the state from chunk to chunk runs in sequence.
     """
-    T = a.shape[-1]
-    strict = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device), diagonal=-1)
-    cs = torch.cumsum(a[..., :, None].expand(*a.shape, T).masked_fill(~strict, 0.0), dim=-2)
-    return cs.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device)), float("-inf"))
+    b, n, H, P = x.shape
+    G, N = B.shape[2:]
+    hpg = H // G
+    pad = (-n) % T
+    dtf = dt.float()
+    xdt = (x.float() * dtf[..., None]).to(mm)
+    Bm, Cm = B.to(mm), C.to(mm)
+    if pad:  # dt = 0 on the padding: decay 1 and no input, so the state leaves the block as at token n-1
+        xdt, Bm, Cm = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xdt, Bm, Cm))
+        dtf = F.pad(dtf, (0, 0, 0, pad))
+    nc = (n + pad) // T
+    cs = (dtf * A).view(b, nc, T, H).cumsum(2)  # [b, nc, T, H]
+    cs_h = cs.transpose(2, 3)  # [b, nc, H, T]
+    Bc = Bm.view(b, nc, T, G, N).transpose(2, 3)  # [b, nc, G, T, N]
+    Cc = Cm.view(b, nc, T, G, N).transpose(2, 3)
+
+    with torch.profiler.record_function("ssd.intra_chunk"):
+        CB = torch.matmul(Cc, Bc.transpose(-1, -2))  # [b, nc, G, T, T]
+        CB = CB.tril_() if inplace else CB.tril()
+        # e^{cs_l - cs_s}: the upper triangle (s > l) is clamped to e^0 = 1 before CB's zeros mask it,
+        # so no inf ever meets a 0
+        decay = cs_h[..., :, None] - cs_h[..., None, :]  # [b, nc, H, T, T]
+        decay = decay.clamp_(max=0.0).exp_() if inplace else decay.clamp(max=0.0).exp()
+        decay = decay.view(b, nc, G, hpg, T, T)
+        M = decay.mul_(CB[:, :, :, None]) if inplace else decay * CB[:, :, :, None]
+        xdt_h = xdt.view(b, nc, T, H, P).transpose(2, 3)  # [b, nc, H, T, P]
+        y = torch.matmul(M.view(b, nc, H, T, T).to(mm), xdt_h)  # [b, nc, H, T, P]
+
+    with torch.profiler.record_function("ssd.chunk_states"):
+        to_end = (cs[:, :, -1:] - cs).exp_()  # [b, nc, T, H]: decay from each token to its chunk's end
+        xw = (xdt.view(b, nc, T, H, P) * to_end[..., None].to(mm)).view(b, nc, T, G, hpg * P)
+        states = torch.matmul(xw.permute(0, 1, 3, 4, 2), Bc).float()  # [b, nc, G, hpg*P, N]
+
+    with torch.profiler.record_function("ssd.state_passing"):
+        chunk_decay = cs[:, :, -1].exp()[..., None, None]  # [b, nc, H, 1, 1]
+        states = states.view(b, nc, H, P, N)
+        if inplace:  # each chunk's entering state written straight into its row: no stacking copy
+            entering = torch.empty_like(states)
+            entering[:, 0] = state
+            for c in range(nc - 1):
+                torch.addcmul(states[:, c], entering[:, c], chunk_decay[:, c], out=entering[:, c + 1])
+            state = torch.addcmul(states[:, -1], entering[:, -1], chunk_decay[:, -1])
+        else:
+            rows = []
+            for c in range(nc):
+                rows.append(state)
+                state = torch.addcmul(states[:, c], state, chunk_decay[:, c])
+            entering = torch.stack(rows, 1)
+        entering = entering.view(b, nc, G, hpg * P, N)
+
+    with torch.profiler.record_function("ssd.state_output"):
+        y_state = torch.matmul(Cc, entering.transpose(-1, -2).to(mm))  # [b, nc, G, T, hpg*P]
+        y_tok = y_state.view(b, nc, G, T, hpg, P).permute(0, 1, 3, 2, 4, 5).reshape(b, nc, T, H, P).float()
+        y_tok = y_tok.mul_(cs.exp()[..., None]) if inplace else y_tok * cs.exp()[..., None]
+        y_tok = y_tok.add_(y.transpose(2, 3)) if inplace else y_tok + y.transpose(2, 3)
+        y_tok = y_tok.view(b, nc * T, H, P)[:, :n]
+        if D is not None:
+            y_tok = y_tok.addcmul_(x, D.float()[:, None]) if inplace else y_tok + x.float() * D.float()[:, None]
+    return y_tok, state
 
 
 def _ssd_chunk_scan_torch(x, dt, A, B, C, *, chunk_size, D=None, initial_state=None):
     b, L, H, P = x.shape
-    G, N = B.shape[2:]
-    hpg = H // G
-    # The chunk size changes only the cost, never the result: on this path 64-128 beats the 256
-    # that GPU kernels like (the [T, T] decay matrices grow with T), so cap it there.
-    T = min(chunk_size, _TORCH_MAX_CHUNK, L)
-    pad = (-L) % T
-    xf, dtf, Bf, Cf = x.float(), dt.float(), B.float(), C.float()
-    if pad:
-        # Zero dt on the padding: decay 1 and no input, so the final state is the one at L - 1.
-        xf, Bf, Cf = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xf, Bf, Cf))
-        dtf = F.pad(dtf, (0, 0, 0, pad))
-    nc = (L + pad) // T
-    xdt = (xf * dtf[..., None]).view(b, nc, T, G, hpg, P)
-    Bc = Bf.view(b, nc, T, G, N)
-    Cc = Cf.view(b, nc, T, G, N)
-    dA = (dtf * A.float()).view(b, nc, T, H).permute(0, 3, 1, 2)  # [b, H, nc, T]
-    dA_cs = torch.cumsum(dA, dim=-1)
-
-    # 1. within each chunk: the quadratic (attention-like) form
-    decay_in = torch.exp(_segsum(dA)).view(b, G, hpg, nc, T, T)
-    CB = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)  # [b, G, nc, T, T]
-    y = torch.einsum("bghcls,bcsghp->bclghp", CB[:, :, None] * decay_in, xdt)
-
-    # 2. each chunk's final state, from zero
-    decay_to_end = torch.exp(dA_cs[..., -1:] - dA_cs).view(b, G, hpg, nc, T)
-    states = torch.einsum("bcsgn,bghcs,bcsghp->bcghpn", Bc, decay_to_end, xdt).reshape(b, nc, H, P, N)
-
-    # 3. pass states across chunks (a scan over nc chunks, as a small decay matrix)
-    init = (torch.zeros(b, 1, H, P, N, device=x.device) if initial_state is None
-            else initial_state.float()[:, None])
-    states = torch.cat([init, states], dim=1)
-    chunk_decay = torch.exp(_segsum(F.pad(dA_cs[..., -1], (1, 0))))  # [b, H, nc+1, nc+1]
-    states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)
-    prev_states, final_state = states[:, :-1], states[:, -1]
-
-    # 4. contribution of the state entering each chunk
-    decay_from_start = torch.exp(dA_cs).view(b, G, hpg, nc, T)
-    y = y + torch.einsum("bclgn,bcghpn,bghcl->bclghp", Cc, prev_states.view(b, nc, G, hpg, P, N),
-                         decay_from_start)
-    y = y.reshape(b, nc * T, H, P)[:, :L]
-    if D is not None:
-        y = y + x.float() * D.float()[:, None]
-    return y.to(x.dtype), final_state
+    N = B.shape[3]
+    T = max(1, min(chunk_size, _TORCH_CHUNK, L))
+    block = max(T, _TORCH_BLOCK // T * T)
+    mm = matmul_dtype(x.dtype, x.device)
+    inplace = not needs_grad(x, dt, A, B, C, D, initial_state)
+    state = (torch.zeros(b, H, P, N, device=x.device) if initial_state is None
+             else initial_state.float().reshape(b, H, P, N))
+    Af = A.float()
+    # without autograd each block writes its rows of one output; with it the blocks are concatenated
+    y_out = torch.empty_like(x, memory_format=torch.contiguous_format) if inplace else None
+    ys = []
+    for t0 in range(0, L, block):
+        s = slice(t0, min(t0 + block, L))
+        y, state = _ssd_block(x[:, s], dt[:, s], Af, B[:, s], C[:, s], state, T=T, mm=mm, D=D, inplace=inplace)
+        if inplace:
+            y_out[:, s] = y
+        else:
+            ys.append(y.to(x.dtype))
+    if inplace:
+        return y_out, state
+    return (torch.cat(ys, 1) if len(ys) > 1 else ys[0]), state
 
 
 def _check_ssd_shapes(x, dt, A, B, C):

@@ -60,22 +60,28 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> [..., D] (any leading shape: [B, L, D] in the model, [T, D] in packed inference)."""
         x_TD = x.reshape(-1, x.shape[-1])
-        weights, experts = self.route(x_TD)
         k = self.cfg.top_k
-        # Sort the T*k (token, slot) assignments by expert so each expert sees one contiguous run.
-        flat_experts = experts.reshape(-1)
-        order = torch.argsort(flat_experts, stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.cfg.n_experts).tolist()
-        token_of = order // k
-        weight_of = weights.reshape(-1)[order]
-        out = torch.zeros_like(x_TD)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                tok = token_of[start:start + n]
-                y = self.expert(e, x_TD[tok]) * weight_of[start:start + n, None]
-                out.index_add_(0, tok, y)
-                start += n
+        with torch.profiler.record_function("moe.routing"):
+            weights, experts = self.route(x_TD)
+            # Sort the T*k (token, slot) assignments by expert so each expert sees one contiguous run.
+            flat_experts = experts.reshape(-1)
+            order = torch.argsort(flat_experts, stable=True)
+            counts = torch.bincount(flat_experts, minlength=self.cfg.n_experts).tolist()
+            token_of = order // k
+        # one gather puts every expert's tokens in one contiguous run, each expert writes its run of the
+        # output, and one weighted scatter-add sums each token's k expert outputs
+        with torch.profiler.record_function("moe.dispatch"):
+            x_sorted = x_TD.index_select(0, token_of)
+        with torch.profiler.record_function("moe.experts"):
+            y_sorted = torch.empty_like(x_sorted)
+            start = 0
+            for e, n in enumerate(counts):
+                if n:
+                    y_sorted[start:start + n] = self.expert(e, x_sorted[start:start + n])
+                    start += n
+        with torch.profiler.record_function("moe.combine"):
+            y_sorted = y_sorted * weights.reshape(-1)[order, None]
+            out = torch.zeros_like(x_TD).index_add_(0, token_of, y_sorted)
         return out.view_as(x)
 
 
