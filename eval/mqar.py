@@ -10,12 +10,14 @@ the vocabulary, values from the high half (token 0 is never used).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from ..config import HybridConfig
 from ..model import HybridLM
 
 IGNORE = -100
@@ -66,18 +68,40 @@ def make_batch(batch_size: int, num_kv_pairs: int, vocab_size: int, *, num_queri
 
 @dataclass
 class TrainConfig:
-    """Defaults: ``hybrid tradeoff``'s, sized so the 8-block tiny family trains in ~10 CPU minutes."""
+    """Defaults: ``hybrid tradeoff``'s (see the module docstring for why these sizes)."""
 
     steps: int = 400
     batch_size: int = 32
-    vocab_size: int = 32  # MQAR tokens (<= the model's vocabulary): keys 1..15, values 16..30
+    vocab_size: int = 256  # MQAR tokens = the accuracy models' vocabulary: keys 1..127, values 128..254
     lr: float = 3e-3
     weight_decay: float = 0.1
     warmup: int = 20
-    train_kv_pairs: tuple[int, ...] = (2, 4, 8)  # each step draws one of these
-    eval_kv_pairs: tuple[int, ...] = (2, 4, 8)
+    train_kv_pairs: tuple[int, ...] = (2, 4, 8, 16, 32)  # each step draws one of these
+    eval_kv_pairs: tuple[int, ...] = (8, 16, 32)
     eval_sequences: int = 256
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        keys, _ = key_value_ranges(self.vocab_size)
+        for name in ("train_kv_pairs", "eval_kv_pairs"):
+            pairs = tuple(getattr(self, name))
+            object.__setattr__(self, name, pairs)
+            if not pairs or any(not 1 <= n <= len(keys) for n in pairs):
+                raise ValueError(f"{name} {pairs} must be non-empty, each in 1..{len(keys)} (the distinct keys "
+                                 f"of MQAR vocab {self.vocab_size}); raise vocab_size for more pairs")
+        for name in ("steps", "batch_size", "eval_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+def family_config(size: str, share: float, n_blocks: int, vocab_size: int) -> HybridConfig:
+    """The accuracy model of one family member: ``recipes.attention_family(size, share, n_blocks)``
+    with its vocabulary cut to the MQAR tokens (an MQAR model never sees any other id)."""
+    from ..recipes import attention_family
+
+    return dataclasses.replace(attention_family(size, share, n_blocks), vocab_size=vocab_size)
 
 
 def accuracy(model: HybridLM, batch: MQARBatch) -> float:
