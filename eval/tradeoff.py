@@ -23,10 +23,12 @@ files and (:mod:`.tradeoff_plot`) the PNG.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -81,34 +83,83 @@ def _load() -> list[float] | None:
 
 # ---- accuracy -----------------------------------------------------------------------------------
 
+def _train_member(size: str, share: float, n_blocks: int, cfg: mqar.TrainConfig, steps_done=None) -> dict:
+    """Train and score one family member for one seed (``cfg.seed``), on one thread; a worker process
+    runs this (the models are small: two single-thread trainings use two cores better than one
+    two-thread training). ``steps_done``: a queue told how many steps are done, for the parent's bar."""
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    model = HybridLM(mqar.family_config(size, share, n_blocks, cfg.vocab_size, cfg.init_std))
+    t0 = time.perf_counter()
+    losses = mqar.train(model, cfg, progress=False, on_steps=steps_done.put if steps_done is not None else None)
+    acc = mqar.evaluate(model, cfg)
+    return {"seed": cfg.seed, "accuracy": statistics.fmean(acc.values()), "per_kv": acc,
+            "final_loss": statistics.fmean(losses[-20:]), "train_s": round(time.perf_counter() - t0, 1),
+            "params": model.num_parameters()}
+
+
+def _train_all(jobs: list[tuple], workers: int, total_steps: int, progress: bool) -> list[dict]:
+    """``_train_member`` for every job, ``workers`` at a time in worker processes (inline for one),
+    with one progress bar over all their training steps."""
+    bar = tqdm(total=total_steps, desc="MQAR training (all members and seeds)", unit="step", disable=not progress)
+    if workers <= 1:
+        out = [_train_member(*job, steps_done=_Counter(bar)) for job in jobs]
+        bar.close()
+        return out
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = mp.get_context("spawn")  # a fork would copy this process's torch thread pool
+    with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        queue = manager.Queue()
+        futures = [pool.submit(_train_member, *job, steps_done=queue) for job in jobs]
+        while not all(f.done() for f in futures):
+            _drain(queue, bar, timeout=0.5)
+        _drain(queue, bar, timeout=0.0)
+        out = [f.result() for f in futures]  # re-raises a worker's error here
+    bar.close()
+    return out
+
+
+class _Counter:
+    """``put(k)`` advances a progress bar: the inline stand-in for the workers' queue."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def put(self, k: int) -> None:
+        self.bar.update(k)
+
+
+def _drain(queue, bar, timeout: float) -> None:
+    import queue as queue_mod
+
+    try:
+        bar.update(queue.get(timeout=timeout) if timeout else queue.get_nowait())
+        while True:
+            bar.update(queue.get_nowait())
+    except queue_mod.Empty:
+        pass
+
+
 def mqar_accuracy(shares: tuple[float, ...], n_blocks: int, cfg: mqar.TrainConfig, seeds: tuple[int, ...], *,
-                  size: str, progress: bool = True) -> dict[str, dict]:
+                  size: str, workers: int = 1, progress: bool = True) -> dict[str, dict]:
     """Train one model per share and seed on MQAR and score it. Per member: the mean over seeds of
     the mean accuracy over the scored pair counts, its min and max over seeds, the per-pair-count
-    accuracy (mean over seeds), and each seed's numbers."""
+    accuracy (mean, min and max over seeds), and each seed's numbers."""
+    jobs = [(size, share, n_blocks, dataclasses.replace(cfg, seed=seed)) for share in shares for seed in seeds]
+    results = _train_all(jobs, workers, cfg.steps * len(jobs), progress)
     out = {}
-    todo = [(s, seed) for s in shares for seed in seeds]
-    per_member: dict[str, list[dict]] = {share_label(s): [] for s in shares}
-    for share, seed in tqdm(todo, desc="MQAR train+score", unit="model", disable=not progress):
-        name = share_label(share)
-        run_cfg = dataclasses.replace(cfg, seed=seed)
-        torch.manual_seed(seed)
-        model = HybridLM(mqar.family_config(size, share, n_blocks, cfg.vocab_size))
-        t0 = time.perf_counter()
-        losses = mqar.train(model, run_cfg, desc=f"{name} seed {seed}", progress=progress)
-        acc = mqar.evaluate(model, run_cfg)
-        per_member[name].append({"seed": seed, "accuracy": statistics.fmean(acc.values()), "per_kv": acc,
-                                 "final_loss": statistics.fmean(losses[-20:]),
-                                 "train_s": round(time.perf_counter() - t0, 1)})
-        per_member[name][-1]["params"] = model.num_parameters()
-    for name, runs in per_member.items():
+    for share in shares:
+        runs = [r for job, r in zip(jobs, results, strict=True) if job[1] == share]
         accs = [r["accuracy"] for r in runs]
-        per_kv = {n: statistics.fmean(r["per_kv"][n] for r in runs) for n in cfg.eval_kv_pairs}
-        per_kv_min = {n: min(r["per_kv"][n] for r in runs) for n in cfg.eval_kv_pairs}
-        per_kv_max = {n: max(r["per_kv"][n] for r in runs) for n in cfg.eval_kv_pairs}
-        out[name] = {"accuracy": statistics.fmean(accs), "accuracy_min": min(accs), "accuracy_max": max(accs),
-                     "per_kv": per_kv, "per_kv_min": per_kv_min, "per_kv_max": per_kv_max, "seeds": runs,
-                     "params": runs[0]["params"]}
+        ns = cfg.eval_kv_pairs
+        out[share_label(share)] = {
+            "accuracy": statistics.fmean(accs), "accuracy_min": min(accs), "accuracy_max": max(accs),
+            "per_kv": {n: statistics.fmean(r["per_kv"][n] for r in runs) for n in ns},
+            "per_kv_min": {n: min(r["per_kv"][n] for r in runs) for n in ns},
+            "per_kv_max": {n: max(r["per_kv"][n] for r in runs) for n in ns},
+            "seeds": runs, "params": runs[0]["params"]}
     return out
 
 
@@ -195,6 +246,27 @@ def speed_and_memory(models: dict[str, HybridLM], *, lengths: tuple[int, ...], l
     return out
 
 
+@contextlib.contextmanager
+def timing_lock(path: str | Path | None, settings: dict, progress: bool):
+    """Hold an exclusive ``flock(2)`` on ``path`` (the same lock ``flock(1) PATH cmd`` takes) for the
+    block; records how long it waited in ``settings["lock_wait_s"]``."""
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    t0 = time.perf_counter()
+    with open(path, "a") as f:
+        if progress:
+            print(f"waiting for the timing lock {path} ...", file=sys.stderr, flush=True)
+        fcntl.flock(f, fcntl.LOCK_EX)
+        settings["lock_wait_s"] = round(time.perf_counter() - t0, 1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 # ---- the whole report -----------------------------------------------------------------------------
 
 def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None, num_fewshot: int | None = None,
@@ -206,9 +278,11 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
         chunk: int = 2048, repeats: int = 3, long_repeats: int = 1, warmup: int = 1,
         max_spread: float = MAX_SPREAD, cache_budget: int = CACHE_BUDGET, device: str = "cpu",
         dtype: str = "float32", threads: int | None = None, output: str | Path = "out/tradeoff",
-        progress: bool = True) -> tuple[TradeoffResult, dict[str, Path]]:
+        lock: str | Path | None = None, progress: bool = True) -> tuple[TradeoffResult, dict[str, Path]]:
     """The whole report: accuracy (MQAR on a trained family, or lm-eval on ``checkpoints``), engine
-    prefill timings, cache memory, then the four output files under ``output``."""
+    prefill timings, cache memory, then the four output files under ``output``. ``lock``: a file
+    held with an exclusive ``flock`` while timing (not while training), so that on a shared machine
+    no two benchmarks that take the same lock run at once."""
     from .. import from_pretrained
     from ..recipes import attention_family
     from .tradeoff_report import write_report
@@ -248,7 +322,8 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
         if bad:
             raise ValueError(f"long_shares {bad} are not among the family's shares {list(shares)}")
         t0 = time.perf_counter()
-        accuracy = mqar_accuracy(tuple(shares), n_blocks, train, tuple(seeds), size=size, progress=progress)
+        accuracy = mqar_accuracy(tuple(shares), n_blocks, train, tuple(seeds), size=size, workers=threads,
+                                  progress=progress)
         settings["accuracy_s"] = round(time.perf_counter() - t0, 1)
         models = {}
         for share in shares:
@@ -257,22 +332,26 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
                 models[share_label(share)] = HybridLM(attention_family(speed_size, share, n_blocks)).to(
                     torch_dtype).eval()
         long_members = {share_label(s) for s in long_shares}
-        acc_cfg = mqar.family_config(size, 0.0, n_blocks, train.vocab_size)
+        acc_cfg = mqar.family_config(size, 0.0, n_blocks, train.vocab_size, train.init_std)
         speed_cfg = attention_family(speed_size, 0.0, n_blocks)
         settings.update(source="mqar", size=size, speed_size=speed_size, n_blocks=n_blocks, seeds=list(seeds),
                         train=asdict(train), long_shares=list(long_shares),
                         accuracy_model=f"attention_family('{size}', share, {n_blocks}) with vocab {train.vocab_size}: "
-                                       f"d_model {acc_cfg.d_model}, trained here on MQAR",
+                                       f"d_model {acc_cfg.d_model}, init std {train.init_std}, trained here on MQAR "
+                                       f"({len(seeds)} seeds, {min(threads, len(shares) * len(seeds))} at a time, "
+                                       "one thread each)",
                         speed_model=f"attention_family('{speed_size}', share, {n_blocks}): d_model "
                                     f"{speed_cfg.d_model}, untrained weights (prefill time does not depend on them)")
-    peak = matmul_peak_flops(device, torch_dtype)
-    settings["matmul_peak_GFLOP/s"] = round(peak / 1e9, 2)
-    t0 = time.perf_counter()
-    speed = speed_and_memory(models, lengths=tuple(lengths), long_lengths=tuple(long_lengths),
-                             long_members=long_members, chunk=chunk, warmup=warmup, repeats=repeats,
-                             long_repeats=long_repeats, max_spread=max_spread, cache_budget=cache_budget,
-                             progress=progress)
-    settings["speed_s"] = round(time.perf_counter() - t0, 1)
+    with timing_lock(lock, settings, progress):
+        settings["load_at_timing"] = _load()
+        peak = matmul_peak_flops(device, torch_dtype)
+        settings["matmul_peak_GFLOP/s"] = round(peak / 1e9, 2)
+        t0 = time.perf_counter()
+        speed = speed_and_memory(models, lengths=tuple(lengths), long_lengths=tuple(long_lengths),
+                                 long_members=long_members, chunk=chunk, warmup=warmup, repeats=repeats,
+                                 long_repeats=long_repeats, max_spread=max_spread, cache_budget=cache_budget,
+                                 progress=progress)
+        settings["speed_s"] = round(time.perf_counter() - t0, 1)
     members = []
     for name, model in models.items():
         members.append({"model": name, "attn_share": round(attention_share(model.config.pattern), 4),

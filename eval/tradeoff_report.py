@@ -237,10 +237,12 @@ def header_lines(s: dict) -> list[str]:
              f"prefill {s.get('speed_s')} s). Machine: {mach['cpu']}, {mach['cores']} cores, {mach['os']}, "
              f"torch {mach['torch']}; device {s['device']}, {s['threads']} threads, dtype {s['dtype']}; "
              f"matmul peak {s['matmul_peak_GFLOP/s']} GFLOP/s; load average (1/5/15 min) {s.get('load_before')} "
-             f"before, {s.get('load_after')} after.", ""]
+             f"at the start, {s.get('load_at_timing')} when timing began, {s.get('load_after')} at the end"
+             + (f"; waited {s['lock_wait_s']} s for the timing lock" if "lock_wait_s" in s else "") + ".", ""]
     if s.get("source") == "mqar":
         t = s["train"]
-        lines += [f"Accuracy columns: {s['accuracy_model']}; {t['steps']} steps of {t['batch_size']} sequences, "
+        per_step = f"{t['batch_size']} sequences" if t["batch_size"] else f"{t['tokens_per_step']} tokens"
+        lines += [f"Accuracy columns: {s['accuracy_model']}; {t['steps']} steps of {per_step}, "
                   f"lr {t['lr']}, vocab {t['vocab_size']}, trained on {t['train_kv_pairs']} key-value pairs, "
                   f"scored on {t['eval_sequences']} held-out sequences at each of {t['eval_kv_pairs']} pairs; seeds "
                   f"{s['seeds']}.", "",

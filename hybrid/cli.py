@@ -99,7 +99,8 @@ def cmd_tradeoff(args) -> None:
     from .eval.tradeoff import run
     from .eval.tradeoff_report import claim_lines, summary_table
 
-    given = {"steps": args.steps, "batch_size": args.train_batch, "lr": args.lr, "vocab_size": args.mqar_vocab,
+    given = {"steps": args.steps, "tokens_per_step": args.train_tokens, "batch_size": args.train_batch, "lr": args.lr,
+             "vocab_size": args.mqar_vocab, "init_std": args.init_std,
              "train_kv_pairs": tuple(args.train_kv_pairs) if args.train_kv_pairs else None,
              "eval_kv_pairs": tuple(args.kv_pairs) if args.kv_pairs else None, "eval_sequences": args.eval_sequences}
     try:
@@ -112,7 +113,7 @@ def cmd_tradeoff(args) -> None:
                             long_shares=tuple(args.long_shares), chunk=args.chunk, repeats=args.repeats,
                             long_repeats=args.long_repeats, warmup=args.warmup, max_spread=args.max_spread,
                             cache_budget=int(args.cache_gib * 2**30), device=args.device, dtype=args.dtype,
-                            threads=args.threads, output=args.output)
+                            threads=args.threads, output=args.output, lock=args.lock)
     except ValueError as e:
         raise SystemExit(f"hybrid tradeoff: {e}") from e
     s = result.settings
@@ -248,7 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention shares of the family members")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="MQAR training seeds per member")
     p.add_argument("--steps", type=int, help="MQAR training steps per model (default: TrainConfig's)")
-    p.add_argument("--train-batch", type=int, help="MQAR sequences per step (default: TrainConfig's)")
+    p.add_argument("--train-tokens", type=int, help="MQAR tokens per training step (default: TrainConfig's)")
+    p.add_argument("--train-batch", type=int, help="fixed MQAR sequences per step instead of --train-tokens")
+    p.add_argument("--init-std", type=float, help="weight init std of the MQAR models (default: TrainConfig's)")
     p.add_argument("--lr", type=float, help="MQAR peak learning rate (default: TrainConfig's)")
     p.add_argument("--mqar-vocab", type=int, help="MQAR tokens = the MQAR models' vocabulary (default: TrainConfig's)")
     p.add_argument("--train-kv-pairs", type=int, nargs="+", help="key-value pair counts to train on")
@@ -272,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per CPU core this process may use)")
     p.add_argument("--output", default="out/tradeoff", help="folder for tradeoff.{json,csv,md,png}")
+    p.add_argument("--lock", help="file to hold an exclusive flock on while timing (not while training), e.g. "
+                                  "/tmp/bench.lock on a machine shared with other benchmarks")
     p.set_defaults(func=cmd_tradeoff)
 
     p = sub.add_parser("convert", help="load any supported checkpoint folder and write it in another format")

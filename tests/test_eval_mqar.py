@@ -55,25 +55,24 @@ def test_bad_sizes_are_explained():
     with pytest.raises(ValueError, match="num_queries"):
         mqar.make_batch(2, 4, 16, num_queries=5)
     with pytest.raises(ValueError, match="eval_kv_pairs .* raise vocab_size"):
-        mqar.TrainConfig(vocab_size=32, eval_kv_pairs=(64,))
+        mqar.TrainConfig(vocab_size=32, train_kv_pairs=(2,), eval_kv_pairs=(64,))
     with pytest.raises(ValueError, match="exceeds the model's vocab_size"):
         mqar.train(HybridLM(mqar.family_config("tiny", 1.0, 1, 16)), mqar.TrainConfig(vocab_size=32, steps=1,
                    train_kv_pairs=(2,), eval_kv_pairs=(2,)), progress=False)
 
 
 def test_all_attention_member_learns_the_default_task_above_chance():
-    """A short run of the default recipe (same model, vocabulary, pair counts and schedule; fewer steps)
-    on the all-attention member: chance is 1/127 (a value drawn at random); well past chance means
-    the model looks values up by their keys, the skill the default run trains to the end."""
-    cfg = dataclasses.replace(mqar.TrainConfig(), steps=SHORT_STEPS, eval_sequences=128)
+    """A short run of the default recipe (same model, vocabulary, pair counts, tokens per step and
+    schedule shape; 150 of its steps) on the all-attention member. Chance is 1/127 (a value drawn at
+    random); after the short run every scored pair count is well above it. (Copying some value seen
+    in the context gives 1/n; the key lookup that goes past that needs the full run.)"""
+    cfg = dataclasses.replace(mqar.TrainConfig(), steps=150, eval_sequences=128)
+    chance = 1 / len(mqar.key_value_ranges(cfg.vocab_size)[1])
     torch.manual_seed(0)
-    model = HybridLM(mqar.family_config("tiny", 1.0, 4, cfg.vocab_size))
+    model = HybridLM(mqar.family_config("tiny", 1.0, 4, cfg.vocab_size, cfg.init_std))
     before = mqar.evaluate(model, cfg)
     mqar.train(model, cfg, progress=False)
     after = mqar.evaluate(model, cfg)
     smallest = min(cfg.eval_kv_pairs)
-    assert before[smallest] < 0.03 and after[smallest] > SHORT_RUN_ACCURACY, (before, after)
-
-
-SHORT_STEPS = 150
-SHORT_RUN_ACCURACY = 0.3
+    assert all(b < 2 * chance for b in before.values()), before
+    assert after[smallest] > 5 * chance and all(a > 2 * chance for a in after.values()), (before, after)
