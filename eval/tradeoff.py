@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import platform
 import statistics
@@ -325,6 +326,10 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
         accuracy = mqar_accuracy(tuple(shares), n_blocks, train, tuple(seeds), size=size, workers=threads,
                                   progress=progress)
         settings["accuracy_s"] = round(time.perf_counter() - t0, 1)
+        # the training is the long part: keep its numbers even if the timing never happens
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "accuracy.json").write_text(json.dumps({"settings": settings, "accuracy": accuracy,
+                                                          "train": asdict(train)}, indent=2, default=str) + "\n")
         models = {}
         for share in shares:
             torch.manual_seed(0)
