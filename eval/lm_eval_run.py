@@ -62,3 +62,26 @@ def write_results(results: dict, output_dir: str | Path, name: str) -> Path:
     body = {k: v for k, v in results.items() if k != "samples"}
     path.write_text(json.dumps(body, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
     return path
+
+
+def subtask_accuracies(results: dict) -> tuple[dict[str, float], dict[str, int]]:
+    """``acc`` of every task and group in lm-eval's results dict (for mmlu_local: the overall average,
+    the four category groups and the 57 subjects), and how many questions each was scored on (a
+    group's count is the sum over the tasks below it)."""
+    accs: dict[str, float] = {}
+    for section in ("results", "groups"):
+        for name, entry in results.get(section, {}).items():
+            if "acc,none" in entry and name not in accs:
+                accs[name] = float(entry["acc,none"])
+    counts = {name: int(n.get("effective", n.get("original", 0))) for name, n in results.get("n-samples", {}).items()}
+    subtasks = results.get("group_subtasks", {})
+
+    def count(name: str) -> int:
+        if name in counts:
+            return counts[name]
+        counts[name] = sum(count(child) for child in subtasks.get(name, []))
+        return counts[name]
+
+    for name in accs:
+        count(name)
+    return accs, counts

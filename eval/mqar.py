@@ -10,12 +10,15 @@ the vocabulary, values from the high half (token 0 is never used).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from ..config import HybridConfig
 from ..model import HybridLM
 
 IGNORE = -100
@@ -66,18 +69,54 @@ def make_batch(batch_size: int, num_kv_pairs: int, vocab_size: int, *, num_queri
 
 @dataclass
 class TrainConfig:
-    """Defaults: ``hybrid tradeoff``'s, sized so the 8-block tiny family trains in ~10 CPU minutes."""
+    """Defaults: ``hybrid tradeoff``'s. Each step draws one pair count from ``train_kv_pairs`` and as
+    many sequences of it as fit in ``tokens_per_step`` (a step of 2-pair sequences holds 16 times
+    more of them than one of 32 pairs: short sequences are where a model first learns to look a key
+    up, and on a CPU a step costs about its tokens), unless ``batch_size`` fixes the sequences."""
 
-    steps: int = 400
-    batch_size: int = 32
-    vocab_size: int = 32  # MQAR tokens (<= the model's vocabulary): keys 1..15, values 16..30
+    steps: int = 600
+    tokens_per_step: int = 2048
+    batch_size: int | None = None  # sequences per step; None: tokens_per_step // sequence length
+    vocab_size: int = 256  # MQAR tokens = the accuracy models' vocabulary: keys 1..127, values 128..254
     lr: float = 3e-3
     weight_decay: float = 0.1
     warmup: int = 20
-    train_kv_pairs: tuple[int, ...] = (2, 4, 8)  # each step draws one of these
-    eval_kv_pairs: tuple[int, ...] = (2, 4, 8)
+    init_std: float = 0.06  # weight init of the accuracy models (the library's 0.02 leaves attention flat for long)
+    train_kv_pairs: tuple[int, ...] = (2, 4, 8, 16, 32)
+    eval_kv_pairs: tuple[int, ...] = (8, 16, 32)
     eval_sequences: int = 256
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        keys, _ = key_value_ranges(self.vocab_size)
+        for name in ("train_kv_pairs", "eval_kv_pairs"):
+            pairs = tuple(getattr(self, name))
+            object.__setattr__(self, name, pairs)
+            if not pairs or any(not 1 <= n <= len(keys) for n in pairs):
+                raise ValueError(f"{name} {pairs} must be non-empty, each in 1..{len(keys)} (the distinct keys "
+                                 f"of MQAR vocab {self.vocab_size}); raise vocab_size for more pairs")
+        for name in ("steps", "tokens_per_step", "eval_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 (or None), got {self.batch_size}")
+        if not self.lr > 0 or not self.init_std > 0:
+            raise ValueError(f"lr and init_std must be > 0, got {self.lr}, {self.init_std}")
+
+    def batch_for(self, num_kv_pairs: int) -> int:
+        """Sequences in a step of ``num_kv_pairs``-pair sequences (each ``4 * num_kv_pairs`` tokens)."""
+        return self.batch_size or max(1, self.tokens_per_step // (4 * num_kv_pairs))
+
+
+def family_config(size: str, share: float, n_blocks: int, vocab_size: int,
+                  init_std: float | None = None) -> HybridConfig:
+    """The accuracy model of one family member: ``recipes.attention_family(size, share, n_blocks)``
+    with its vocabulary cut to the MQAR tokens (an MQAR model never sees any other id) and, if
+    given, ``init_std`` as its initializer range."""
+    from ..recipes import attention_family
+
+    cfg = dataclasses.replace(attention_family(size, share, n_blocks), vocab_size=vocab_size)
+    return cfg if init_std is None else dataclasses.replace(cfg, initializer_range=init_std)
 
 
 def accuracy(model: HybridLM, batch: MQARBatch) -> float:
@@ -99,8 +138,10 @@ def evaluate(model: HybridLM, cfg: TrainConfig) -> dict[int, float]:
     return out
 
 
-def train(model: HybridLM, cfg: TrainConfig, *, desc: str = "mqar", progress: bool = True) -> list[float]:
-    """AdamW with linear warm-up and cosine decay on freshly drawn MQAR batches; returns the losses."""
+def train(model: HybridLM, cfg: TrainConfig, *, desc: str = "mqar", progress: bool = True,
+          on_steps: Callable[[int], None] | None = None) -> list[float]:
+    """AdamW with linear warm-up and cosine decay on freshly drawn MQAR batches; returns the losses.
+    ``on_steps(k)`` is told every few steps that ``k`` more are done (a parent's progress bar)."""
     if cfg.vocab_size > model.config.vocab_size:
         raise ValueError(f"MQAR vocab_size {cfg.vocab_size} exceeds the model's vocab_size {model.config.vocab_size}")
     g = torch.Generator().manual_seed(cfg.seed)
@@ -120,7 +161,7 @@ def train(model: HybridLM, cfg: TrainConfig, *, desc: str = "mqar", progress: bo
     bar = tqdm(range(cfg.steps), desc=desc, unit="step", disable=not progress, leave=False)
     for step in bar:
         n = cfg.train_kv_pairs[int(torch.randint(len(cfg.train_kv_pairs), (1,), generator=g))]
-        batch = make_batch(cfg.batch_size, n, cfg.vocab_size, generator=g)
+        batch = make_batch(cfg.batch_for(n), n, cfg.vocab_size, generator=g)
         loss = model.loss(batch.inputs, batch.labels, ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -128,8 +169,10 @@ def train(model: HybridLM, cfg: TrainConfig, *, desc: str = "mqar", progress: bo
         opt.step()
         sched.step()
         losses.append(loss.item())
-        if step % 10 == 0:
+        if step % 10 == 9 or step == cfg.steps - 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if on_steps is not None:
+                on_steps(step % 10 + 1)
     model.eval()
     return losses
 

@@ -1,22 +1,38 @@
 """Prefill speed versus accuracy across a family of models that differ in their attention share.
 
 Two sources of accuracy:
-- **MQAR** (default, nothing to download): the family ``recipes.attention_family(size, share)`` for
-  each share is trained from scratch on multi-query associative recall on this machine and scored
-  at several numbers of key-value pairs (``eval/mqar.py``);
+- **MQAR** (default, nothing to download): for each attention share the pattern
+  ``recipes.attention_family(size, share, n_blocks)`` is built at a small width, trained from scratch on
+  multi-query associative recall on this machine once per seed, and scored at several numbers of
+  key-value pairs (``eval/mqar.py``);
 - **lm-eval** (``checkpoints`` + ``tasks``): each checkpoint is scored on the tasks (e.g.
-  ``mmlu_local``) through the ``hybrid`` lm-eval model.
+  ``mmlu_local``: every subject, the four category groups and the overall average) through the
+  ``hybrid`` lm-eval model.
 
-Each model's prefill is then timed at every context length (``prefill_bench.sweep``), and the
-report is written as JSON, CSV, a markdown table and a PNG plot.
+Speed and memory are measured where they mean something: with MQAR, the *same patterns* at the
+``speed_size`` width (``small``: d_model 768, where prefill on a CPU is compute-bound; the weights are
+untrained, which does not change the time), with checkpoints, the checkpoints themselves. Each prompt
+runs through :class:`hybrid.Engine` (chunked prefill, paged KV cache, state slots), timed as min /
+median / max over repeats, re-measured when the spread is wide (``prefill_bench.measure``). Memory is
+the bytes one sequence holds at each length, read from the layers' cache specs, and how many such
+sequences fit in ``cache_budget`` bytes (``hybrid.cache.sequences_that_fit``).
+
+:mod:`.tradeoff_report` turns the result into the table, the seed-claim check, the CSV/JSON/markdown
+files and (:mod:`.tradeoff_plot`) the PNG.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
 import platform
+import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from fractions import Fraction
 from pathlib import Path
 
@@ -26,18 +42,22 @@ from tqdm import tqdm
 from ..model import HybridLM
 from ..pattern import attention_share
 from . import mqar
-from .prefill_bench import matmul_peak_flops, sweep
-from .tables import markdown, write_csv
+from .prefill_bench import MAX_SPREAD, _is_oom, matmul_peak_flops, set_threads, time_engine_prefill
 
-DEFAULT_SHARES = (0.0, 0.125, 0.25, 0.5, 1.0)
+DEFAULT_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
+DEFAULT_N_BLOCKS = 4
+DEFAULT_LENGTHS = (2048, 8192)  # timed for every member
+DEFAULT_LONG_LENGTHS = (32768,)  # timed for the members in long_shares only (all-attention at 32K costs minutes)
+DEFAULT_LONG_SHARES = (0.0, 1.0)
+CACHE_BUDGET = 4 * 2**30
 
 
 @dataclass
 class TradeoffResult:
-    """One row per model (``rows``), one per model and length (``prefill``), and how it was made."""
+    """``members``: one dict per model (accuracy, timings, memory); ``settings``: how it was made
+    (machine, threads, dtype, date, wall time, budgets)."""
 
-    rows: list[dict]
-    prefill: list[dict]
+    members: list[dict]
     settings: dict = field(default_factory=dict)
 
 
@@ -45,163 +65,303 @@ def share_label(share: float) -> str:
     return f"attn={Fraction(share).limit_denominator(64)}"
 
 
-def build_family(size: str, shares: tuple[float, ...], n_blocks: int, seed: int) -> dict[str, HybridLM]:
-    """One freshly initialised model per attention share (same width, depth and seed)."""
-    from ..recipes import attention_family
+def machine_facts() -> dict:
+    """What the timings depend on: CPU model, cores this process may use, OS, torch build, load."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cores": cores, "os": f"{platform.system()} {platform.release()}",
+            "python": platform.python_version(), "torch": torch.__version__}
 
-    models = {}
-    for share in shares:
-        torch.manual_seed(seed)
-        models[share_label(share)] = HybridLM(attention_family(size, share, n_blocks))
-    return models
+
+def _load() -> list[float] | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
-def mqar_accuracy(models: dict[str, HybridLM], cfg: mqar.TrainConfig, progress: bool = True) -> dict[str, dict]:
-    """Train each model on MQAR (in place) and score it; per model its accuracy at each number of
-    key-value pairs, the mean over them, the final training loss and the training seconds."""
-    out = {}
-    for name, model in tqdm(models.items(), desc="MQAR family", unit="model", disable=not progress):
-        t0 = time.perf_counter()
-        losses = mqar.train(model, cfg, desc=f"train {name}", progress=progress)
-        acc = mqar.evaluate(model, cfg)
-        out[name] = {"accuracy": sum(acc.values()) / len(acc), "per_kv": acc,
-                     "final_loss": sum(losses[-10:]) / len(losses[-10:]), "train_s": time.perf_counter() - t0}
+# ---- accuracy -----------------------------------------------------------------------------------
+
+def _train_member(size: str, share: float, n_blocks: int, cfg: mqar.TrainConfig, steps_done=None) -> dict:
+    """Train and score one family member for one seed (``cfg.seed``), on one thread; a worker process
+    runs this (the models are small: two single-thread trainings use two cores better than one
+    two-thread training). ``steps_done``: a queue told how many steps are done, for the parent's bar."""
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    model = HybridLM(mqar.family_config(size, share, n_blocks, cfg.vocab_size, cfg.init_std))
+    t0 = time.perf_counter()
+    losses = mqar.train(model, cfg, progress=False, on_steps=steps_done.put if steps_done is not None else None)
+    acc = mqar.evaluate(model, cfg)
+    return {"seed": cfg.seed, "accuracy": statistics.fmean(acc.values()), "per_kv": acc,
+            "final_loss": statistics.fmean(losses[-20:]), "train_s": round(time.perf_counter() - t0, 1),
+            "params": model.num_parameters()}
+
+
+def _train_all(jobs: list[tuple], workers: int, total_steps: int, progress: bool) -> list[dict]:
+    """``_train_member`` for every job, ``workers`` at a time in worker processes (inline for one),
+    with one progress bar over all their training steps."""
+    bar = tqdm(total=total_steps, desc="MQAR training (all members and seeds)", unit="step", disable=not progress)
+    if workers <= 1:
+        out = [_train_member(*job, steps_done=_Counter(bar)) for job in jobs]
+        bar.close()
+        return out
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = mp.get_context("spawn")  # a fork would copy this process's torch thread pool
+    with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        queue = manager.Queue()
+        futures = [pool.submit(_train_member, *job, steps_done=queue) for job in jobs]
+        while not all(f.done() for f in futures):
+            _drain(queue, bar, timeout=0.5)
+        _drain(queue, bar, timeout=0.0)
+        out = [f.result() for f in futures]  # re-raises a worker's error here
+    bar.close()
     return out
 
 
-def lm_eval_accuracy(checkpoints: list[str], tasks: list[str], *, num_fewshot: int | None, limit: int | None,
-                     mmlu_dir: str | None, batch_size: int, device: str, dtype: str, output: Path) -> dict[str, dict]:
-    """Score each checkpoint on ``tasks`` with lm-eval (results JSON kept under ``output``); the
-    accuracy is the first task's ``acc`` (its group aggregate for a group such as mmlu_local)."""
-    from .lm_eval_run import run, task_accuracy, write_results
+class _Counter:
+    """``put(k)`` advances a progress bar: the inline stand-in for the workers' queue."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def put(self, k: int) -> None:
+        self.bar.update(k)
+
+
+def _drain(queue, bar, timeout: float) -> None:
+    import queue as queue_mod
+
+    try:
+        bar.update(queue.get(timeout=timeout) if timeout else queue.get_nowait())
+        while True:
+            bar.update(queue.get_nowait())
+    except queue_mod.Empty:
+        pass
+
+
+def mqar_accuracy(shares: tuple[float, ...], n_blocks: int, cfg: mqar.TrainConfig, seeds: tuple[int, ...], *,
+                  size: str, workers: int = 1, progress: bool = True) -> dict[str, dict]:
+    """Train one model per share and seed on MQAR and score it. Per member: the mean over seeds of
+    the mean accuracy over the scored pair counts, its min and max over seeds, the per-pair-count
+    accuracy (mean, min and max over seeds), and each seed's numbers."""
+    jobs = [(size, share, n_blocks, dataclasses.replace(cfg, seed=seed)) for share in shares for seed in seeds]
+    results = _train_all(jobs, workers, cfg.steps * len(jobs), progress)
+    out = {}
+    for share in shares:
+        runs = [r for job, r in zip(jobs, results, strict=True) if job[1] == share]
+        accs = [r["accuracy"] for r in runs]
+        ns = cfg.eval_kv_pairs
+        out[share_label(share)] = {
+            "accuracy": statistics.fmean(accs), "accuracy_min": min(accs), "accuracy_max": max(accs),
+            "per_kv": {n: statistics.fmean(r["per_kv"][n] for r in runs) for n in ns},
+            "per_kv_min": {n: min(r["per_kv"][n] for r in runs) for n in ns},
+            "per_kv_max": {n: max(r["per_kv"][n] for r in runs) for n in ns},
+            "seeds": runs, "params": runs[0]["params"]}
+    return out
+
+
+def lm_eval_accuracy(checkpoints: list[str], tasks: list[str], *, num_fewshot: int | None, limit: float | None,
+                     mmlu_dir: str | None, batch_size: int, device: str, dtype: str, output: Path,
+                     progress: bool = True) -> dict[str, dict]:
+    """Score each checkpoint on ``tasks`` with lm-eval (results JSON kept under ``output/lm_eval``).
+    Per checkpoint: ``accuracy`` (the first task's ``acc``: for a group such as mmlu_local its
+    question-weighted aggregate), ``stderr`` (binomial, from the number of questions), every task's,
+    group's and subject's ``acc`` (``per_task``), and the results file."""
+    from .lm_eval_run import run, subtask_accuracies, write_results
 
     out = {}
-    for path in tqdm(checkpoints, desc="lm-eval", unit="model"):
+    for path in tqdm(checkpoints, desc="lm-eval", unit="model", disable=not progress):
         results = run(path, tasks=tasks, num_fewshot=num_fewshot, limit=limit, mmlu_dir=mmlu_dir,
                       batch_size=batch_size, device=device, dtype=dtype)
         saved = write_results(results, output / "lm_eval", Path(path).name)
-        out[path] = {"accuracy": task_accuracy(results, tasks[0]),
-                     "per_task": {t: task_accuracy(results, t) for t in tasks}, "results_json": str(saved)}
+        per_task, counts = subtask_accuracies(results)
+        if tasks[0] not in per_task:
+            raise ValueError(f"lm-eval gave no acc for {tasks[0]!r} (have: {sorted(per_task)})")
+        groups = [t for t in per_task if t in results.get("groups", {})]
+        # the first task, then its groups, then the tasks (subjects) alphabetically
+        order = [tasks[0], *sorted(g for g in groups if g != tasks[0]),
+                 *sorted(t for t in per_task if t not in groups and t != tasks[0])]
+        acc = per_task[tasks[0]]
+        n = counts.get(tasks[0], 0)
+        out[path] = {"accuracy": acc, "stderr": (acc * (1 - acc) / n) ** 0.5 if n else None, "questions": n,
+                     "per_task": {t: per_task[t] for t in order}, "groups": groups,
+                     "results_json": str(saved)}
     return out
 
 
-def summary_rows(models: dict[str, HybridLM], accuracy: dict[str, dict], prefill: list[dict],
-                 metric: str) -> list[dict]:
-    """One row per model: shape, accuracy (and its parts), prefill ms per length, cache bytes."""
+# ---- speed and memory ---------------------------------------------------------------------------
+
+def time_member(model: HybridLM, lengths: list[int], *, chunk: int, warmup: int, repeats: int,
+                max_spread: float) -> list[dict]:
+    """Engine prefill of ``model`` at each length (shortest first); out of memory skips the rest.
+    Only the first length gets the warm-up runs: later ones run on a warm allocator and kernels."""
     rows = []
-    for name, model in models.items():
-        cfg, acc = model.config, accuracy[name]
-        row = {"model": name, "attn_share": round(attention_share(cfg.pattern), 4),
-               "params_M": round(model.num_parameters() / 1e6, 3), metric: round(acc["accuracy"], 4)}
-        for key, value in acc.get("per_kv", {}).items():
-            row[f"{metric}@{key}kv"] = round(value, 4)
-        for key, value in acc.get("per_task", {}).items():
-            if len(acc["per_task"]) > 1:
-                row[key] = round(value, 4)
-        for p in prefill:
-            if p["model"] == name:
-                row[f"prefill_ms@{p['seq_len']}"] = p.get("prefill_ms", "skipped")
-        spec = model.cache_spec()  # as the engine stores it: SSM state fp32, the rest in the model dtype
-        row["KV_bytes/token"] = spec.kv_bytes_per_token
-        row["state_bytes/seq"] = spec.state_bytes_per_sequence
-        row["pattern"] = cfg.pattern
-        rows.append(row)
+    for i, L in enumerate(sorted(lengths)):
+        try:
+            rows.append(time_engine_prefill(model, L, chunk=chunk, warmup=warmup if i == 0 else 0,
+                                            repeats=repeats, max_spread=max_spread))
+        except (RuntimeError, MemoryError) as err:
+            if not isinstance(err, MemoryError) and not _is_oom(err):
+                raise
+            rows += [{"seq_len": x, "skipped": f"out of memory at {L} tokens"} for x in sorted(lengths) if x >= L]
+            break
     return rows
 
 
-def plot(result: TradeoffResult, metric: str, path: Path) -> Path:
-    """Left: prefill latency at the longest timed length vs accuracy, one point per model.
-    Right: prefill latency vs context length, one line per model."""
-    import matplotlib
+def memory_rows(model: HybridLM, lengths: list[int], cache_budget: int, block_size: int = 16) -> list[dict]:
+    """Bytes one sequence holds at each length (KV blocks + Mamba state, from the cache specs, as the
+    engine stores them in the model's dtype with fp32 SSM state) and how many fit in ``cache_budget``."""
+    from ..cache import sequences_that_fit
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_acc, ax_len) = plt.subplots(1, 2, figsize=(12, 4.8))
-    timed = [p for p in result.prefill if "prefill_ms" in p]
-    longest = max((p["seq_len"] for p in timed), default=None)
-    for row in result.rows:
-        mine = sorted((p for p in timed if p["model"] == row["model"]), key=lambda p: p["seq_len"])
-        if mine:
-            ax_len.plot([p["seq_len"] for p in mine], [p["prefill_ms"] for p in mine], marker="o", label=row["model"])
-        at_longest = [p["prefill_ms"] for p in mine if p["seq_len"] == longest]
-        if at_longest:
-            ax_acc.scatter(at_longest, [row[metric]], s=50)
-            ax_acc.annotate(row["model"], (at_longest[0], row[metric]), textcoords="offset points", xytext=(5, 5))
-    ax_acc.set_xlabel(f"prefill latency at {longest} tokens (ms)")
-    ax_acc.set_ylabel(metric)
-    ax_acc.set_title("accuracy vs prefill latency")
-    ax_acc.grid(True, alpha=0.3)
-    ax_len.set_xscale("log", base=2)
-    ax_len.set_yscale("log")
-    ax_len.set_xlabel("context length (tokens)")
-    ax_len.set_ylabel("prefill latency (ms)")
-    ax_len.set_title("prefill latency vs context length")
-    ax_len.grid(True, which="both", alpha=0.3)
-    ax_len.legend(fontsize=8)
-    device = result.settings.get("device", "")
-    fig.suptitle(f"attention share tradeoff ({device})")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    dtype = next(model.parameters()).dtype
+    spec = model.cache_spec()
+    return [{"seq_len": L, "cache_bytes": spec.bytes_per_sequence(L, block_size=block_size),
+             "seqs_in_budget": sequences_that_fit(model.config, cache_budget, L, block_size=block_size,
+                                                  kv_dtype=dtype, conv_dtype=dtype)}
+            for L in lengths]
 
 
-def write_report(result: TradeoffResult, metric: str, output: Path) -> dict[str, Path]:
-    """``tradeoff.json`` (everything), ``tradeoff.csv`` (summary rows), ``tradeoff.md``, ``tradeoff.png``."""
-    output.mkdir(parents=True, exist_ok=True)
-    paths = {"json": output / "tradeoff.json", "csv": output / "tradeoff.csv", "md": output / "tradeoff.md",
-             "png": output / "tradeoff.png"}
-    paths["json"].write_text(json.dumps(asdict(result), indent=2, default=str) + "\n")
-    write_csv(result.rows, paths["csv"])
-    s = result.settings
-    table_rows = [{k: v for k, v in r.items() if k != "pattern"} for r in result.rows]
-    md = [f"# Prefill speed vs {metric}", "",
-          f"Device: {s.get('device')}, {s.get('threads')} threads, dtype {s.get('dtype')}, "
-          f"median of {s.get('repeats')} runs; matmul peak {s.get('matmul_peak_GFLOP/s')} GFLOP/s.", "",
-          markdown(table_rows), "", "Patterns:", ""]
-    md += [f"- `{r['model']}`: `{r['pattern']}`" for r in result.rows]
-    md += ["", "Prefill runs:", "", markdown(result.prefill), ""]
-    paths["md"].write_text("\n".join(md))
-    plot(result, metric, paths["png"])
-    return paths
+def speed_and_memory(models: dict[str, HybridLM], *, lengths: tuple[int, ...], long_lengths: tuple[int, ...],
+                     long_members: set[str], chunk: int, warmup: int, repeats: int, long_repeats: int,
+                     max_spread: float, cache_budget: int, progress: bool = True) -> dict[str, dict]:
+    """Per member: its prefill rows (``lengths`` for all, ``long_lengths`` for ``long_members``, with
+    ``long_repeats``), its memory rows at every length, and its speed model's facts."""
+    out = {}
+    every = sorted(set(lengths) | set(long_lengths))
+    for name, model in tqdm(models.items(), desc="prefill (engine)", unit="model", disable=not progress):
+        rows = time_member(model, list(lengths), chunk=chunk, warmup=warmup, repeats=repeats,
+                           max_spread=max_spread)
+        if name in long_members and long_lengths:
+            rows += time_member(model, list(long_lengths), chunk=chunk, warmup=0, repeats=long_repeats,
+                                max_spread=max_spread)
+        cfg = model.config
+        out[name] = {"prefill": rows, "memory": memory_rows(model, every, cache_budget),
+                     "speed_model": {"pattern": cfg.pattern, "d_model": cfg.d_model, "n_layers": len(cfg.pattern),
+                                     "params": model.num_parameters(),
+                                     "kv_bytes_per_token": model.cache_spec().kv_bytes_per_token,
+                                     "state_bytes_per_sequence": model.cache_spec().state_bytes_per_sequence}}
+    return out
 
+
+@contextlib.contextmanager
+def timing_lock(path: str | Path | None, settings: dict, progress: bool):
+    """Hold an exclusive ``flock(2)`` on ``path`` (the same lock ``flock(1) PATH cmd`` takes) for the
+    block; records how long it waited in ``settings["lock_wait_s"]``."""
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    t0 = time.perf_counter()
+    with open(path, "a") as f:
+        if progress:
+            print(f"waiting for the timing lock {path} ...", file=sys.stderr, flush=True)
+        fcntl.flock(f, fcntl.LOCK_EX)
+        settings["lock_wait_s"] = round(time.perf_counter() - t0, 1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ---- the whole report -----------------------------------------------------------------------------
 
 def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None, num_fewshot: int | None = None,
-        limit: int | None = None, mmlu_dir: str | None = None, eval_batch_size: int = 8,
-        size: str = "tiny", n_blocks: int = 8, shares: tuple[float, ...] = DEFAULT_SHARES,
-        train: mqar.TrainConfig | None = None, lengths: tuple[int, ...] = (512, 2048, 8192),
-        repeats: int = 3, warmup: int = 1, device: str = "cpu", dtype: str = "float32", seed: int = 0,
-        output: str | Path = "out/tradeoff", progress: bool = True) -> tuple[TradeoffResult, dict[str, Path]]:
-    """The whole report: accuracy (MQAR on a trained family, or lm-eval on ``checkpoints``), prefill
-    timings at ``lengths``, then the four output files under ``output``."""
+        limit: float | None = None, mmlu_dir: str | None = None, eval_batch_size: int = 8,
+        size: str = "tiny", speed_size: str = "small", n_blocks: int = DEFAULT_N_BLOCKS,
+        shares: tuple[float, ...] = DEFAULT_SHARES, train: mqar.TrainConfig | None = None,
+        seeds: tuple[int, ...] = (0, 1), lengths: tuple[int, ...] = DEFAULT_LENGTHS,
+        long_lengths: tuple[int, ...] = DEFAULT_LONG_LENGTHS, long_shares: tuple[float, ...] = DEFAULT_LONG_SHARES,
+        chunk: int = 2048, repeats: int = 3, long_repeats: int = 1, warmup: int = 1,
+        max_spread: float = MAX_SPREAD, cache_budget: int = CACHE_BUDGET, device: str = "cpu",
+        dtype: str = "float32", threads: int | None = None, output: str | Path = "out/tradeoff",
+        lock: str | Path | None = None, progress: bool = True) -> tuple[TradeoffResult, dict[str, Path]]:
+    """The whole report: accuracy (MQAR on a trained family, or lm-eval on ``checkpoints``), engine
+    prefill timings, cache memory, then the four output files under ``output``. ``lock``: a file
+    held with an exclusive ``flock`` while timing (not while training), so that on a shared machine
+    no two benchmarks that take the same lock run at once."""
     from .. import from_pretrained
+    from ..recipes import attention_family
+    from .tradeoff_report import write_report
 
+    t_start = time.perf_counter()
+    started = datetime.now(timezone.utc)
+    load_before = _load()
+    threads = set_threads(threads)
     output = Path(output)
     torch_dtype = getattr(torch, dtype)
-    settings = {"device": f"{device} ({platform.processor() or platform.machine()})" if device == "cpu" else device,
-                "threads": torch.get_num_threads(), "dtype": dtype, "repeats": repeats, "warmup": warmup,
-                "lengths": list(lengths)}
+    if chunk < 1 or repeats < 1 or long_repeats < 1:
+        raise ValueError(f"chunk, repeats and long_repeats must be >= 1, got {chunk}, {repeats}, {long_repeats}")
+    if not seeds:
+        raise ValueError("give at least one seed")
+    settings = {"date": started.isoformat(timespec="seconds"), "machine": machine_facts(),
+                "device": device, "threads": threads, "dtype": dtype, "repeats": repeats,
+                "long_repeats": long_repeats, "warmup": warmup, "max_spread": max_spread, "chunk": chunk,
+                "lengths": sorted(lengths), "long_lengths": sorted(long_lengths),
+                "cache_budget_GiB": round(cache_budget / 2**30, 3), "load_before": load_before}
     if checkpoints:
         if not tasks:
             raise ValueError("--checkpoints needs --tasks (e.g. mmlu_local) to measure accuracy")
         metric = "acc"
+        t0 = time.perf_counter()
         accuracy = lm_eval_accuracy(checkpoints, tasks, num_fewshot=num_fewshot, limit=limit, mmlu_dir=mmlu_dir,
-                                    batch_size=eval_batch_size, device=device, dtype=dtype, output=output)
+                                    batch_size=eval_batch_size, device=device, dtype=dtype, output=output,
+                                    progress=progress)
+        settings["accuracy_s"] = round(time.perf_counter() - t0, 1)
         models = {p: from_pretrained(p, dtype=torch_dtype, device=device) for p in checkpoints}
-        settings.update(source="lm-eval", tasks=tasks, num_fewshot=num_fewshot, limit=limit)
+        long_members = set(models)  # checkpoints: every one at every length
+        settings.update(source="lm-eval", tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                        accuracy_model="each checkpoint", speed_model="each checkpoint")
     else:
         metric = "mqar_acc"
-        train = train or mqar.TrainConfig(seed=seed)
-        models = build_family(size, shares, n_blocks, seed)
-        accuracy = mqar_accuracy(models, train, progress=progress)
-        models = {n: m.to(device=device, dtype=torch_dtype).eval() for n, m in models.items()}
-        settings.update(source="mqar", size=size, n_blocks=n_blocks, train=asdict(train),
-                        train_s={n: round(a["train_s"], 1) for n, a in accuracy.items()},
-                        final_loss={n: round(a["final_loss"], 4) for n, a in accuracy.items()})
-    peak = matmul_peak_flops(device, torch_dtype)
-    settings["matmul_peak_GFLOP/s"] = round(peak / 1e9, 2)
-    prefill = sweep(models, list(lengths), warmup=warmup, repeats=repeats, peak_flops=peak, progress=progress)
-    result = TradeoffResult(summary_rows(models, accuracy, prefill, metric), prefill, settings)
-    return result, write_report(result, metric, output)
+        train = train or mqar.TrainConfig()
+        bad = [s for s in long_shares if s not in shares]
+        if bad:
+            raise ValueError(f"long_shares {bad} are not among the family's shares {list(shares)}")
+        t0 = time.perf_counter()
+        accuracy = mqar_accuracy(tuple(shares), n_blocks, train, tuple(seeds), size=size, workers=threads,
+                                  progress=progress)
+        settings["accuracy_s"] = round(time.perf_counter() - t0, 1)
+        # the training is the long part: keep its numbers even if the timing never happens
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "accuracy.json").write_text(json.dumps({"settings": settings, "accuracy": accuracy,
+                                                          "train": asdict(train)}, indent=2, default=str) + "\n")
+        models = {}
+        for share in shares:
+            torch.manual_seed(0)
+            with torch.device(device):
+                models[share_label(share)] = HybridLM(attention_family(speed_size, share, n_blocks)).to(
+                    torch_dtype).eval()
+        long_members = {share_label(s) for s in long_shares}
+        acc_cfg = mqar.family_config(size, 0.0, n_blocks, train.vocab_size, train.init_std)
+        speed_cfg = attention_family(speed_size, 0.0, n_blocks)
+        settings.update(source="mqar", size=size, speed_size=speed_size, n_blocks=n_blocks, seeds=list(seeds),
+                        train=asdict(train), long_shares=list(long_shares),
+                        accuracy_model=f"attention_family('{size}', share, {n_blocks}) with vocab {train.vocab_size}: "
+                                       f"d_model {acc_cfg.d_model}, init std {train.init_std}, trained here on MQAR "
+                                       f"({len(seeds)} seeds, {min(threads, len(shares) * len(seeds))} at a time, "
+                                       "one thread each)",
+                        speed_model=f"attention_family('{speed_size}', share, {n_blocks}): d_model "
+                                    f"{speed_cfg.d_model}, untrained weights (prefill time does not depend on them)")
+    with timing_lock(lock, settings, progress):
+        settings["load_at_timing"] = _load()
+        peak = matmul_peak_flops(device, torch_dtype)
+        settings["matmul_peak_GFLOP/s"] = round(peak / 1e9, 2)
+        t0 = time.perf_counter()
+        speed = speed_and_memory(models, lengths=tuple(lengths), long_lengths=tuple(long_lengths),
+                                 long_members=long_members, chunk=chunk, warmup=warmup, repeats=repeats,
+                                 long_repeats=long_repeats, max_spread=max_spread, cache_budget=cache_budget,
+                                 progress=progress)
+        settings["speed_s"] = round(time.perf_counter() - t0, 1)
+    members = []
+    for name, model in models.items():
+        members.append({"model": name, "attn_share": round(attention_share(model.config.pattern), 4),
+                        "metric": metric, **accuracy[name], **speed[name]})
+    settings["load_after"] = _load()
+    settings["wall_s"] = round(time.perf_counter() - t_start, 1)
+    result = TradeoffResult(members, settings)
+    return result, write_report(result, output)

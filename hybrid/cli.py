@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 
@@ -50,15 +49,15 @@ def cmd_bench(args) -> None:
     import torch
 
     from .eval.engine_bench import decode_engine, decode_speed
-    from .eval.prefill_bench import matmul_peak_flops, sweep
+    from .eval.prefill_bench import matmul_peak_flops, set_threads, sweep
     from .eval.tables import markdown, write_rows
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = set_threads(args.threads)
     models = _models_from_args(args)
     dtype = getattr(torch, args.dtype)
     peak = matmul_peak_flops(args.device, dtype) if args.peak else None
-    rows = sweep(models, args.lengths, batch=args.batch, warmup=args.warmup, repeats=args.repeats, peak_flops=peak)
+    rows = sweep(models, args.lengths, batch=args.batch, warmup=args.warmup, repeats=args.repeats, peak_flops=peak,
+                 max_spread=args.max_spread)
     decode = []
     for name, model in models.items() if args.decode_tokens else ():
         # one engine per model: compiled shapes compile in the warm-up steps, never inside the timed ones
@@ -67,11 +66,15 @@ def cmd_bench(args) -> None:
         row, _ = decode_speed(engine, args.decode_tokens)
         decode.append({"model": name, "decode_ctx": args.decode_ctx, "mode": "compiled" if args.compile else "eager",
                        **row, "compile_s": round(engine.stats.compile_seconds, 1)})
-    header = {"device": args.device, "threads": torch.get_num_threads(), "dtype": args.dtype,
-              "repeats": args.repeats, "matmul_peak_GFLOP/s": round(peak / 1e9, 2) if peak else None}
-    print(f"# prefill on {args.device}, {header['threads']} threads, dtype {args.dtype}, median of {args.repeats}"
-          + (f"; matmul peak {header['matmul_peak_GFLOP/s']} GFLOP/s" if peak else ""))
+    header = {"device": args.device, "threads": threads, "dtype": args.dtype, "repeats": args.repeats,
+              "max_spread": args.max_spread, "matmul_peak_GFLOP/s": round(peak / 1e9, 2) if peak else None}
+    print(f"# prefill (plain forward) on {args.device}, {threads} threads, dtype {args.dtype}; min / median / max "
+          f"of {args.repeats} runs, spread = (max-min)/median, re-measured once above {args.max_spread:.0%}, "
+          f"wide = still above" + (f"; matmul peak {header['matmul_peak_GFLOP/s']} GFLOP/s" if peak else ""))
     print(markdown(rows))
+    if any(r.get("wide") for r in rows):
+        print("warning: rows marked wide=True kept a spread above the limit after a re-measure; "
+              "the machine was busy, rerun them on a quiet one")
     if decode:
         print(f"\n# decode through the engine: {args.decode_tokens} timed steps after a {args.decode_ctx}-token "
               "prompt (median [min, max] step; compile time apart)")
@@ -98,23 +101,32 @@ def cmd_eval(args) -> None:
 
 
 def cmd_tradeoff(args) -> None:
-    import torch
-
     from .eval import mqar
     from .eval.tables import markdown
     from .eval.tradeoff import run
+    from .eval.tradeoff_report import claim_lines, summary_table
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    train = mqar.TrainConfig(steps=args.steps, batch_size=args.train_batch, lr=args.lr, vocab_size=args.mqar_vocab,
-                             train_kv_pairs=tuple(args.kv_pairs), eval_kv_pairs=tuple(args.kv_pairs),
-                             eval_sequences=args.eval_sequences, seed=args.seed)
-    result, paths = run(checkpoints=args.checkpoints, tasks=args.tasks, num_fewshot=args.num_fewshot,
-                        limit=args.limit, mmlu_dir=args.mmlu_dir, eval_batch_size=args.batch_size, size=args.size,
-                        n_blocks=args.n_blocks, shares=tuple(args.shares), train=train, lengths=tuple(args.lengths),
-                        repeats=args.repeats, warmup=args.warmup, device=args.device, dtype=args.dtype,
-                        seed=args.seed, output=args.output)
-    print(markdown([{k: v for k, v in r.items() if k != "pattern"} for r in result.rows]))
+    given = {"steps": args.steps, "tokens_per_step": args.train_tokens, "batch_size": args.train_batch, "lr": args.lr,
+             "vocab_size": args.mqar_vocab, "init_std": args.init_std,
+             "train_kv_pairs": tuple(args.train_kv_pairs) if args.train_kv_pairs else None,
+             "eval_kv_pairs": tuple(args.kv_pairs) if args.kv_pairs else None, "eval_sequences": args.eval_sequences}
+    try:
+        train = mqar.TrainConfig(**{k: v for k, v in given.items() if v is not None})
+        result, paths = run(checkpoints=args.checkpoints, tasks=args.tasks, num_fewshot=args.num_fewshot,
+                            limit=args.limit, mmlu_dir=args.mmlu_dir, eval_batch_size=args.batch_size,
+                            size=args.size, speed_size=args.speed_size, n_blocks=args.n_blocks,
+                            shares=tuple(args.shares), train=train, seeds=tuple(args.seeds),
+                            lengths=tuple(args.lengths), long_lengths=tuple(args.long_lengths),
+                            long_shares=tuple(args.long_shares), chunk=args.chunk, repeats=args.repeats,
+                            long_repeats=args.long_repeats, warmup=args.warmup, max_spread=args.max_spread,
+                            cache_budget=int(args.cache_gib * 2**30), device=args.device, dtype=args.dtype,
+                            threads=args.threads, output=args.output, lock=args.lock)
+    except ValueError as e:
+        raise SystemExit(f"hybrid tradeoff: {e}") from e
+    s = result.settings
+    print(f"# {s['date']} UTC, {s['machine']['cpu']}, {s['threads']} threads, {s['dtype']}, wall {s['wall_s']} s")
+    print(markdown(summary_table(result.members, s)))
+    print("\n".join(["", *claim_lines(result.members, s), ""]))
     for kind, path in paths.items():
         print(f"wrote {kind}: {path}")
 
@@ -262,7 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per CPU core this process may use)")
+    p.add_argument("--max-spread", type=float, default=0.25,
+                   help="re-measure a timing whose (max-min)/median exceeds this, then mark it wide")
     p.add_argument("--decode-tokens", type=int, default=0,
                    help="also time decoding this many tokens per sequence through the engine (0: skip)")
     p.add_argument("--decode-ctx", type=int, default=512, help="prompt length before the timed decode")
@@ -289,35 +303,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="out/eval", help="folder for lm-eval's results JSON")
     p.set_defaults(func=cmd_eval)
 
-    from .eval.mqar import TrainConfig  # its defaults are the command's (shown in --help)
-
-    MQAR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    # MQAR defaults live in hybrid.eval.mqar.TrainConfig (imported only when the command runs); the report
+    # and its JSON record the values used
     p = sub.add_parser("tradeoff", help="prefill speed vs accuracy over attention shares (MQAR by default)")
-    p.add_argument("--checkpoints", nargs="+", help="checkpoint folders scored with lm-eval --tasks instead of "
-                                                     "training the MQAR family")
+    p.add_argument("--checkpoints", nargs="+", help="checkpoint folders scored with lm-eval --tasks (and timed "
+                                                     "themselves) instead of training the MQAR family")
     p.add_argument("--tasks", nargs="+", default=["mmlu_local"], help="lm-eval tasks for --checkpoints")
     p.add_argument("--num-fewshot", type=int, default=5)
-    p.add_argument("--limit", type=float, default=None)
-    p.add_argument("--mmlu-dir")
+    p.add_argument("--limit", type=float, default=None, help="questions per lm-eval task (quick runs)")
+    p.add_argument("--mmlu-dir", help="MMLU folder for mmlu_local (default $HYBRID_MMLU_DIR or ../shared/data/mmlu)")
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size")
-    p.add_argument("--size", default="tiny", help="width of the MQAR family (recipes.attention_family size)")
-    p.add_argument("--n-blocks", type=int, default=8)
-    p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.125, 0.25, 0.5, 1.0])
-    p.add_argument("--steps", type=int, default=MQAR_DEFAULTS["steps"], help="MQAR training steps per model")
-    p.add_argument("--train-batch", type=int, default=MQAR_DEFAULTS["batch_size"])
-    p.add_argument("--lr", type=float, default=MQAR_DEFAULTS["lr"])
-    p.add_argument("--mqar-vocab", type=int, default=MQAR_DEFAULTS["vocab_size"])
-    p.add_argument("--kv-pairs", type=int, nargs="+", default=list(MQAR_DEFAULTS["train_kv_pairs"]),
-                   help="numbers of key-value pairs to train and score on")
-    p.add_argument("--eval-sequences", type=int, default=MQAR_DEFAULTS["eval_sequences"])
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192], help="prefill context lengths")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--size", default="tiny", help="width of the MQAR models (recipes.attention_family size)")
+    p.add_argument("--speed-size", default="small",
+                   help="width the same patterns are timed and sized at (recipes.attention_family size)")
+    p.add_argument("--n-blocks", type=int, default=4, help="blocks (mixer + MLP) per family member")
+    p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="attention shares of the family members")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="MQAR training seeds per member")
+    p.add_argument("--steps", type=int, help="MQAR training steps per model (default: TrainConfig's)")
+    p.add_argument("--train-tokens", type=int, help="MQAR tokens per training step (default: TrainConfig's)")
+    p.add_argument("--train-batch", type=int, help="fixed MQAR sequences per step instead of --train-tokens")
+    p.add_argument("--init-std", type=float, help="weight init std of the MQAR models (default: TrainConfig's)")
+    p.add_argument("--lr", type=float, help="MQAR peak learning rate (default: TrainConfig's)")
+    p.add_argument("--mqar-vocab", type=int, help="MQAR tokens = the MQAR models' vocabulary (default: TrainConfig's)")
+    p.add_argument("--train-kv-pairs", type=int, nargs="+", help="key-value pair counts to train on")
+    p.add_argument("--kv-pairs", type=int, nargs="+", help="key-value pair counts to score")
+    p.add_argument("--eval-sequences", type=int, help="held-out MQAR sequences per pair count")
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192],
+                   help="prefill context lengths timed for every member")
+    p.add_argument("--long-lengths", type=int, nargs="*", default=[32768],
+                   help="longer prefill lengths, timed only for --long-shares (an all-attention prefill there "
+                        "takes minutes on a CPU)")
+    p.add_argument("--long-shares", type=float, nargs="*", default=[0.0, 1.0],
+                   help="members timed at --long-lengths (with checkpoints: all)")
+    p.add_argument("--chunk", type=int, default=2048, help="engine prefill chunk (max_batch_tokens)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per length")
+    p.add_argument("--long-repeats", type=int, default=1, help="timed runs per long length")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before each member's first length")
+    p.add_argument("--max-spread", type=float, default=0.25,
+                   help="re-measure a timing whose (max-min)/median exceeds this, then flag it")
+    p.add_argument("--cache-gib", type=float, default=4.0, help="cache budget the sequences-that-fit column counts")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per CPU core this process may use)")
     p.add_argument("--output", default="out/tradeoff", help="folder for tradeoff.{json,csv,md,png}")
+    p.add_argument("--lock", help="file to hold an exclusive flock on while timing (not while training), e.g. "
+                                  "/tmp/bench.lock on a machine shared with other benchmarks")
     p.set_defaults(func=cmd_tradeoff)
 
     p = sub.add_parser("convert", help="load any supported checkpoint folder and write it in another format")

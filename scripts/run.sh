@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the main job on its embedded default: `hybrid tradeoff`, which
-# trains a same-width family of Mamba-2/attention models (attention share 0, 1/8, 1/4, 1/2, 1) on
-# multi-query associative recall on this CPU, times their prefill at 512/2K/8K tokens, and writes
-# out/tradeoff/tradeoff.{json,csv,md,png} (about 10 minutes on 2 cores). Extra args go to the command.
+# trains a 4-block Mamba-2/attention family (attention share 0, 1/4, 1/2, 3/4, 1; two seeds each) on
+# multi-query associative recall on this CPU, times the same patterns at the `small` width through the
+# engine at 2K/8K (and 32K for shares 0 and 1), and writes out/tradeoff/tradeoff.{md,csv,json,png}.
+# Extra args go to the command (e.g. --lock /tmp/bench.lock on a shared machine, --threads N).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

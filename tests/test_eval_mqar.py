@@ -1,4 +1,5 @@
-"""MQAR: the generator follows the task's rules, and a tiny attention model learns it."""
+"""MQAR: the generator follows the task's rules at the report's defaults, bad settings are explained,
+and the all-attention member learns the default task well above chance in a short run."""
 
 import dataclasses
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from hybrid.eval import mqar
 
-from hybrid import HybridLM, recipes
+from hybrid import HybridLM
 
 
 @pytest.mark.parametrize("n,q,vocab", [(1, 1, 8), (4, 4, 16), (8, 3, 64), (31, 31, 64)])
@@ -20,6 +21,20 @@ def test_keys_unique_and_every_query_answerable(n, q, vocab):
     assert ctx[:, 0::2].min() >= keys.start and ctx[:, 0::2].max() < keys.stop
     assert ctx[:, 1::2].min() >= values.start and ctx[:, 1::2].max() < values.stop
     assert int((batch.labels != mqar.IGNORE).sum()) == 32 * q
+
+
+def test_default_task_batches_are_valid_and_fit_the_model_vocabulary():
+    cfg = mqar.TrainConfig()
+    model_cfg = mqar.family_config("tiny", 1.0, 4, cfg.vocab_size)
+    keys, values = mqar.key_value_ranges(cfg.vocab_size)
+    assert max(cfg.eval_kv_pairs) <= len(keys)
+    for n in sorted({*cfg.train_kv_pairs, *cfg.eval_kv_pairs}):
+        batch = mqar.make_batch(64, n, cfg.vocab_size, generator=torch.Generator().manual_seed(n))
+        mqar.check_batch(batch)
+        assert batch.inputs.shape == (64, 4 * n)  # every key asked once
+        assert int(batch.inputs.min()) >= 1 and int(batch.inputs.max()) < model_cfg.vocab_size
+        assert int(batch.inputs.max()) < values.stop
+        assert (batch.inputs[:, 0:2 * n:2].sort(dim=1).values.diff(dim=1) > 0).all()  # keys distinct per row
 
 
 def test_check_batch_catches_broken_batches():
@@ -39,19 +54,25 @@ def test_bad_sizes_are_explained():
         mqar.make_batch(2, 8, 16)
     with pytest.raises(ValueError, match="num_queries"):
         mqar.make_batch(2, 4, 16, num_queries=5)
+    with pytest.raises(ValueError, match="eval_kv_pairs .* raise vocab_size"):
+        mqar.TrainConfig(vocab_size=32, train_kv_pairs=(2,), eval_kv_pairs=(64,))
+    with pytest.raises(ValueError, match="exceeds the model's vocab_size"):
+        mqar.train(HybridLM(mqar.family_config("tiny", 1.0, 1, 16)), mqar.TrainConfig(vocab_size=32, steps=1,
+                   train_kv_pairs=(2,), eval_kv_pairs=(2,)), progress=False)
 
 
-def test_tiny_attention_model_learns_recall():
+def test_all_attention_member_learns_the_default_task_above_chance():
+    """A short run of the default recipe (same model, vocabulary, pair counts, tokens per step and
+    schedule shape; 150 of its steps) on the all-attention member. Chance is 1/127 (a value drawn at
+    random); after the short run every scored pair count is well above it. (Copying some value seen
+    in the context gives 1/n; the key lookup that goes past that needs the full run.)"""
+    cfg = dataclasses.replace(mqar.TrainConfig(), steps=150, eval_sequences=128)
+    chance = 1 / len(mqar.key_value_ranges(cfg.vocab_size)[1])
     torch.manual_seed(0)
-    cfg = recipes.attention_family("tiny", 0.5, 2)
-    # one Mamba-2 block (its short conv gives each value its key) then one attention block that looks
-    # the queried key up; partial RoPE leaves most of each head for matching content
-    model = HybridLM(dataclasses.replace(cfg, pattern="M*-", attention=dataclasses.replace(
-        cfg.attention, rotary_fraction=0.25)))
-    train = mqar.TrainConfig(steps=300, batch_size=32, lr=1e-2, warmup=10, vocab_size=16, train_kv_pairs=(2,),
-                             eval_kv_pairs=(2,), eval_sequences=256)
-    before = mqar.evaluate(model, train)[2]
-    losses = mqar.train(model, train, progress=False)
-    after = mqar.evaluate(model, train)[2]
-    # chance is 1/7; copying either value seen in the context would give 0.75 at two pairs
-    assert before < 0.4 and after > 0.9, (before, after, losses[-5:])
+    model = HybridLM(mqar.family_config("tiny", 1.0, 4, cfg.vocab_size, cfg.init_std))
+    before = mqar.evaluate(model, cfg)
+    mqar.train(model, cfg, progress=False)
+    after = mqar.evaluate(model, cfg)
+    smallest = min(cfg.eval_kv_pairs)
+    assert all(b < 2 * chance for b in before.values()), before
+    assert after[smallest] > 5 * chance and all(a > 2 * chance for a in after.values()), (before, after)
