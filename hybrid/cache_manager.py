@@ -12,7 +12,9 @@ and the attention ops read a real, harmless block there.
 
 from __future__ import annotations
 
+from bisect import insort
 from dataclasses import dataclass, field
+from os.path import commonprefix
 
 from .cache import NULL_BLOCK, CacheFullError, HybridCache
 from .prefix_cache import Match, Node, PrefixCache
@@ -27,6 +29,8 @@ class SequenceCache:
     blocks: list[int] = field(default_factory=list)
     cursor: Node | None = None
     wanted: list[int] = field(default_factory=list)
+    tokens: list[int] | None = None  # its tokens at admission (prefix cache: branch points with running ones)
+    computed: int = 0
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class Admission:
     start: int
     match: Match | None = None
     wanted: tuple[int, ...] = ()
+    tokens: list[int] | None = None
 
 
 class CacheManager:
@@ -103,8 +108,21 @@ class CacheManager:
         if self.prefix is None:
             return Admission(0)
         match = self.prefix.match(tokens, limit)
+        # Speculative insertion (Marconi) covers running sequences too: one that shares more than the tree
+        # knows yet defines the branch point, and if it has not computed that far it saves a checkpoint there
+        # as well, so the next prompt of this kind hits even while both still run.
+        for seq in self.seqs.values():
+            if seq.tokens is None:
+                continue
+            c = len(commonprefix([seq.tokens, tokens]))
+            if c > match.matched and c < len(seq.tokens):
+                match.matched, match.branch = c, True
+        for seq in self.seqs.values():
+            if seq.tokens is not None and seq.computed < match.matched < len(seq.tokens) \
+                    and seq.tokens[:match.matched] == tokens[:match.matched] and match.matched not in seq.wanted:
+                insort(seq.wanted, match.matched)
         return Admission(match.position, match,
-                         tuple(self.prefix.wanted_positions(match, len(tokens), prompt_len, limit)))
+                         tuple(self.prefix.wanted_positions(match, len(tokens), prompt_len, limit)), list(tokens))
 
     def admit(self, seq_id: int, n_tokens: int, admission: Admission | None = None) -> None:
         """Give a new sequence a state slot and blocks for ``n_tokens`` tokens (all or nothing). Without an
@@ -127,12 +145,13 @@ class CacheManager:
         shared = list(match.shared_blocks) if match is not None and self.kv.enabled else []
         for b in shared:  # references first, so making room below cannot evict them
             self.kv.allocator.share(b)
-        if not self._room(self.kv.blocks_for(n_tokens) - len(shared)):
+        protect = {match.node} if match is not None else set()  # the hit's partial block and checkpoint
+        if not self._room(self.kv.blocks_for(n_tokens) - len(shared), protect):
             self.kv.allocator.release(shared)
             return False
         blocks = shared + self.kv.allocator.allocate(self.kv.blocks_for(n_tokens) - len(shared))
         slot = self.ssm.allocate()
-        seq = SequenceCache(slot, blocks, wanted=list(adm.wanted))
+        seq = SequenceCache(slot, blocks, wanted=list(adm.wanted), tokens=adm.tokens, computed=adm.start)
         if match is not None:
             node = match.node
             if self.kv.enabled and len(node.tokens) % self.block_size:  # partial block: copy, then append
@@ -160,6 +179,7 @@ class CacheManager:
         if self.prefix is None:
             return
         seq = self.seqs[seq_id]
+        seq.computed = n_computed
         self._insert(seq, tokens, n_computed)
         if seq.wanted and seq.wanted[0] <= n_computed:
             if seq.wanted[0] == n_computed and seq.cursor is not None:

@@ -213,12 +213,13 @@ class PrefixCache:
     def wanted_positions(self, match: Match, n_tokens: int, prompt_len: int, limit: int) -> list[int]:
         """Admission: the positions past the hit where this sequence's prefill saves a checkpoint (the
         branch point, the end of the prompt, every ``interval`` tokens); ends there are exact chunk ends.
-        ``limit`` caps what a hit may use (the prompt end is saved one token early so the same prompt
-        sent again resumes at its last token)."""
+        ``limit`` caps what a hit of this request may use; the branch point is saved no later than it (a
+        scoring request sharing a context with the next one saves the position before its continuation),
+        and the prompt end one token early, so the same prompt sent again resumes at its last token."""
         start = match.position
         want = set()
-        if match.branch and match.matched > start:
-            want.add(match.matched)
+        if match.branch:  # no later than this request's own limit: a scored continuation needs the token before it
+            want.add(min(match.matched, limit))
         if prompt_len - 1 > start:
             want.add(prompt_len - 1)
         if self.interval:
