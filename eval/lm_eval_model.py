@@ -164,7 +164,7 @@ class HybridEvalLM(TemplateLM):
             inputs.setdefault(inp, []).append(n)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         if self.prefix_caching:
-            return self._loglikelihood_engine(requests, results, disable_tqdm)
+            return self._loglikelihood_engine(requests, inputs, results, disable_tqdm)
         order = sorted(inputs, key=len, reverse=True)
         self.tokens_computed += sum(len(i) for i in order)
         batches = [order[i: i + self.batch_size] for i in range(0, len(order), self.batch_size)]
@@ -181,27 +181,28 @@ class HybridEvalLM(TemplateLM):
                         self.cache_hook.add_partial("loglikelihood", key, results[n])
         return results
 
-    def _loglikelihood_engine(self, requests, results, disable_tqdm):
+    def _loglikelihood_engine(self, requests, inputs, results, disable_tqdm):
         """Score through the engine's prefix cache: each distinct input once, in token order so that inputs
         sharing a prefix run one after another."""
         from ..engine import Engine
 
         if self.engine is None:
             self.engine = Engine(self.model, prefix_caching=True, **self._engine_args)
-        fulls: dict[tuple[int, ...], list[int]] = {}  # the input and the token it predicts last
-        for n, (_, ctx, cont) in enumerate(requests):
-            fulls.setdefault(tuple((ctx + cont)[-(self.max_length + 1):]), []).append(n)
-        order = sorted(fulls)
-        jobs = [(list(full), len(full) - max(len(requests[n][2]) for n in fulls[full])) for full in order]
+        order = sorted(inputs)  # token order: inputs sharing a prefix are neighbours
+        # each input once; the rows score every continuation token but the last, which next_logprobs gives
+        jobs = [(list(inp), len(inp) - min(len(requests[n][2]) for n in inputs[inp]) + 1) for inp in order]
         before = self.engine.stats.prompt_tokens_computed
         with use_backend(self.backend):
             scores = self.engine.score(jobs, progress=not disable_tqdm)
         self.tokens_computed += self.engine.stats.prompt_tokens_computed - before
-        for full, score in zip(order, scores, strict=True):
-            for n in fulls[full]:
+        for inp, score in zip(order, scores, strict=True):
+            for n in inputs[inp]:
                 key, _, cont = requests[n]
-                k = len(score.logprobs) - len(cont)
-                results[n] = (float(sum(score.logprobs[k:])), bool(all(score.greedy[k:])))
+                k = len(score.logprobs) - (len(cont) - 1)
+                last = score.next_logprobs
+                total = float(sum(score.logprobs[k:])) + float(last[cont[-1]])
+                greedy = all(score.greedy[k:]) and int(last.argmax()) == cont[-1]
+                results[n] = (total, bool(greedy))
                 if key is not None:
                     self.cache_hook.add_partial("loglikelihood", key, results[n])
         return results

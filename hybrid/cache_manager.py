@@ -41,6 +41,8 @@ class Admission:
     match: Match | None = None
     wanted: tuple[int, ...] = ()
     tokens: list[int] | None = None
+    # a running sequence will have the KV and a checkpoint at a longer prefix soon: better to wait for it
+    defer: bool = False
 
 
 class CacheManager:
@@ -117,12 +119,17 @@ class CacheManager:
             c = len(commonprefix([seq.tokens, tokens]))
             if c > match.matched and c < len(seq.tokens):
                 match.matched, match.branch = c, True
+        defer = False
+        target = min(match.matched, limit)
         for seq in self.seqs.values():
-            if seq.tokens is not None and seq.computed < match.matched < len(seq.tokens) \
-                    and seq.tokens[:match.matched] == tokens[:match.matched] and match.matched not in seq.wanted:
-                insort(seq.wanted, match.matched)
+            if seq.tokens is not None and seq.computed < target < len(seq.tokens) \
+                    and seq.tokens[:target] == tokens[:target]:
+                if target not in seq.wanted:
+                    insort(seq.wanted, target)
+                defer = defer or target > match.position
         return Admission(match.position, match,
-                         tuple(self.prefix.wanted_positions(match, len(tokens), prompt_len, limit)), list(tokens))
+                         tuple(self.prefix.wanted_positions(match, len(tokens), prompt_len, limit)), list(tokens),
+                         defer)
 
     def admit(self, seq_id: int, n_tokens: int, admission: Admission | None = None) -> None:
         """Give a new sequence a state slot and blocks for ``n_tokens`` tokens (all or nothing). Without an

@@ -46,6 +46,7 @@ class ScoreResult:
 
     logprobs: list[float]
     greedy: list[bool]
+    next_logprobs: torch.Tensor | None = None  # [vocab] float32: log P(next token | all of tokens)
 
     @property
     def total(self) -> float:
@@ -160,18 +161,19 @@ class Engine:
 
     def score(self, requests: list[tuple[list[int], int]], *, progress: bool = False) -> list[ScoreResult]:
         """Log-probabilities of ``tokens[start:]`` given what precedes them, for each ``(tokens, start)``
-        (1 <= start < len(tokens)): lm-eval's loglikelihood of a continuation after its context. The
-        requests run through the scheduler and prefix cache like prompts (nothing is sampled; the last
-        token is only scored, never fed) and finish with reason ``"scored"``. Runs until they are done
-        (other queued requests advance too)."""
+        (1 <= start <= len(tokens)), and the log-probabilities of every possible next token after all of
+        ``tokens`` (``next_logprobs``): lm-eval's loglikelihood of a continuation after its context
+        (continuations that differ only in their last token share one request). The requests run through
+        the scheduler and prefix cache like prompts, sample nothing and finish with reason ``"scored"``.
+        Runs until they are done (other queued requests advance too)."""
         from tqdm import tqdm
 
         ids = []
         for tokens, start in requests:
             tokens = [int(t) for t in tokens]
-            if len(tokens) < 2 or not 1 <= start < len(tokens):
-                raise ValueError(f"score needs 1 <= start < len(tokens) (something before and something to score); "
-                                 f"got start={start} for {len(tokens)} tokens")
+            if not 1 <= start <= len(tokens):
+                raise ValueError(f"score needs 1 <= start <= len(tokens) (at least one token before the scored "
+                                 f"ones); got start={start} for {len(tokens)} tokens")
             ids.append(self._add(tokens, None, start, score_only=True))
         with tqdm(total=len(ids), desc="score", unit="req", disable=not progress) as bar:
             while any(not self.requests[i].finished for i in ids):
@@ -181,22 +183,21 @@ class Engine:
         out = []
         for i in ids:
             req = self.forget(i)
-            out.append(ScoreResult(req.prompt_logprobs, req.prompt_greedy))
+            out.append(ScoreResult(req.prompt_logprobs, req.prompt_greedy, req.next_logprobs))
         return out
 
     def _add(self, prompt_ids, params, logprobs_from, *, score_only: bool) -> int:
         params = params or SamplingParams(max_new_tokens=1 if score_only else SamplingParams().max_new_tokens)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        targets = [int(t) for t in prompt_ids]
-        prompt = targets[:-1] if score_only else targets
+        prompt = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
         if not prompt:
             raise ValueError("empty prompt: give at least one token id")
         if logprobs_from is not None and not score_only and not 1 <= logprobs_from < len(prompt):
             raise ValueError(f"prompt_logprobs_from must be in 1..{len(prompt) - 1} (a position with a token "
                              f"before it), got {logprobs_from}")
-        bad = [t for t in targets if not 0 <= t < vocab]
+        bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range for vocab_size {vocab} "
                              f"(valid ids are 0..{vocab - 1}); check the tokenizer matches the model")
@@ -220,7 +221,7 @@ class Engine:
         req = Request(rid, prompt, params, frozenset(stop_ids), seed,
                       StreamDecoder(self.tokenizer) if self.tokenizer is not None else None,
                       arrival_time=time.perf_counter(), logprobs_from=logprobs_from,
-                      score_targets=targets if logprobs_from is not None else None, score_only=score_only)
+                      score_only=score_only)
         self.stats.prompt_tokens += len(prompt)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -278,8 +279,10 @@ class Engine:
             logits, compiled = self.runner.execute(chunks)
         t2 = time.perf_counter()
         ready = self.scheduler.advance(plan)
-        for req in [r for r in ready if r.score_only]:
-            self._finish(req, "scored")
+        for b, (req, _) in enumerate(plan):
+            if req in ready and req.score_only:
+                req.next_logprobs = torch.log_softmax(logits[b].float(), dim=-1)
+                self._finish(req, "scored")
         ready = [r for r in ready if not r.score_only]
         rows = [b for b, (req, _) in enumerate(plan) if req in ready]
         new_ids = []
@@ -307,7 +310,7 @@ class Engine:
         if req.logprobs_from is None:
             return range(0)
         lo = max(req.num_computed, req.logprobs_from - 1 + len(req.prompt_logprobs))
-        hi = min(req.num_computed + n, len(req.score_targets) - 1)
+        hi = min(req.num_computed + n, len(req.prompt) - 1)
         return range(lo, max(lo, hi))
 
     def _record_logprobs(self, plan, scoring, all_logits) -> None:
@@ -316,7 +319,7 @@ class Engine:
             if len(positions):
                 rows = torch.arange(positions.start, positions.stop) - req.num_computed + offset
                 logp = torch.log_softmax(all_logits[rows.to(all_logits.device)].float(), dim=-1)
-                target = torch.tensor(req.score_targets[positions.start + 1:positions.stop + 1], device=logp.device)
+                target = torch.tensor(req.prompt[positions.start + 1:positions.stop + 1], device=logp.device)
                 req.prompt_logprobs.extend(logp.gather(1, target[:, None])[:, 0].tolist())
                 req.prompt_greedy.extend((logp.argmax(-1) == target).tolist())
             offset += n

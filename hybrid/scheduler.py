@@ -8,7 +8,9 @@ sequence cannot grow, the newest running sequence is preempted: its cache is fre
 back to the front of the queue to recompute later from its tokens so far. All cache questions go to the
 :class:`~hybrid.cache_manager.CacheManager`.
 
-With a prefix cache, a request admitted from the queue starts at the longest prefix the cache holds for it
+With a prefix cache, a request whose longer prefix a running sequence is computing right now waits for it
+(that sequence saves a checkpoint where they part; requests behind the waiting one may go first), and a
+request admitted from the queue starts at the longest prefix the cache holds for it
 (``num_computed`` jumps there, a recompute after preemption included), and a prefill chunk ends exactly at
 each position where the cache wants a Mamba state checkpoint, so the state saved after the step is the
 state at that position.
@@ -63,6 +65,8 @@ class Scheduler:
         if len(self.running) >= self.max_seqs or self.manager.num_free_slots == 0:
             return 0
         adm = self.manager.plan(req.tokens, len(req.prompt), req.max_prefix_hit)
+        if adm.defer:  # a running sequence is computing a longer prefix of it: start from its checkpoint
+            return -1
         n = min(req.num_tokens - adm.start, budget)
         stop = next((p for p in adm.wanted if p > adm.start), None)
         if stop is not None:
@@ -106,12 +110,15 @@ class Scheduler:
             self.manager.grow(req.request_id, req.num_computed + n)
             plan[req] = n
             budget -= n
-        while budget and self.waiting:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if not budget:
+                break
             n = self._admit(req, budget)
+            if n < 0:  # deferred for a prefix a running sequence is about to provide; later ones may go
+                continue
             if not n:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             plan[req] = n
             budget -= n
         return sorted(plan.items(), key=lambda rn: rn[1] != 1)

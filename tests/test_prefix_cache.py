@@ -79,7 +79,8 @@ def test_scores_equal_the_cache_off_scores_for_every_tiny_recipe(tiny):
         ref = f[start - 1:-1].gather(1, torch.tensor(tokens[start:])[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
         torch.testing.assert_close(torch.tensor(b.logprobs), ref, rtol=0, atol=2e-5)
-        assert a.greedy == b.greedy
+        torch.testing.assert_close(b.next_logprobs, f[-1], rtol=0, atol=2e-5)
+        assert a.greedy == b.greedy == (f[start - 1:-1].argmax(-1) == torch.tensor(tokens[start:])).tolist()
 
 
 def hit_of(engine, prompt):
@@ -207,3 +208,5 @@ def test_bad_prefix_settings_are_clear_errors():
         Engine(model, num_blocks=4, prefix_caching=True, prefix_checkpoint_interval=0)
     with pytest.raises(ValueError, match="start"):
         Engine(model, num_blocks=4).score([([1, 2, 3], 0)])
+    with pytest.raises(ValueError, match="start"):
+        Engine(model, num_blocks=4).score([([1, 2, 3], 4)])
