@@ -19,6 +19,7 @@ state at that position.
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 
 from .cache_manager import CacheManager
 from .request import Request
@@ -91,6 +92,11 @@ class Scheduler:
         """This step's (request, new tokens) pairs, one-token decodes first (the packed forward's decode group)."""
         budget = self.max_batch_tokens
         plan: dict[Request, int] = {}
+        if self.manager.prefix is not None:
+            # the next requests in line tell running sequences where they will part from them (Marconi's
+            # speculative insertion) before this step's chunks are cut, so a checkpoint lands exactly there
+            for req in islice(self.waiting, self.max_seqs):
+                self.manager.plan(req.tokens, len(req.prompt), req.max_prefix_hit)
         decoding = [r for r in self.running if r.num_pending == 1]
         prefilling = [r for r in self.running if r.num_pending > 1]
         for req in decoding + prefilling:
