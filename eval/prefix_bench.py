@@ -111,7 +111,22 @@ def bench_mmlu(model, args, on: bool, g) -> dict:
 SCENARIOS = {"shared": bench_shared, "chat": bench_chat, "mmlu": bench_mmlu}
 
 
-def main(argv=None) -> None:
+def run_models(models: dict, scenarios: list[str], argv: list[str] | None = None) -> dict:
+    """Run ``scenarios`` on already built ``models`` (name -> HybridLM), cache off then on; settings from
+    this script's flags in ``argv``. Returns name -> scenario -> summary (``hybrid bench --prefix-caching``)."""
+    args = build_parser().parse_args(argv or [])
+    out = {}
+    for name, model in models.items():
+        for scenario in scenarios:
+            runs = {on: SCENARIOS[scenario](model, args, on, torch.Generator().manual_seed(args.seed))
+                    for on in (False, True)}
+            same = runs[False].pop("outputs") == runs[True].pop("outputs")
+            out.setdefault(name, {})[scenario] = summary(scenario, {"off": runs[False], "on": runs[True],
+                                                                     "outputs_equal": same})
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", nargs="+", default=["hybrid-1to7-small", "llama-small", "mamba2-small"])
     p.add_argument("--scenarios", nargs="+", default=["shared", "chat"], choices=sorted(SCENARIOS))
@@ -134,7 +149,11 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write the results as JSON here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     results = {"threads": args.threads, "args": vars(args), "models": {}}
     for name in args.recipe:

@@ -55,6 +55,13 @@ def cmd_bench(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     models = _models_from_args(args)
+    if args.prefix_caching:  # the prefix-cache benchmark instead: shared system prompt and a chat, cache off vs on
+        import json
+
+        from .eval.prefix_bench import run_models
+
+        print(json.dumps(run_models(models, ["shared", "chat"], ["--shared", str(args.lengths[-1])]), indent=1))
+        return
     dtype = getattr(torch, args.dtype)
     peak = matmul_peak_flops(args.device, dtype) if args.peak else None
     rows = sweep(models, args.lengths, batch=args.batch, warmup=args.warmup, repeats=args.repeats, peak_flops=peak)
@@ -155,7 +162,7 @@ def cmd_generate(args) -> None:
                             seed=args.seed, stop=tuple(args.stop or ()))
     block_size = 16
     engine = Engine(model, num_blocks=-(-(len(prompt) + args.max_new_tokens) // block_size), block_size=block_size,
-                    max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer)
+                    max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer, prefix_caching=args.prefix_caching)
     engine.add_request(prompt, params)
     sys.stdout.write(args.prompt)
     while engine.has_unfinished():
@@ -168,6 +175,11 @@ def cmd_generate(args) -> None:
           f"({s.prefill_tokens / max(s.prefill_seconds, 1e-9):.1f} tok/s); "
           f"decode: {s.decode_tokens} tokens in {s.decode_seconds:.3f} s "
           f"({s.decode_tokens / max(s.decode_seconds, 1e-9):.1f} tok/s)", file=sys.stderr)
+    if args.prefix_caching:
+        r = engine.cache.report()
+        print(f"prefix cache: {s.prefix_hit_tokens} of {s.prompt_tokens} prompt tokens served; tree holds "
+              f"{r.prefix_blocks} KV blocks, {r.prefix_checkpoints} state checkpoints ({r.prefix_state_bytes} bytes)",
+              file=sys.stderr)
 
 
 def cmd_doctor(args) -> None:
@@ -199,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peak", dest="peak", action="store_false",
                    help="skip measuring the matmul peak that achieved FLOP/s is compared with")
     p.add_argument("--output", help="also write the rows to this .json or .csv file")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="run the prefix-cache benchmark instead (shared system prompt of --lengths[-1] tokens, "
+                        "a chat; cache off vs on; see hybrid.eval.prefix_bench)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="lm-eval tasks (e.g. mmlu_local, offline MMLU) on a checkpoint or recipe")
@@ -272,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", nargs="*", help="stop when the text contains any of these strings")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per step)")
+    p.add_argument("--prefix-caching", action="store_true", help="engine with the prefix cache on (reports its hits)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
