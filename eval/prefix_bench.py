@@ -53,14 +53,15 @@ def bench_shared(model, args, on: bool, g) -> dict:
     # one at a time: time to first token is the prefill
     e = _engine(model, on, args)
     ttft, outputs = [], []
-    for p in tqdm(prompts, desc=f"shared one-by-one ({'on' if on else 'off'})", leave=False):
+    alone = prompts if on or not args.off_alone else prompts[:args.off_alone]
+    for p in tqdm(alone, desc=f"shared one-by-one ({'on' if on else 'off'})", leave=False):
         rid = e.add_request(p, params)
         e.run()
         ttft.append(e.stats.time_to_first_token[rid])
         outputs.append(e.requests[rid].output)
     seq = {"cold_ttft_s": ttft[0], "hit_ttft_s": _spread(ttft[1:]) if on else None,
            "all_ttft_s": _spread(ttft), "prefix_hit_tokens": e.stats.prefix_hit_tokens,
-           "truly_shared_tokens": truly_shared(prompts), "prompt_tokens": e.stats.prompt_tokens,
+           "truly_shared_tokens": truly_shared(alone), "prompt_tokens": e.stats.prompt_tokens,
            "prompt_tokens_computed": e.stats.prompt_tokens_computed}
     # a burst: all at once on a fresh engine
     e = _engine(model, on, args)
@@ -71,7 +72,8 @@ def bench_shared(model, args, on: bool, g) -> dict:
     burst = {"wall_s": wall, "prefix_hit_tokens": e.stats.prefix_hit_tokens,
              "prompt_tokens_computed": e.stats.prompt_tokens_computed,
              "ttft_s": _spread([e.stats.time_to_first_token[i] for i in ids])}
-    return {"one_by_one": seq, "burst": burst, "outputs": outputs + [e.requests[i].output for i in ids]}
+    return {"one_by_one": seq, "burst": burst,
+            "outputs": outputs[:args.off_alone or None] + [e.requests[i].output for i in ids]}
 
 
 def bench_chat(model, args, on: bool, g) -> dict:
@@ -138,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--question", type=int, default=64, help="distinct tokens per request after it")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=4)
+    p.add_argument("--off-alone", type=int, default=0,
+                   help="cache off, send only this many requests one at a time (every one is cold; 0: all)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--chat-first", type=int, default=512, help="first user message (tokens)")
     p.add_argument("--chat-user", type=int, default=128, help="each later user message (tokens)")
