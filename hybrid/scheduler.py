@@ -116,7 +116,7 @@ class Scheduler:
             self.manager.grow(req.request_id, req.num_computed + n)
             plan[req] = n
             budget -= n
-        for req in list(self.waiting):
+        for req in list(islice(self.waiting, 4 * self.max_seqs)):  # deferred ones are skipped, within reason
             if not budget:
                 break
             n = self._admit(req, budget)
