@@ -13,17 +13,18 @@ from .tasks import TASKS_DIR
 def run(model: str | HybridLM | None = None, *, recipe: str | None = None, tasks: list[str],
         num_fewshot: int | None = None, limit: int | float | None = None, mmlu_dir: str | None = None,
         batch_size: int = 8, device: str = "cpu", dtype: str = "float32", max_length: int = 2048,
-        backend: str | None = None, tokenizer: str | None = None, log_samples: bool = False) -> dict:
+        backend: str | None = None, tokenizer: str | None = None, log_samples: bool = False,
+        **model_kwargs) -> dict:
     """lm-eval's results dict for ``tasks`` on ``model`` (a checkpoint folder or a HybridLM) or
     ``recipe``. ``mmlu_dir`` is where ``mmlu_local`` reads MMLU from (else $HYBRID_MMLU_DIR, else
-    ../shared/data/mmlu beside the repository)."""
+    ../shared/data/mmlu beside the repository). ``model_kwargs`` go to the model (e.g. ``prefix_caching=True``)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from .lm_eval_model import HybridEvalLM
 
     lm = HybridEvalLM(pretrained=model, recipe=recipe, tokenizer=tokenizer, dtype=dtype, device=device,
-                      batch_size=batch_size, max_length=max_length, backend=backend)
+                      batch_size=batch_size, max_length=max_length, backend=backend, **model_kwargs)
     metadata = {"mmlu_dir": str(mmlu_dir)} if mmlu_dir is not None else None
     # indexing lm-eval's own ~15k task configs takes tens of seconds; do it only when asked for one
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
@@ -38,7 +39,8 @@ def run(model: str | HybridLM | None = None, *, recipe: str | None = None, tasks
     results["config"]["model"] = "hybrid"
     results["config"]["model_args"] = {"pretrained": model if isinstance(model, str) else None, "recipe": recipe,
                                        "dtype": dtype, "device": device, "batch_size": batch_size,
-                                       "max_length": max_length, "backend": backend}
+                                       "max_length": max_length, "backend": backend, **model_kwargs}
+    results["hybrid_tokens_computed"] = lm.tokens_computed
     return results
 
 

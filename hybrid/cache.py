@@ -192,6 +192,15 @@ class CacheReport:
     kv_blocks_total: int
     kv_blocks_in_use: int
     state_slots_in_use: int
+    # the prefix cache (all 0 without one): tree nodes, KV blocks the tree references (of kv_blocks_in_use;
+    # those only the tree holds can be evicted), Mamba state checkpoints and the bytes they take
+    prefix_nodes: int = 0
+    prefix_blocks: int = 0
+    prefix_blocks_evictable: int = 0
+    prefix_kv_bytes: int = 0
+    prefix_checkpoints: int = 0
+    prefix_checkpoint_capacity: int = 0
+    prefix_state_bytes: int = 0
 
 
 class HybridCache:
@@ -224,6 +233,7 @@ class HybridCache:
             num_blocks = kv_budget // per_block - 1 if has_kv else 0
         self.kv = PagedKVCache(self.spec, num_blocks, block_size=block_size, device=device)
         self.layer_pools = {**self.kv.pools, **self.ssm.pools}  # layer index -> that layer's pools
+        self.prefix = None  # the engine's PrefixCache (hybrid.prefix_cache), when prefix caching is on
 
     @classmethod
     def for_model(cls, model, **kw) -> HybridCache:
@@ -238,7 +248,16 @@ class HybridCache:
 
     def report(self) -> CacheReport:
         used = self.kv.bytes_in_use + self.ssm.bytes_in_use
-        return CacheReport(kv_bytes_per_token=self.kv.bytes_per_token,
+        prefix = {}
+        if self.prefix is not None:
+            p, blocks = self.prefix, self.prefix.blocks_held()
+            prefix = dict(prefix_nodes=p.num_nodes, prefix_blocks=len(blocks),
+                          prefix_blocks_evictable=sum(self.kv.allocator.ref_counts[b] == 1 for b in blocks),
+                          prefix_kv_bytes=len(blocks) * self.kv.bytes_per_block,
+                          prefix_checkpoints=len(p.checkpoints.saved),
+                          prefix_checkpoint_capacity=p.checkpoints.capacity,
+                          prefix_state_bytes=p.checkpoints.bytes_in_use)
+        return CacheReport(**prefix, kv_bytes_per_token=self.kv.bytes_per_token,
                            state_bytes_per_sequence=self.ssm.bytes_per_sequence, bytes_total=self.bytes_total,
                            bytes_in_use=used, bytes_free=self.bytes_total - used,
                            token_capacity=self.kv.capacity_tokens, max_sequences=self.ssm.num_slots,

@@ -12,25 +12,47 @@ and the attention ops read a real, harmless block there.
 
 from __future__ import annotations
 
+from bisect import insort
 from dataclasses import dataclass, field
+from os.path import commonprefix
 
 from .cache import NULL_BLOCK, CacheFullError, HybridCache
+from .prefix_cache import Match, Node, PrefixCache
 
 
 @dataclass
 class SequenceCache:
-    """What one sequence holds: its state slot and its block table."""
+    """What one sequence holds: its state slot and its block table; with a prefix cache also its deepest
+    node in the tree (where its next full block is inserted) and the positions it saves checkpoints at."""
 
     slot: int
     blocks: list[int] = field(default_factory=list)
+    cursor: Node | None = None
+    wanted: list[int] = field(default_factory=list)
+    tokens: list[int] | None = None  # its tokens at admission (prefix cache: branch points with running ones)
+    computed: int = 0
+
+
+@dataclass(frozen=True)
+class Admission:
+    """How a new sequence starts: ``start`` tokens come from the prefix cache (0: a cold start)."""
+
+    start: int
+    match: Match | None = None
+    wanted: tuple[int, ...] = ()
+    tokens: list[int] | None = None
+    # a running sequence will have the KV and a checkpoint at a longer prefix soon: better to wait for it
+    defer: bool = False
 
 
 class CacheManager:
-    def __init__(self, cache: HybridCache):
+    def __init__(self, cache: HybridCache, prefix: PrefixCache | None = None):
         self.cache = cache
         self.kv, self.ssm = cache.kv, cache.ssm
         self.block_size = cache.kv.block_size
         self.seqs: dict[int, SequenceCache] = {}
+        self.prefix = prefix
+        cache.prefix = prefix  # so HybridCache.report() shows the tree
 
     # ---- queries ---------------------------------------------------------------------------------
     def holds(self, seq_id: int) -> bool:
@@ -47,13 +69,21 @@ class CacheManager:
     def blocks_for(self, n_tokens: int) -> int:
         return self.kv.blocks_for(n_tokens)
 
+    def _room(self, n_blocks: int, protect=frozenset()) -> bool:
+        """Whether ``n_blocks`` blocks are free, after evicting prefix-tree blocks nobody runs on if needed."""
+        if n_blocks <= self.kv.allocator.num_free:
+            return True
+        return self.prefix is not None and self.prefix.evict_blocks(n_blocks - self.kv.allocator.num_free, protect)
+
     def can_admit(self, n_tokens: int) -> bool:
-        """Whether a new sequence with ``n_tokens`` tokens to cache fits now (a slot and its blocks)."""
-        return self.ssm.num_free > 0 and self.kv.blocks_for(n_tokens) <= self.kv.allocator.num_free
+        """Whether a new sequence with ``n_tokens`` tokens to cache fits now (a slot and its blocks); the
+        prefix tree gives up blocks for it."""
+        return self.ssm.num_free > 0 and self._room(self.kv.blocks_for(n_tokens))
 
     def can_grow(self, seq_id: int, n_tokens: int) -> bool:
-        """Whether ``seq_id`` can grow to ``n_tokens`` cached tokens with the blocks now free."""
-        return self.kv.blocks_for(n_tokens) - len(self.seqs[seq_id].blocks) <= self.kv.allocator.num_free
+        """Whether ``seq_id`` can grow to ``n_tokens`` cached tokens with the blocks now free (the prefix
+        tree gives up blocks first)."""
+        return self._room(self.kv.blocks_for(n_tokens) - len(self.seqs[seq_id].blocks))
 
     def block_table(self, seq_id: int) -> list[int]:
         return self.seqs[seq_id].blocks
@@ -73,14 +103,101 @@ class CacheManager:
         return [b for s in self.seqs.values() for b in s.blocks if b != NULL_BLOCK]
 
     # ---- changes ---------------------------------------------------------------------------------
-    def admit(self, seq_id: int, n_tokens: int) -> None:
-        """Give a new sequence a zeroed state slot and blocks for ``n_tokens`` tokens (all or nothing)."""
-        if seq_id in self.seqs:
-            raise ValueError(f"sequence {seq_id} already holds cache")
-        if not self.can_admit(n_tokens):
+    def plan(self, tokens: list[int], prompt_len: int, limit: int) -> Admission:
+        """Where a new sequence of ``tokens`` starts: the prefix tree's longest resumable prefix of at
+        most ``limit`` tokens, and the positions its prefill saves checkpoints at (a cold start without a
+        prefix cache)."""
+        if self.prefix is None:
+            return Admission(0)
+        match = self.prefix.match(tokens, limit)
+        # Speculative insertion (Marconi) covers running sequences too: one that shares more than the tree
+        # knows yet defines the branch point, and if it has not computed that far it saves a checkpoint there
+        # as well, so the next prompt of this kind hits even while both still run.
+        for seq in self.seqs.values():
+            if seq.tokens is None:
+                continue
+            c = len(commonprefix([seq.tokens, tokens]))
+            if c > match.matched and c < len(seq.tokens):
+                match.matched, match.branch = c, True
+        defer = False
+        target = min(match.matched, limit)
+        for seq in self.seqs.values():
+            if seq.tokens is not None and seq.computed < target < len(seq.tokens) \
+                    and seq.tokens[:target] == tokens[:target]:
+                if target not in seq.wanted:
+                    insort(seq.wanted, target)
+                defer = defer or target > match.position
+        return Admission(match.position, match,
+                         tuple(self.prefix.wanted_positions(match, len(tokens), prompt_len, limit)), list(tokens),
+                         defer)
+
+    def admit(self, seq_id: int, n_tokens: int, admission: Admission | None = None) -> None:
+        """Give a new sequence a state slot and blocks for ``n_tokens`` tokens (all or nothing). Without an
+        admission (or a cold one) the slot is zeroed; a hit's full blocks are shared, its partial last block
+        copied, its checkpoint copied into the slot. Raises :class:`CacheFullError` when it does not fit."""
+        if not self.try_admit(seq_id, n_tokens, admission):
             raise CacheFullError(f"no room to admit a sequence of {n_tokens} tokens ({self.ssm.num_free} slots, "
                                  f"{self.kv.allocator.num_free} KV blocks free)")
-        self.seqs[seq_id] = SequenceCache(self.ssm.allocate(), self.kv.allocator.allocate(self.kv.blocks_for(n_tokens)))
+
+    def try_admit(self, seq_id: int, n_tokens: int, admission: Admission | None = None) -> bool:
+        """:meth:`admit`, returning False (and taking nothing) when it does not fit."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already holds cache")
+        adm = admission or Admission(0)
+        if n_tokens < adm.start:
+            raise ValueError(f"a sequence resuming at {adm.start} tokens must hold at least that many, got {n_tokens}")
+        if self.ssm.num_free == 0:
+            return False
+        match = adm.match
+        shared = list(match.shared_blocks) if match is not None and self.kv.enabled else []
+        for b in shared:  # references first, so making room below cannot evict them
+            self.kv.allocator.share(b)
+        protect = {match.node} if match is not None else set()  # the hit's partial block and checkpoint
+        if not self._room(self.kv.blocks_for(n_tokens) - len(shared), protect):
+            self.kv.allocator.release(shared)
+            return False
+        blocks = shared + self.kv.allocator.allocate(self.kv.blocks_for(n_tokens) - len(shared))
+        slot = self.ssm.allocate()
+        seq = SequenceCache(slot, blocks, wanted=list(adm.wanted), tokens=adm.tokens, computed=adm.start)
+        if match is not None:
+            node = match.node
+            if self.kv.enabled and len(node.tokens) % self.block_size:  # partial block: copy, then append
+                dst = blocks[len(shared)]
+                for k_pool, v_pool in self.kv.pools.values():
+                    k_pool[dst].copy_(k_pool[node.block])
+                    v_pool[dst].copy_(v_pool[node.block])
+            if node.checkpoint is not None:
+                self.prefix.checkpoints.load(node.checkpoint, slot)
+            seq.cursor = node if len(node.tokens) == self.block_size or node is self.prefix.root else node.parent
+            self.prefix.touch(node)
+        self.seqs[seq_id] = seq
+        if adm.start:
+            self.trim(seq_id, adm.start)
+        return True
+
+    def next_checkpoint(self, seq_id: int, position: int) -> int | None:
+        """The first position after ``position`` where ``seq_id`` saves a checkpoint (a chunk ends there)."""
+        return next((p for p in self.seqs[seq_id].wanted if p > position), None)
+
+    def computed(self, seq_id: int, tokens: list[int], n_computed: int) -> None:
+        """After a forward: ``seq_id`` now has ``n_computed`` tokens of ``tokens`` cached. Its newly
+        full blocks join the prefix tree, and where it asked for a checkpoint at ``n_computed`` one is
+        saved (a no-op without a prefix cache)."""
+        if self.prefix is None:
+            return
+        seq = self.seqs[seq_id]
+        seq.computed = n_computed
+        self._insert(seq, tokens, n_computed)
+        if seq.wanted and seq.wanted[0] <= n_computed:
+            if seq.wanted[0] == n_computed and seq.cursor is not None:
+                self.prefix.save(seq.cursor, tokens, seq.blocks, n_computed, seq.slot, hand_over=False)
+            seq.wanted = [p for p in seq.wanted if p > n_computed]
+
+    def _insert(self, seq: SequenceCache, tokens: list[int], n_computed: int) -> None:
+        if seq.cursor is not None and seq.cursor.dead:
+            seq.cursor = None
+        if seq.cursor is not None:
+            seq.cursor = self.prefix.insert_full(seq.cursor, tokens, seq.blocks, n_computed)
 
     def grow(self, seq_id: int, n_tokens: int) -> None:
         """Extend ``seq_id``'s block table to hold ``n_tokens`` tokens (all or nothing)."""
@@ -102,9 +219,17 @@ class CacheManager:
         for j in dead:
             table[j] = NULL_BLOCK
 
-    def free(self, seq_id: int) -> None:
-        """Take back everything ``seq_id`` holds."""
-        seq = self.seqs.pop(seq_id)
+    def free(self, seq_id: int, tokens: list[int] | None = None, n_computed: int = 0) -> None:
+        """Take back everything ``seq_id`` holds. With a prefix cache and the sequence's ``tokens`` (of
+        which ``n_computed`` are cached), what it computed stays in the tree first: its full blocks, and
+        a checkpoint where it stopped (its partial last block is handed over, not copied)."""
+        seq = self.seqs[seq_id]
+        if self.prefix is not None and tokens is not None and n_computed > 0:
+            self._insert(seq, tokens, n_computed)
+            if seq.cursor is not None:
+                self.prefix.save(seq.cursor, tokens, seq.blocks, n_computed, seq.slot, hand_over=True)
+                self.prefix.prune_path(seq.cursor)
+        del self.seqs[seq_id]
         self.kv.allocator.release([b for b in seq.blocks if b != NULL_BLOCK])
         self.ssm.free(seq.slot)
 

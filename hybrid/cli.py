@@ -54,6 +54,13 @@ def cmd_bench(args) -> None:
 
     threads = set_threads(args.threads)
     models = _models_from_args(args)
+    if args.prefix_caching:  # the prefix-cache benchmark instead: shared system prompt and a chat, cache off vs on
+        import json
+
+        from .eval.prefix_bench import run_models
+
+        print(json.dumps(run_models(models, ["shared", "chat"], ["--shared", str(args.lengths[-1])]), indent=1))
+        return
     dtype = getattr(torch, args.dtype)
     peak = matmul_peak_flops(args.device, dtype) if args.peak else None
     rows = sweep(models, args.lengths, batch=args.batch, warmup=args.warmup, repeats=args.repeats, peak_flops=peak,
@@ -174,7 +181,8 @@ def cmd_generate(args) -> None:
                             seed=args.seed, stop=tuple(args.stop or ()))
     block_size = 16
     engine = Engine(model, num_blocks=-(-(len(prompt) + args.max_new_tokens) // block_size), block_size=block_size,
-                    max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer, compile=args.compile)
+                    max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer, compile=args.compile,
+                    prefix_caching=args.prefix_caching)
     engine.add_request(prompt, params)
     sys.stdout.write(args.prompt)
     while engine.has_unfinished():
@@ -188,6 +196,11 @@ def cmd_generate(args) -> None:
           f"decode: {s.decode_tokens} tokens in {s.decode_seconds:.3f} s "
           f"({s.decode_tokens / max(s.decode_seconds, 1e-9):.1f} tok/s)"
           + (f"; compile: {s.compile_seconds:.1f} s (not counted)" if args.compile else ""), file=sys.stderr)
+    if args.prefix_caching:
+        r = engine.cache.report()
+        print(f"prefix cache: {s.prefix_hit_tokens} of {s.prompt_tokens} prompt tokens served; tree holds "
+              f"{r.prefix_blocks} KV blocks, {r.prefix_checkpoints} state checkpoints ({r.prefix_state_bytes} bytes)",
+              file=sys.stderr)
 
 
 def _byte_size(text: str) -> int:
@@ -233,7 +246,7 @@ def cmd_serve(args) -> None:
         model = from_pretrained(args.model, dtype=dtype, device=args.device)
         tokenizer, template = load_tokenizer(args.model), load_chat_template(args.model)
     name = args.served_model_name or args.recipe or Path(args.model).resolve().name
-    engine_options = {"compile": True} if args.compile else {}
+    engine_options = {"compile": args.compile, "prefix_caching": args.prefix_caching}
     try:
         engine = Engine(model, cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
                         max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, **engine_options)
@@ -285,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peak", dest="peak", action="store_false",
                    help="skip measuring the matmul peak that achieved FLOP/s is compared with")
     p.add_argument("--output", help="also write the rows to this .json or .csv file")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="run the prefix-cache benchmark instead (shared system prompt of --lengths[-1] tokens, "
+                        "a chat; cache off vs on; see hybrid.eval.prefix_bench)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="lm-eval tasks (e.g. mmlu_local, offline MMLU) on a checkpoint or recipe")
@@ -376,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per step)")
     p.add_argument("--compile", action="store_true", help="compile the decode step (torch.compile)")
+    p.add_argument("--prefix-caching", action="store_true", help="engine with the prefix cache on (reports its hits)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -393,7 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks + Mamba state slots, e.g. 256MiB (default) or 8GiB")
     p.add_argument("--max-seqs", type=int, default=32, help="sequences in flight (state slots)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per engine step (prefill chunk)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the engine's model runner")
+    p.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="share prompt prefixes between requests (KV blocks + Mamba state checkpoints)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="initialises a --recipe's random weights")
     p.add_argument("--default-max-tokens", type=int, default=256,

@@ -10,6 +10,11 @@ four rooms (after vLLM's v1 engine):
 - :mod:`~hybrid.output_processor`: stop ids and strings, length limit, detokenising.
 
 The engine itself validates requests, wires the rooms together and keeps the statistics.
+
+``prefix_caching=True`` adds a :class:`~hybrid.prefix_cache.PrefixCache` to the cache manager: prompts that
+start like earlier ones share their KV blocks and resume from saved Mamba state checkpoints, and prefill
+only the rest; outputs equal those with the cache off. :meth:`Engine.score` returns the log-probabilities
+of tokens given their prefix (lm-eval's loglikelihood), through the same cache.
 """
 
 from __future__ import annotations
@@ -24,12 +29,32 @@ from .cache_manager import CacheManager
 from .model_runner import ModelRunner
 from .output_processor import eos_ids, process_token
 from .packed_batch import SeqChunk
+from .prefix_cache import PrefixCache, prefill_flops_fn
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .tokenizer import StreamDecoder
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
+DEFAULT_PREFIX_STATE_BYTES = 256 * 2**20
+
+
+@dataclass
+class ScoreResult:
+    """Log-probabilities of ``tokens[start:]``, each given the tokens before it, and whether each token was
+    the most likely one (greedy)."""
+
+    logprobs: list[float]
+    greedy: list[bool]
+    next_logprobs: torch.Tensor | None = None  # [vocab] float32: log P(next token | all of tokens)
+
+    @property
+    def total(self) -> float:
+        return sum(self.logprobs)
+
+    @property
+    def is_greedy(self) -> bool:
+        return all(self.greedy)
 
 
 @dataclass
@@ -54,6 +79,10 @@ class EngineStats:
     sample_seconds: float = 0.0
     output_seconds: float = 0.0
     time_to_first_token: dict[int, float] = field(default_factory=dict)  # request id -> seconds since add_request
+    prompt_tokens: int = 0  # prompt tokens requested (add_request / score)
+    prefix_hit_tokens: int = 0  # of those, served from the prefix cache at each request's first admission
+    prompt_tokens_computed: int = 0  # prompt positions the model ran (recomputes after preemption included)
+    recompute_hit_tokens: int = 0  # tokens a re-admitted (preempted) request got back from the prefix cache
 
 
 class Engine:
@@ -65,12 +94,21 @@ class Engine:
     decode-only steps through a ``torch.compile``-d forward over bucketed batch sizes (prefill stays
     eager; greedy tokens equal the eager engine's); ``compile_backend`` is torch.compile's backend
     (``"inductor"`` generates fused code; ``"aot_eager"`` only captures the graph, for debugging).
+
+    ``prefix_caching=True`` keeps computed prefixes (see :mod:`hybrid.prefix_cache`): KV blocks live in the
+    KV pool beside the live sequences' and give way to them; Mamba state checkpoints take at most
+    ``prefix_state_bytes`` (default 256 MiB) of their own. ``prefix_checkpoint_interval`` also saves a
+    checkpoint every that many tokens of a prefill (None: only at branch points, prompt ends and where a
+    sequence stops). ``prefix_flop_weight`` weighs FLOPs saved per byte against recency in eviction
+    (0: least recently used first).
     """
 
     def __init__(self, model, *, cache: HybridCache | None = None, num_blocks: int | None = None,
                  cache_bytes: int | None = None, block_size: int = 16, max_seqs: int = 16,
                  max_batch_tokens: int = 512, tokenizer=None, compile: bool = False,
-                 compile_backend: str = "inductor"):
+                 compile_backend: str = "inductor", prefix_caching: bool = False,
+                 prefix_state_bytes: int | None = None, prefix_checkpoint_interval: int | None = None,
+                 prefix_flop_weight: float = 1.0):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.model = model.eval()
@@ -80,7 +118,14 @@ class Engine:
             cache = HybridCache.for_model(model, num_blocks=num_blocks, cache_bytes=cache_bytes,
                                           block_size=block_size, max_seqs=max_seqs)
         self.cache = cache
-        self.cache_manager = CacheManager(cache)
+        prefix = None
+        if prefix_caching:
+            prefix = PrefixCache(cache.kv, cache.ssm, state_bytes=DEFAULT_PREFIX_STATE_BYTES if prefix_state_bytes
+                                 is None else prefix_state_bytes, checkpoint_interval=prefix_checkpoint_interval,
+                                 flop_weight=prefix_flop_weight, prefill_flops=prefill_flops_fn(self.model))
+        elif prefix_state_bytes is not None or prefix_checkpoint_interval is not None:
+            raise ValueError("prefix_state_bytes / prefix_checkpoint_interval need prefix_caching=True")
+        self.cache_manager = CacheManager(cache, prefix)
         self.scheduler = Scheduler(self.cache_manager, max_seqs=cache.ssm.num_slots, max_batch_tokens=max_batch_tokens)
         self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=compile,
                                   compile_backend=compile_backend)
@@ -106,30 +151,67 @@ class Engine:
         return self.scheduler.waiting
 
     # ---- requests --------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+                    prompt_logprobs_from: int | None = None) -> int:
         """Queue a prompt; returns its request id. Raises ValueError for an empty prompt, ids
         outside the vocabulary, stop strings without a tokenizer, or a request the cache can
-        never hold."""
-        params = params or SamplingParams()
+        never hold. With ``prompt_logprobs_from=k`` the request also records, in ``prompt_logprobs`` and
+        ``prompt_greedy``, log P(prompt[i] | prompt[:i]) for every i >= k (1 <= k < len(prompt))."""
+        return self._add(prompt_ids, params, prompt_logprobs_from, score_only=False)
+
+    def score(self, requests: list[tuple[list[int], int]], *, progress: bool = False) -> list[ScoreResult]:
+        """Log-probabilities of ``tokens[start:]`` given what precedes them, for each ``(tokens, start)``
+        (1 <= start <= len(tokens)), and the log-probabilities of every possible next token after all of
+        ``tokens`` (``next_logprobs``): lm-eval's loglikelihood of a continuation after its context
+        (continuations that differ only in their last token share one request). The requests run through
+        the scheduler and prefix cache like prompts, sample nothing and finish with reason ``"scored"``.
+        Runs until they are done (other queued requests advance too)."""
+        from tqdm import tqdm
+
+        ids = []
+        for tokens, start in requests:
+            tokens = [int(t) for t in tokens]
+            if not 1 <= start <= len(tokens):
+                raise ValueError(f"score needs 1 <= start <= len(tokens) (at least one token before the scored "
+                                 f"ones); got start={start} for {len(tokens)} tokens")
+            ids.append(self._add(tokens, None, start, score_only=True))
+        with tqdm(total=len(ids), desc="score", unit="req", disable=not progress) as bar:
+            while any(not self.requests[i].finished for i in ids):
+                done = sum(self.requests[i].finished for i in ids)
+                self.step()
+                bar.update(sum(self.requests[i].finished for i in ids) - done)
+        out = []
+        for i in ids:
+            req = self.forget(i)
+            out.append(ScoreResult(req.prompt_logprobs, req.prompt_greedy, req.next_logprobs))
+        return out
+
+    def _add(self, prompt_ids, params, logprobs_from, *, score_only: bool) -> int:
+        params = params or SamplingParams(max_new_tokens=1 if score_only else SamplingParams().max_new_tokens)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
         if not prompt:
             raise ValueError("empty prompt: give at least one token id")
+        if logprobs_from is not None and not score_only and not 1 <= logprobs_from < len(prompt):
+            raise ValueError(f"prompt_logprobs_from must be in 1..{len(prompt) - 1} (a position with a token "
+                             f"before it), got {logprobs_from}")
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range for vocab_size {vocab} "
                              f"(valid ids are 0..{vocab - 1}); check the tokenizer matches the model")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {list(params.stop)} need a tokenizer: pass tokenizer= to the Engine")
-        self._check_fits(len(prompt), params)
+        self._check_fits(len(prompt), 0 if score_only else params.max_new_tokens - 1)
         seed = params.seed if params.seed is not None else _random_seed()
         rid = self._next_id
         self._next_id += 1
         req = Request(rid, prompt, params, self._stop_ids(params), seed,
                       StreamDecoder(self.tokenizer) if self.tokenizer is not None else None,
-                      arrival_time=time.perf_counter())
+                      arrival_time=time.perf_counter(), logprobs_from=logprobs_from,
+                      score_only=score_only)
+        self.stats.prompt_tokens += len(prompt)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -156,7 +238,7 @@ class Engine:
         if len(src.output) >= params.max_new_tokens:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} leaves the fork nothing to generate: the source "
                              f"has {len(src.output)} tokens already")
-        self._check_fits(len(src.prompt), params)
+        self._check_fits(len(src.prompt), params.max_new_tokens - 1)
         rid = self._next_id
         self._next_id += 1
         seed = params.seed if own else _random_seed()  # a fork of a sampled request samples its own path
@@ -181,14 +263,15 @@ class Engine:
             raise ValueError(f"request {request_id} has not finished; abort it first")
         return self.requests.pop(request_id)
 
-    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        """A request the whole cache could never hold is refused up front, with the numbers."""
-        need = prompt_len + params.max_new_tokens - 1  # the last sampled token is never cached
+    def _check_fits(self, prompt_len: int, new_cached: int) -> None:
+        """A request the whole cache could never hold is refused up front, with the numbers. ``new_cached``:
+        generated tokens that enter the cache (``max_new_tokens - 1``: the last sampled one never does)."""
+        need = prompt_len + new_cached
         kv = self.cache.kv
         held = kv.blocks_held_at_most(need, self.max_batch_tokens)
         if kv.enabled and held > kv.num_blocks:
             raise ValueError(
-                f"request needs {need} cached tokens ({prompt_len} prompt + {params.max_new_tokens} new - 1), "
+                f"request needs {need} cached tokens ({prompt_len} prompt + {new_cached + 1} new - 1), "
                 f"{held} KV blocks at once, but the whole KV cache holds {kv.capacity_tokens} tokens "
                 f"({kv.num_blocks} blocks of {kv.block_size}); shorten the prompt, lower max_new_tokens "
                 "or give the engine a bigger cache")
@@ -219,10 +302,26 @@ class Engine:
             return []
         t1 = time.perf_counter()
         compile_before = self.runner.compile_seconds
+        self.stats.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
+        self.stats.recompute_hit_tokens = self.scheduler.recompute_hit_tokens
+        for req, n in plan:
+            self.stats.prompt_tokens_computed += max(0, min(req.num_computed + n, len(req.prompt)) - req.num_computed)
         chunks = [SeqChunk(r.request_id, r.pending(n), r.num_computed) for r, n in plan]
-        logits, compiled = self.runner.execute(chunks)
+        scoring = [self._scored_positions(r, n) for r, n in plan]
+        if any(len(q) for q in scoring):
+            all_logits, compiled = self.runner.execute(chunks, all_logits=True)
+            ends = torch.tensor([n for _, n in plan], device=all_logits.device).cumsum(0) - 1
+            logits = all_logits[ends]
+            self._record_logprobs(plan, scoring, all_logits)
+        else:
+            logits, compiled = self.runner.execute(chunks)
         t2 = time.perf_counter()
         ready = self.scheduler.advance(plan)
+        for b, (req, _) in enumerate(plan):
+            if req in ready and req.score_only:
+                req.next_logprobs = torch.log_softmax(logits[b].float(), dim=-1)
+                self._finish(req, "scored")
+        ready = [r for r in ready if not r.score_only]
         rows = [b for b, (req, _) in enumerate(plan) if req in ready]
         new_ids = []
         if rows:
@@ -243,6 +342,25 @@ class Engine:
         t4 = time.perf_counter()
         self._count(plan, compiled, self.runner.compile_seconds - compile_before, t0, t1, t2, t3, t4)
         return outputs
+
+    def _scored_positions(self, req, n: int) -> range:
+        """Positions of this chunk whose logits score a target token (none for most requests)."""
+        if req.logprobs_from is None:
+            return range(0)
+        lo = max(req.num_computed, req.logprobs_from - 1 + len(req.prompt_logprobs))
+        hi = min(req.num_computed + n, len(req.prompt) - 1)
+        return range(lo, max(lo, hi))
+
+    def _record_logprobs(self, plan, scoring, all_logits) -> None:
+        offset = 0
+        for (req, n), positions in zip(plan, scoring, strict=True):
+            if len(positions):
+                rows = torch.arange(positions.start, positions.stop) - req.num_computed + offset
+                logp = torch.log_softmax(all_logits[rows.to(all_logits.device)].float(), dim=-1)
+                target = torch.tensor(req.prompt[positions.start + 1:positions.stop + 1], device=logp.device)
+                req.prompt_logprobs.extend(logp.gather(1, target[:, None])[:, 0].tolist())
+                req.prompt_greedy.extend((logp.argmax(-1) == target).tolist())
+            offset += n
 
     def _count(self, plan, compiled, compile_dt, t0, t1, t2, t3, t4) -> None:
         s = self.stats

@@ -85,9 +85,12 @@ class ModelRunner:
                                          dynamic=False)
 
     # ---- forward ---------------------------------------------------------------------------------
-    def execute(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, bool]:
+    def execute(self, chunks: list[SeqChunk], *, all_logits: bool = False) -> tuple[torch.Tensor, bool]:
         """Run one step; returns (last-token logits [B, V] on the device, whether the compiled decode ran).
-        A step that compiled a new shape reports it through ``compile_seconds``."""
+        A step that compiled a new shape reports it through ``compile_seconds``. ``all_logits``: every new
+        token's logits [T, V] instead (eager; prompt scoring)."""
+        if all_logits:
+            return self.model.forward_packed(build_batch(self.manager, chunks), self.cache, all_logits=True), False
         if self._decode is not None and all(len(c.tokens) == 1 for c in chunks) and len(chunks) <= self.buckets[-1]:
             return self._execute_compiled(chunks), True
         return self.model.forward_packed(build_batch(self.manager, chunks), self.cache), False

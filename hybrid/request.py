@@ -32,6 +32,30 @@ class Request:
     num_computed: int = 0  # tokens of ``tokens`` whose K/V and state are in the cache
     finish_reason: str | None = None
     first_token_time: float | None = None
+    # prompt log-probabilities: log P(prompt[i] | prompt[:i]) for i >= logprobs_from, with whether each
+    # token was the argmax
+    logprobs_from: int | None = None
+    score_only: bool = False  # finish once the prompt is computed, sampling nothing (Engine.score)
+    next_logprobs: object = None  # score_only: [vocab] log-probabilities after the whole prompt
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_greedy: list[bool] = field(default_factory=list)
+    prefix_hit: int | None = None  # prompt tokens the prefix cache served at first admission
+    recomputes: int = 0  # admissions after the first (preemption)
+
+    @property
+    def max_prefix_hit(self) -> int:
+        """The most leading tokens a prefix-cache hit may serve: at least one token is computed (its
+        logits are sampled), and every position whose logits are scored is computed."""
+        limit = self.num_tokens - 1
+        if self.logprobs_from is not None and self.logprobs_from < len(self.prompt):  # next position to score
+            limit = min(limit, self.logprobs_from - 1 + len(self.prompt_logprobs))
+        return limit
+
+    def on_admit(self, start: int) -> None:
+        if self.prefix_hit is None:
+            self.prefix_hit = start
+        else:
+            self.recomputes += 1
 
     @property
     def tokens(self) -> list[int]:
