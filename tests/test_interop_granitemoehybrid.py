@@ -141,6 +141,7 @@ def test_export_refuses_what_granite_cannot_represent(tmp_path):
         (dict(mamba2=hybrid.Mamba2Config(head_dim=16, d_state=8, n_groups=2, norm_groups=1)), "norm_groups"),
         (dict(mamba2=hybrid.Mamba2Config(head_dim=16, d_state=8, d_inner=48)), "mamba_expand"),
         (dict(pattern="M-M-"), "no attention layer"),
+        (dict(attention=hybrid.AttentionConfig(n_heads=4, head_dim=16)), "hidden_size / num_attention_heads"),
         (dict(pattern="ME*E", moe=hybrid.MoEConfig(n_experts=4, normalize_top_k=False)), "normalize_top_k"),
         (dict(pattern="ME*E", moe=hybrid.MoEConfig(n_experts=4, normalize_top_k=True, activation="gelu")),
          "SwiGLU"),

@@ -189,6 +189,9 @@ def export_refusal(cfg: HybridConfig) -> str | None:
                             "head (1.0) or not at all (0.0)")
         if a.rope_scaling is not None:
             problems.append(f"attention.rope_scaling={a.rope_scaling}; GraniteMoeHybrid has plain RoPE only")
+        if a.head_dim * a.n_heads != cfg.d_model:
+            problems.append(f"attention.head_dim ({a.head_dim}) x n_heads ({a.n_heads}) != d_model ({cfg.d_model}); "
+                            "vLLM's GraniteMoeHybrid derives head_dim as hidden_size / num_attention_heads")
     problems += mamba2_export_problems(cfg, "GraniteMoeHybrid")
     if "-" in cfg.pattern and (not cfg.mlp.gated or cfg.mlp.activation != "silu" or cfg.mlp.bias):
         problems.append(f"the MLP is {'gated' if cfg.mlp.gated else 'plain'} {cfg.mlp.activation}"

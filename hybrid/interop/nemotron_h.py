@@ -11,11 +11,12 @@ mamba_head_dim`` (``expand`` is not used). transformers clamps dt from below at 
 ``residual_in_fp32`` is not used by transformers' NemotronH (and is moot in fp32). Its ``moe``
 layer type (sigmoid router with grouped top-k, a shared expert, latent projections) is a different
 design from our ``E`` and is refused. transformers' NemotronH never ties ``lm_head`` to the
-embeddings (``tie_word_embeddings`` has no effect there; vLLM's does tie), so a tied model is
-written with ``tie_word_embeddings: true`` *and* ``lm_head.weight`` as a copy of the embedding:
-every engine computes the same logits, and we read such a folder back as tied. A folder whose head
-differs from its embedding is untied whatever the flag says (what transformers runs); one with the
-flag and no head is tied (what vLLM runs). Multi-token-prediction
+embeddings (``tie_word_embeddings`` has no effect there, nor in vLLM's NemotronH: both read
+``lm_head.weight`` from the file), so a tied model is written with ``lm_head.weight`` as a copy of the
+embedding (and ``tie_word_embeddings: true``, which only we read): every engine computes the tied
+model's logits, and we read such a folder back as tied. A folder whose head differs from its embedding
+is untied whatever the flag says (what transformers and vLLM run); one with the flag and no head at all
+is tied (the only reading that gives the model a head). Multi-token-prediction
 weights (``mtp.*``) are not part of the causal LM's forward and are skipped, as transformers skips them.
 """
 
@@ -160,7 +161,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
         "architectures": [ARCH], "model_type": "nemotron_h", "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "layers_block_type": [SYMBOL_LAYER[s] for s in cfg.pattern],
         "hybrid_override_pattern": cfg.pattern,  # read by older transformers and by vLLM's config class
-        # tied: the flag (vLLM ties) and a copy of the embedding as lm_head (transformers never ties)
+        # tied: a copy of the embedding as lm_head (transformers and vLLM never tie) and the flag, for us
         "num_hidden_layers": len(cfg.pattern), "tie_word_embeddings": cfg.tie_embeddings,
         "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.initializer_range,
         "residual_in_fp32": False,
@@ -178,7 +179,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
 def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
     out = {("backbone.embeddings.weight" if k == "embed.weight" else
             k if k == "lm_head.weight" else f"backbone.{k}"): v for k, v in state.items()}
-    if cfg.tie_embeddings:  # transformers' NemotronH reads lm_head from the file even when tied
+    if cfg.tie_embeddings:  # transformers' and vLLM's NemotronH read lm_head from the file even when tied
         out["lm_head.weight"] = state["embed.weight"].clone()
     return out
 

@@ -34,15 +34,15 @@ def tokenless_vocab(model) -> None:
 
 
 def convert(llama_cpp: Path, hf_dir: Path, out: Path) -> Path:
+    conversion = load_converter(llama_cpp)
     import gguf
     import torch
 
-    conversion = load_converter(llama_cpp)
     with torch.inference_mode():
         hparams = conversion.ModelBase.load_hparams(hf_dir, False)
         arch = conversion.get_model_architecture(hparams, conversion.ModelType.TEXT)
         cls = conversion.get_model_class(arch, mmproj=False)  # NotImplementedError: llama.cpp lacks it
-        patched = type(cls.__name__, (cls,), {"set_vocab": tokenless_vocab})
+        patched = type(cls.__name__, (cls,), {"set_vocab": tokenless_vocab, "model_arch": cls.model_arch})
         model = patched(hf_dir, gguf.LlamaFileType.ALL_F32, out, eager=True)
         model.write()
     return out
