@@ -1,6 +1,7 @@
 """NemotronHForCausalLM <-> HybridLM: logits and greedy tokens against transformers, export, refusals."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -74,8 +75,9 @@ def test_tied_model_exports_with_the_head_as_a_copy(tmp_path):
     assert_export_round_trip(model, "nemotron_h", NemotronHForCausalLM, tmp_path, VOCAB)
     state = load_file(str(tmp_path / "export-nemotron_h" / "model.safetensors"))
     assert torch.equal(state["lm_head.weight"], state["backbone.embeddings.weight"])
-    assert hybrid.save_pretrained(model, tmp_path / "hf", format="hf") and \
-        hybrid.from_pretrained(tmp_path / "hf").config.tie_embeddings
+    hybrid.save_pretrained(model, tmp_path / "hf", format="hf")  # nemotron_h is the format="hf" pick
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["NemotronHForCausalLM"]
+    assert hybrid.from_pretrained(tmp_path / "hf").config.tie_embeddings
 
 
 def test_old_style_pattern_string_loads(pair, tmp_path):
