@@ -39,13 +39,14 @@ def _cfg(pattern: str, **changes) -> HybridConfig:
 
 
 FAMILIES = [
-    Family("llama", "attention only (GQA, RoPE, SwiGLU)", _cfg("*-*-"), {"vllm": "llama", "llama.cpp": "llama"}),
+    Family("llama", "attention only (GQA, RoPE, SwiGLU)", _cfg("*-*-"), {"vllm": "llama", "llama.cpp": "llama"},
+           variants={"vllm": [[], ["--tp", "2"]]}),
     Family("mistral-swa", "attention only, sliding window 32",
            _cfg("*-*-", attention=dataclasses.replace(BASE["attention"], sliding_window=32)),
            {"vllm": "mistral", "llama.cpp": "mistral"}),
     Family("mamba2", "Mamba-2 only", _cfg("MMMM"), {"vllm": "mamba2", "llama.cpp": "mamba2"}),
     Family("hybrid-rope", "Mamba-2 + attention (RoPE) + SwiGLU, as hybrid-1to7", _cfg("M-*-M-M-"),
-           {"vllm": "granitemoehybrid", "llama.cpp": "bamba"}),
+           {"vllm": "granitemoehybrid", "llama.cpp": "bamba"}, variants={"vllm": [[], ["--tp", "2"]]}),
     Family("hybrid-rope-bamba", "the same model written as Bamba", _cfg("M-*-M-M-"),
            {"vllm": "bamba", "llama.cpp": "granitemoehybrid"}),
     Family("hybrid-nope", "Mamba-2 + attention without RoPE + SwiGLU (Granite-4.0-H)", _cfg("M-*-M-M-", attention=NOPE),

@@ -1,7 +1,7 @@
 """Run one exported folder with vLLM (its CPU build here): greedy continuations of token-id prompts, or a
 prefill/decode timing. Runs in the vLLM venv (it does not import hybrid); writes one JSON result.
 
-    python run_vllm.py tokens MODEL_DIR PROMPTS.json OUT.json [--no-prefix-caching]
+    python run_vllm.py tokens MODEL_DIR PROMPTS.json OUT.json [--no-prefix-caching] [--tp N]
     python run_vllm.py bench MODEL_DIR OUT.json --prefill 8x2048 --decode 32x64
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import traceback
 from pathlib import Path
@@ -22,10 +23,13 @@ def last_error_line(exc: BaseException) -> str:
 
 
 def make_llm(model_dir: str, prefix_caching: bool, max_model_len: int, max_num_seqs: int,
-             max_batch_tokens: int | None = None):
+             max_batch_tokens: int | None = None, tp: int = 1):
+    if tp > 1 and "|" not in os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""):
+        # vLLM's CPU workers take one core list each, "|"-separated: one core per tensor-parallel rank
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     from vllm import LLM
     kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len,
-              max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching, seed=0)
+              max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching, seed=0, tensor_parallel_size=tp)
     if max_batch_tokens:
         kw["max_num_batched_tokens"] = max_batch_tokens
     return LLM(**kw)
@@ -43,7 +47,7 @@ def run_tokens(args) -> dict:
     spec = json.loads(Path(args.prompts).read_text())
     result = {"loads": False, "serves": False, "tokens": None, "error": None}
     try:
-        llm = make_llm(args.model, args.prefix_caching, spec["max_model_len"], len(spec["prompts"]))
+        llm = make_llm(args.model, args.prefix_caching, spec["max_model_len"], len(spec["prompts"]), tp=args.tp)
         result["loads"] = True
         result["tokens"] = greedy(llm, spec["prompts"], spec["n_new"])
         result["serves"] = True
@@ -88,6 +92,7 @@ def main() -> None:
     t.add_argument("prompts")
     t.add_argument("out")
     t.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    t.add_argument("--tp", type=int, default=1, help="tensor-parallel size (CPU: one core per rank)")
     b = sub.add_parser("bench")
     b.add_argument("model")
     b.add_argument("out")
