@@ -18,7 +18,7 @@ import torch
 
 from ..config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from . import Converter, register
-from .common import float_to_hf, hf_float, refuse
+from .common import EXPORT_MAX_POSITIONS, float_to_hf, hf_float, refuse
 from .hf_hybrid import (
     TOP_LEVEL,
     TOP_LEVEL_TO_HF,
@@ -168,6 +168,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
         "architectures": [ARCH], "model_type": "bamba", "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp.d_ff, "num_hidden_layers": n_layers, "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": EXPORT_MAX_POSITIONS,
         "initializer_range": cfg.initializer_range,
         "attn_layer_indices": [i for i in range(n_layers) if cfg.pattern[2 * i] == "*"],
         "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,

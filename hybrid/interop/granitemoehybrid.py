@@ -33,7 +33,7 @@ from ..checkpoint import CheckpointError
 from ..config import AttentionConfig, HybridConfig, MLPConfig, MoEConfig
 from . import Converter, register
 from .bamba import mamba2_export_problems, mamba2_from_hf, mamba2_to_hf
-from .common import drop_tied_head, refuse, split_rows
+from .common import EXPORT_MAX_POSITIONS, drop_tied_head, refuse, split_rows
 from .hf_hybrid import attention_mismatches, decoder_pairs, no_attention, require, with_defaults
 
 ARCH = "GraniteMoeHybridForCausalLM"
@@ -216,6 +216,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
         "architectures": [ARCH], "model_type": "granitemoehybrid", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "num_hidden_layers": n_layers, "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": EXPORT_MAX_POSITIONS,
         "initializer_range": cfg.initializer_range,
         "layer_types": [SYMBOL_LAYER[cfg.pattern[2 * i]] for i in range(n_layers)],
         "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,

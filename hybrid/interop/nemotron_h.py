@@ -30,7 +30,7 @@ import torch
 
 from ..config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from . import Converter, register
-from .common import ACTIVATIONS_TO_HF, activation_from_hf, float_to_hf, refuse
+from .common import ACTIVATIONS_TO_HF, EXPORT_MAX_POSITIONS, activation_from_hf, float_to_hf, refuse
 from .hf_hybrid import attention_mismatches, no_attention, require, with_defaults
 
 ARCH = "NemotronHForCausalLM"
@@ -164,6 +164,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
         # tied: a copy of the embedding as lm_head (transformers and vLLM never tie) and the flag, for us
         "num_hidden_layers": len(cfg.pattern), "tie_word_embeddings": cfg.tie_embeddings,
         "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.initializer_range,
+        "max_position_embeddings": EXPORT_MAX_POSITIONS,
         "residual_in_fp32": False,
         "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
         "attention_bias": False,

@@ -40,7 +40,8 @@ def locked(cmd: list[str]) -> list[str]:
 def run(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     with open(log, "w") as f:
         try:
-            return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, timeout=ENGINE_TIMEOUT_S,
+            # vLLM logs (and its engine core's traceback) go to stdout: keep them with stderr
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=ENGINE_TIMEOUT_S,
                                   env={**os.environ, **(env or {})})
         except subprocess.TimeoutExpired:
             return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {ENGINE_TIMEOUT_S} s")
@@ -50,6 +51,14 @@ def tail_error(log: Path) -> str:
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     errs = [ln for ln in lines if "error" in ln.lower() or "exception" in ln.lower()]
     return (errs or lines or ["(no output)"])[-1][:300]
+
+
+def root_cause(log: Path) -> str | None:
+    """The last exception line ("SomethingError: ...") vLLM's engine core logged."""
+    import re
+    hits = [m.group(0) for m in re.finditer(r"\b[A-Z]\w*(Error|Exception): [^\n]*", log.read_text(errors="replace"))
+            if "EngineDeadError" not in m.group(0)]
+    return hits[-1][:300] if hits else None
 
 
 def first_divergence(ours: list[list[int]], theirs: list[list[int]]) -> str | None:
@@ -69,7 +78,10 @@ def vllm_row(args, export_dir: Path, spec: Path, flags: list[str], work: Path) -
                 *flags]), log, env)
     if not out.is_file():
         return {"loads": False, "serves": False, "tokens": None, "error": tail_error(log)}
-    return json.loads(out.read_text())
+    res = json.loads(out.read_text())
+    if res.get("error") and "EngineDeadError" in res["error"]:  # the root cause is in the engine core's log
+        res["error"] = root_cause(log) or res["error"]
+    return res
 
 
 def llama_cpp_row(args, export_dir: Path, ids: list[list[int]], work: Path) -> dict:
