@@ -22,6 +22,12 @@ BASE = dict(vocab_size=512, d_model=128, tie_embeddings=False,
             mamba1=Mamba1Config(d_state=16),
             mlp=MLPConfig(d_ff=256))
 NOPE = AttentionConfig(n_heads=2, n_kv_heads=1, head_dim=64, rotary_fraction=0.0)
+# vLLM 0.32 turns prefix caching on by default and then runs Mamba-2 layers in its "align" cache mode, which
+# crashes on the CPU (IndexError in mamba_mixer2.py conv_ssm_forward); every Mamba-2 family runs with it off,
+# NemotronH and pure Mamba-2 also with the default, to show it.
+NO_PC = ["--no-prefix-caching"]
+BOTH = {"vllm": [[], NO_PC]}
+OFF = {"vllm": [NO_PC]}
 
 
 @dataclass(frozen=True)
@@ -39,26 +45,25 @@ def _cfg(pattern: str, **changes) -> HybridConfig:
 
 
 FAMILIES = [
-    Family("llama", "attention only (GQA, RoPE, SwiGLU)", _cfg("*-*-"), {"vllm": "llama", "llama.cpp": "llama"},
-           variants={"vllm": [[], ["--tp", "2"]]}),
+    Family("llama", "attention only (GQA, RoPE, SwiGLU)", _cfg("*-*-"), {"vllm": "llama", "llama.cpp": "llama"}),
     Family("mistral-swa", "attention only, sliding window 32",
            _cfg("*-*-", attention=dataclasses.replace(BASE["attention"], sliding_window=32)),
            {"vllm": "mistral", "llama.cpp": "mistral"}),
-    Family("mamba2", "Mamba-2 only", _cfg("MMMM"), {"vllm": "mamba2", "llama.cpp": "mamba2"}),
+    Family("mamba2", "Mamba-2 only", _cfg("MMMM"), {"vllm": "mamba2", "llama.cpp": "mamba2"}, variants=BOTH),
     Family("hybrid-rope", "Mamba-2 + attention (RoPE) + SwiGLU, as hybrid-1to7", _cfg("M-*-M-M-"),
-           {"vllm": "granitemoehybrid", "llama.cpp": "bamba"}, variants={"vllm": [[], ["--tp", "2"]]}),
+           {"vllm": "granitemoehybrid", "llama.cpp": "bamba"}, variants={"vllm": [NO_PC, NO_PC + ["--tp", "2"]]}),
     Family("hybrid-rope-bamba", "the same model written as Bamba", _cfg("M-*-M-M-"),
            {"vllm": "bamba", "llama.cpp": "granitemoehybrid"}),
     Family("hybrid-nope", "Mamba-2 + attention without RoPE + SwiGLU (Granite-4.0-H)", _cfg("M-*-M-M-", attention=NOPE),
-           {"vllm": "granitemoehybrid", "llama.cpp": "granitemoehybrid"}),
+           {"vllm": "granitemoehybrid", "llama.cpp": "granitemoehybrid"}, variants=OFF),
     Family("hybrid-moe", "Mamba-2 + attention, top-2 of 4 experts in every block",
            _cfg("ME*EMEME", attention=NOPE, moe=MoEConfig(n_experts=4, top_k=2, d_ff=128, normalize_top_k=True)),
-           {"vllm": "granitemoehybrid", "llama.cpp": "granitemoehybrid"}),
+           {"vllm": "granitemoehybrid", "llama.cpp": "granitemoehybrid"}, variants=OFF),
     Family("nemotronh", "NemotronH: M / * / squared-ReLU MLP, tied embeddings",
            _cfg("M-M*-M-", attention=NOPE, mlp=MLPConfig(d_ff=256, activation="relu2", gated=False),
                 tie_embeddings=True),
            {"vllm": "nemotron_h", "llama.cpp": "nemotron_h"},
-           variants={"vllm": [[], ["--no-prefix-caching"]]}),
+           variants=BOTH),
     Family("mamba1", "Mamba-1 only", _cfg("mmmm"), {"vllm": "mamba", "llama.cpp": "mamba"}),
     Family("jamba", "Jamba: Mamba-1 (dt/B/C norms) + attention + experts",
            _cfg("m-mE*-mE", attention=NOPE, mamba1=Mamba1Config(d_state=16, inner_norms=True),
