@@ -1,6 +1,7 @@
 """NemotronHForCausalLM <-> HybridLM: logits and greedy tokens against transformers, export, refusals."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -51,7 +52,8 @@ def test_config_maps_exactly(pair):
     assert cfg.mamba2.d_inner == c.mamba_num_heads * c.mamba_head_dim
     assert cfg.mamba2.n_groups == cfg.mamba2.norm_groups == c.n_groups
     assert cfg.mamba2.dt_limit == (c.time_step_min, float("inf"))
-    assert not cfg.tie_embeddings  # transformers' NemotronH never ties, whatever tie_word_embeddings says
+    # transformers' NemotronH never ties, whatever tie_word_embeddings says: a head of its own stays untied
+    assert not cfg.tie_embeddings
 
 
 def test_logits_and_greedy_match_transformers(pair):
@@ -62,6 +64,20 @@ def test_logits_and_greedy_match_transformers(pair):
 def test_export_round_trip(pair, tmp_path):
     _, ours, _ = pair
     assert_export_round_trip(ours, "nemotron_h", NemotronHForCausalLM, tmp_path, VOCAB)
+
+
+def test_tied_model_exports_with_the_head_as_a_copy(tmp_path):
+    """A tied model (e.g. the nemotronh-small recipe) exports: the flag for vLLM, lm_head as a copy of
+    the embedding for transformers (which never ties); transformers matches, and it reads back tied."""
+    from hybrid import recipes
+    cfg = dataclasses.replace(recipes.get("nemotronh-tiny"), vocab_size=VOCAB, tie_embeddings=True)
+    model = hybrid.HybridLM(cfg).eval()
+    assert_export_round_trip(model, "nemotron_h", NemotronHForCausalLM, tmp_path, VOCAB)
+    state = load_file(str(tmp_path / "export-nemotron_h" / "model.safetensors"))
+    assert torch.equal(state["lm_head.weight"], state["backbone.embeddings.weight"])
+    hybrid.save_pretrained(model, tmp_path / "hf", format="hf")  # nemotron_h is the format="hf" pick
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["NemotronHForCausalLM"]
+    assert hybrid.from_pretrained(tmp_path / "hf").config.tie_embeddings
 
 
 def test_old_style_pattern_string_loads(pair, tmp_path):
@@ -83,7 +99,6 @@ def test_export_refuses_what_nemotron_h_cannot_represent(tmp_path):
         (dict(attention=hybrid.AttentionConfig(n_heads=4)), "no RoPE"),
         (dict(mlp=hybrid.MLPConfig()), "MLP is gated"),
         (dict(pattern="m*-"), "Mamba-1"),
-        (dict(tie_embeddings=True), "never ties"),
         (dict(pattern="M-M"), "no attention layer"),
         (dict(pattern="ME"), "mixture-of-experts"),
         (dict(attention=hybrid.AttentionConfig(n_heads=4, rotary_fraction=0.0, qkv_bias=True)), "biases"),

@@ -33,15 +33,22 @@ class Converter:
     export_refusal: Callable[[HybridConfig], str | None] | None = None
     config_to_hf: Callable[[HybridConfig], dict] | None = None
     state_to_hf: Callable[[dict, HybridConfig], dict] | None = None
+    # Import (optional): settle what only the tensors tell, (ours, foreign state, foreign config) -> ours;
+    # e.g. whether a head equal to the embedding is a tie.
+    config_from_state: Callable[[HybridConfig, dict, dict], HybridConfig] | None = None
 
 
 CONVERTERS: dict[str, Converter] = {}  # by architecture name
 FORMATS: dict[str, Converter] = {}  # by export format name
 # converter modules in this package
-_MODULES: tuple[str, ...] = ("llama", "mamba", "mamba_ssm", "bamba", "nemotron_h", "jamba")
+_MODULES: tuple[str, ...] = ("llama", "mamba", "mamba_ssm", "bamba", "granitemoehybrid", "nemotron_h", "jamba")
 # format="hf" tries these in order and takes the first that represents the model exactly; formats not
-# listed come after, alphabetically.
-HF_PREFERENCE: tuple[str, ...] = ("llama", "mistral", "qwen2", "mamba2", "mamba", "nemotron_h", "bamba", "jamba")
+# listed come after, alphabetically. The order is what the serving engines load: formats vLLM serves
+# and llama.cpp converts come first (llama, mistral, qwen2, mamba2, mamba, nemotron_h, and
+# granitemoehybrid for the Mamba-2 hybrids with SwiGLU MLPs), then bamba (the same weights; transformers
+# loads it, vLLM 0.32 does not), then jamba (vLLM's CPU build cannot run its Mamba-1 layers).
+HF_PREFERENCE: tuple[str, ...] = ("llama", "mistral", "qwen2", "mamba2", "mamba", "nemotron_h", "granitemoehybrid",
+                                  "bamba", "jamba")
 
 
 def register(conv: Converter) -> Converter:
@@ -88,7 +95,10 @@ def load_foreign(path: str | Path, *, dtype: torch.dtype | None = None,
         cfg = conv.config_from_hf(hf)
     except KeyError as e:
         raise CheckpointError(f"{Path(path) / 'config.json'} ({arch}) lacks the required key {e}") from None
-    state = conv.state_from_hf(read_state(path), hf, cfg)
+    foreign = read_state(path)
+    if conv.config_from_state is not None:
+        cfg = conv.config_from_state(cfg, foreign, hf)
+    state = conv.state_from_hf(foreign, hf, cfg)
     with torch.device("meta"):
         model = HybridLM(cfg)
     if device is not None:

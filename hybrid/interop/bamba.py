@@ -18,7 +18,7 @@ import torch
 
 from ..config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from . import Converter, register
-from .common import float_to_hf, hf_float, refuse
+from .common import EXPORT_MAX_POSITIONS, float_to_hf, hf_float, refuse
 from .hf_hybrid import (
     TOP_LEVEL,
     TOP_LEVEL_TO_HF,
@@ -57,6 +57,49 @@ def rope_of(hf: dict) -> tuple[float, float]:
     return theta, float(rp.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY))
 
 
+def mamba2_from_hf(arch: str, hf: dict) -> Mamba2Config:
+    """The Mamba-2 mixer of a config with Bamba's ``mamba_*`` keys (Bamba, GraniteMoeHybrid: the same
+    ``BambaMixer`` in transformers). ``hf`` has the class defaults filled in."""
+    d_inner = int(hf["mamba_expand"] * hf["hidden_size"])
+    m_heads = hf["mamba_n_heads"]
+    m_head_dim = d_inner // m_heads if hf["mamba_d_head"] == "auto" else hf["mamba_d_head"]
+    if m_heads * m_head_dim != d_inner:
+        raise refuse(arch, f"mamba_n_heads ({m_heads}) x mamba_d_head ({m_head_dim}) != mamba_expand x hidden_size "
+                           f"({d_inner})")
+    lo, hi = (hf_float(v) for v in (hf["time_step_limit"] or (0.0, math.inf)))
+    return Mamba2Config(d_state=hf["mamba_d_state"], d_conv=hf["mamba_d_conv"], d_inner=d_inner,
+                        head_dim=m_head_dim, n_groups=hf["mamba_n_groups"], chunk_size=hf["mamba_chunk_size"],
+                        dt_limit=(lo, hi), conv_bias=bool(hf["mamba_conv_bias"]),
+                        proj_bias=bool(hf["mamba_proj_bias"]), norm_before_gate=False,
+                        norm_groups=hf["mamba_n_groups"])
+
+
+def mamba2_export_problems(cfg: HybridConfig, arch: str) -> list[str]:
+    """Why ``cfg.mamba2`` cannot be written as Bamba's mixer (empty: it can)."""
+    if "M" not in cfg.pattern:
+        return []
+    m, problems = cfg.mamba2, []
+    if m.d_inner % cfg.d_model:
+        problems.append(f"mamba2.d_inner ({m.d_inner}) is not an integer multiple of d_model ({cfg.d_model}); "
+                        f"{arch} sizes it as mamba_expand x hidden_size")
+    if m.norm_groups != m.n_groups:
+        problems.append(f"mamba2.norm_groups ({m.norm_groups}) != n_groups ({m.n_groups}); {arch}'s gated "
+                        "RMSNorm normalises in n_groups groups")
+    if m.norm_before_gate:
+        problems.append(f"mamba2.norm_before_gate=True; {arch} gates before normalising")
+    return problems
+
+
+def mamba2_to_hf(cfg: HybridConfig) -> dict:
+    m = cfg.mamba2
+    return {
+        "mamba_n_heads": m.n_heads, "mamba_d_head": m.head_dim, "mamba_n_groups": m.n_groups,
+        "mamba_d_state": m.d_state, "mamba_d_conv": m.d_conv, "mamba_expand": m.d_inner // cfg.d_model,
+        "mamba_chunk_size": m.chunk_size, "mamba_conv_bias": m.conv_bias, "mamba_proj_bias": m.proj_bias,
+        "time_step_limit": [float_to_hf(v) for v in m.dt_limit],
+    }
+
+
 def config_from_hf(raw: dict) -> HybridConfig:
     hf = with_defaults(raw, DEFAULTS)
     require(ARCH, hf, "hidden_act", "silu")  # also the Mamba conv activation
@@ -68,13 +111,6 @@ def config_from_hf(raw: dict) -> HybridConfig:
     if bad:
         raise refuse(ARCH, f"attn_layer_indices {bad} are outside the {n_layers} layers")
     theta, partial = rope_of(hf)
-    d_inner = int(hf["mamba_expand"] * d)
-    m_heads = hf["mamba_n_heads"]
-    m_head_dim = d_inner // m_heads if hf["mamba_d_head"] == "auto" else hf["mamba_d_head"]
-    if m_heads * m_head_dim != d_inner:
-        raise refuse(ARCH, f"mamba_n_heads ({m_heads}) x mamba_d_head ({m_head_dim}) != mamba_expand x hidden_size "
-                           f"({d_inner})")
-    lo, hi = (hf_float(v) for v in (hf["time_step_limit"] or (0.0, math.inf)))
     bias = bool(hf["attention_bias"])
     return HybridConfig(
         vocab_size=hf["vocab_size"], d_model=d,
@@ -82,11 +118,7 @@ def config_from_hf(raw: dict) -> HybridConfig:
         attention=AttentionConfig(n_heads=n_heads, n_kv_heads=hf["num_key_value_heads"] or n_heads,
                                   head_dim=hf.get("head_dim") or d // n_heads, rope_theta=theta,
                                   rotary_fraction=partial, qkv_bias=bias, out_bias=bias),
-        mamba2=Mamba2Config(d_state=hf["mamba_d_state"], d_conv=hf["mamba_d_conv"], d_inner=d_inner,
-                            head_dim=m_head_dim, n_groups=hf["mamba_n_groups"], chunk_size=hf["mamba_chunk_size"],
-                            dt_limit=(lo, hi), conv_bias=bool(hf["mamba_conv_bias"]),
-                            proj_bias=bool(hf["mamba_proj_bias"]), norm_before_gate=False,
-                            norm_groups=hf["mamba_n_groups"]),
+        mamba2=mamba2_from_hf(ARCH, hf),
         mlp=MLPConfig(d_ff=hf["intermediate_size"], activation="silu", gated=True, bias=bool(hf["mlp_bias"])),
         norm_eps=float(hf["rms_norm_eps"]), tie_embeddings=bool(hf["tie_word_embeddings"]),
         initializer_range=float(hf["initializer_range"]),
@@ -123,16 +155,7 @@ def export_refusal(cfg: HybridConfig) -> str | None:
         problems += attention_mismatches(cfg, rotary_fraction=None, bias=None)
         if cfg.attention.rotary_fraction == 0.0:
             problems.append("attention has no RoPE; Bamba always rotates (partial_rotary_factor > 0)")
-    if "M" in cfg.pattern:
-        m = cfg.mamba2
-        if m.d_inner % cfg.d_model:
-            problems.append(f"mamba2.d_inner ({m.d_inner}) is not an integer multiple of d_model ({cfg.d_model}); "
-                            "Bamba sizes it as mamba_expand x hidden_size")
-        if m.norm_groups != m.n_groups:
-            problems.append(f"mamba2.norm_groups ({m.norm_groups}) != n_groups ({m.n_groups}); Bamba's gated "
-                            "RMSNorm normalises in n_groups groups")
-        if m.norm_before_gate:
-            problems.append("mamba2.norm_before_gate=True; Bamba gates before normalising")
+    problems += mamba2_export_problems(cfg, "Bamba")
     if "-" in cfg.pattern and (not cfg.mlp.gated or cfg.mlp.activation != "silu"):
         problems.append(f"the MLP is {'gated' if cfg.mlp.gated else 'plain'} {cfg.mlp.activation}; Bamba's is "
                         "SwiGLU (gated silu, hidden_act is also the Mamba conv activation)")
@@ -140,21 +163,19 @@ def export_refusal(cfg: HybridConfig) -> str | None:
 
 
 def config_to_hf(cfg: HybridConfig) -> dict:
-    a, m, n_layers = cfg.attention, cfg.mamba2, len(cfg.pattern) // 2
+    a, n_layers = cfg.attention, len(cfg.pattern) // 2
     return {
         "architectures": [ARCH], "model_type": "bamba", "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp.d_ff, "num_hidden_layers": n_layers, "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": EXPORT_MAX_POSITIONS,
         "initializer_range": cfg.initializer_range,
         "attn_layer_indices": [i for i in range(n_layers) if cfg.pattern[2 * i] == "*"],
         "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
         "attention_bias": a.qkv_bias,
         "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta,
                             "partial_rotary_factor": a.rotary_fraction},
-        "mamba_n_heads": m.n_heads, "mamba_d_head": m.head_dim, "mamba_n_groups": m.n_groups,
-        "mamba_d_state": m.d_state, "mamba_d_conv": m.d_conv, "mamba_expand": m.d_inner // cfg.d_model,
-        "mamba_chunk_size": m.chunk_size, "mamba_conv_bias": m.conv_bias, "mamba_proj_bias": m.proj_bias,
-        "time_step_limit": [float_to_hf(v) for v in m.dt_limit], "mlp_bias": cfg.mlp.bias,
+        "mlp_bias": cfg.mlp.bias, **mamba2_to_hf(cfg),
     }
 
 

@@ -67,6 +67,11 @@ def drop_tied_head(arch: str, state: dict[str, torch.Tensor], head: str, embed: 
         del state[head]
 
 
+# Our models have no length limit; serving stacks cap the context at max_position_embeddings (vLLM's
+# max_model_len, llama.cpp's context_length), so exports write it generously rather than leave each
+# architecture's small default (GraniteMoeHybrid's is 2048).
+EXPORT_MAX_POSITIONS = 131072
+
 FLOAT_TAG = "__float__"  # how transformers 5 writes non-finite floats into config.json
 
 

@@ -22,7 +22,7 @@ import torch
 from ..checkpoint import CheckpointError
 from ..config import AttentionConfig, HybridConfig, Mamba1Config, MLPConfig, MoEConfig
 from . import Converter, register
-from .common import refuse
+from .common import EXPORT_MAX_POSITIONS, refuse
 from .hf_hybrid import (
     TOP_LEVEL,
     TOP_LEVEL_TO_HF,
@@ -177,6 +177,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
         "architectures": [ARCH], "model_type": "jamba", "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "num_hidden_layers": len(pairs), "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.initializer_range,
+        "max_position_embeddings": EXPORT_MAX_POSITIONS,
         "intermediate_size": cfg.moe.d_ff if "-" not in cfg.pattern else cfg.mlp.d_ff,
         "attn_layer_period": attn_period, "attn_layer_offset": attn_offset,
         "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,

@@ -17,9 +17,16 @@ import re
 
 from ..config import AttentionConfig, HybridConfig, MLPConfig
 from . import Converter, register
-from .common import ACTIVATIONS_TO_HF, activation_from_hf, drop_tied_head, refuse, rope_from_hf, rope_to_hf
+from .common import (
+    ACTIVATIONS_TO_HF,
+    EXPORT_MAX_POSITIONS,
+    activation_from_hf,
+    drop_tied_head,
+    refuse,
+    rope_from_hf,
+    rope_to_hf,
+)
 
-EXPORT_MAX_POSITIONS = 131072
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)\.(.+)")
 _OURS = re.compile(r"layers\.(\d+)\.(norm|mixer)\.(.+)")
 _TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm_f.weight",

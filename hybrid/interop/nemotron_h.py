@@ -11,12 +11,18 @@ mamba_head_dim`` (``expand`` is not used). transformers clamps dt from below at 
 ``residual_in_fp32`` is not used by transformers' NemotronH (and is moot in fp32). Its ``moe``
 layer type (sigmoid router with grouped top-k, a shared expert, latent projections) is a different
 design from our ``E`` and is refused. transformers' NemotronH never ties ``lm_head`` to the
-embeddings (``tie_word_embeddings`` has no effect there), so neither do we. Multi-token-prediction
+embeddings (``tie_word_embeddings`` has no effect there, nor in vLLM's NemotronH: both read
+``lm_head.weight`` from the file), so a tied model is written with ``lm_head.weight`` as a copy of the
+embedding (and ``tie_word_embeddings: true``, which only we read): every engine computes the tied
+model's logits, and we read such a folder back as tied. A folder whose head differs from its embedding
+is untied whatever the flag says (what transformers and vLLM run); one with the flag and no head at all
+is tied (the only reading that gives the model a head). Multi-token-prediction
 weights (``mtp.*``) are not part of the causal LM's forward and are skipped, as transformers skips them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -24,7 +30,7 @@ import torch
 
 from ..config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from . import Converter, register
-from .common import ACTIVATIONS_TO_HF, activation_from_hf, float_to_hf, refuse
+from .common import ACTIVATIONS_TO_HF, EXPORT_MAX_POSITIONS, activation_from_hf, float_to_hf, refuse
 from .hf_hybrid import attention_mismatches, no_attention, require, with_defaults
 
 ARCH = "NemotronHForCausalLM"
@@ -43,6 +49,7 @@ LEGACY_KEYS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mam
                "mamba_chunk_size": "chunk_size"}
 LAYER_SYMBOL = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-"}
 SYMBOL_LAYER = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+EMBED_KEYS = ("backbone.embeddings.weight", "model.embeddings.weight", "embeddings.weight")
 
 
 def pattern_of(hf: dict) -> str:
@@ -90,13 +97,27 @@ def config_from_hf(raw: dict) -> HybridConfig:
         mlp=MLPConfig(d_ff=hf["intermediate_size"], activation=activation_from_hf(ARCH, hf["mlp_hidden_act"],
                                                                                     key="mlp_hidden_act"),
                       gated=False, bias=bool(hf["mlp_bias"])),
-        norm_eps=float(hf["layer_norm_epsilon"]), tie_embeddings=False,  # see the module docstring
+        norm_eps=float(hf["layer_norm_epsilon"]), tie_embeddings=False,  # settled by tie_from_state
         initializer_range=float(hf["initializer_range"]),
     )
 
 
+def tie_from_state(cfg: HybridConfig, state: dict, hf: dict) -> HybridConfig:
+    """Tied when the config says so and the head is absent or equal to the embedding (see the module
+    docstring): then tied and untied readings give the same model."""
+    if not hf.get("tie_word_embeddings"):
+        return cfg
+    embed = next((state[k] for k in EMBED_KEYS if k in state), None)
+    head = state.get("lm_head.weight")
+    if head is None or (embed is not None and torch.equal(head, embed)):
+        return dataclasses.replace(cfg, tie_embeddings=True)
+    return cfg
+
+
 def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
     out = {}
+    if cfg.tie_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # equal to the embedding
     for k, v in state.items():
         if k.startswith("mtp."):
             continue  # multi-token-prediction head: not part of the causal LM forward
@@ -107,9 +128,6 @@ def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
 
 def export_refusal(cfg: HybridConfig) -> str | None:
     problems = no_attention(cfg, "NemotronH")
-    if cfg.tie_embeddings:
-        problems.append("the model ties lm_head to the embeddings; transformers' NemotronH never ties them "
-                        "(tie_word_embeddings has no effect there)")
     if "m" in cfg.pattern:
         problems.append("the pattern has Mamba-1 layers (m); NemotronH's Mamba layers are Mamba-2")
     if "E" in cfg.pattern:
@@ -143,8 +161,10 @@ def config_to_hf(cfg: HybridConfig) -> dict:
         "architectures": [ARCH], "model_type": "nemotron_h", "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "layers_block_type": [SYMBOL_LAYER[s] for s in cfg.pattern],
         "hybrid_override_pattern": cfg.pattern,  # read by older transformers and by vLLM's config class
-        "num_hidden_layers": len(cfg.pattern), "tie_word_embeddings": False,
+        # tied: a copy of the embedding as lm_head (transformers and vLLM never tie) and the flag, for us
+        "num_hidden_layers": len(cfg.pattern), "tie_word_embeddings": cfg.tie_embeddings,
         "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.initializer_range,
+        "max_position_embeddings": EXPORT_MAX_POSITIONS,
         "residual_in_fp32": False,
         "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
         "attention_bias": False,
@@ -158,10 +178,13 @@ def config_to_hf(cfg: HybridConfig) -> dict:
 
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
-    return {("backbone.embeddings.weight" if k == "embed.weight" else
-             k if k == "lm_head.weight" else f"backbone.{k}"): v for k, v in state.items()}
+    out = {("backbone.embeddings.weight" if k == "embed.weight" else
+            k if k == "lm_head.weight" else f"backbone.{k}"): v for k, v in state.items()}
+    if cfg.tie_embeddings:  # transformers' and vLLM's NemotronH read lm_head from the file even when tied
+        out["lm_head.weight"] = state["embed.weight"].clone()
+    return out
 
 
 register(Converter(name="nemotron_h", architectures=(ARCH,), config_from_hf=config_from_hf,
                    state_from_hf=state_from_hf, export_refusal=export_refusal, config_to_hf=config_to_hf,
-                   state_to_hf=state_to_hf))
+                   state_to_hf=state_to_hf, config_from_state=tie_from_state))
