@@ -172,6 +172,9 @@ def test_llama_cpp_converts_with_its_own_names(llama_cpp, exported, tmp_path, na
     assert field("block_count") == len(blocks)
     assert field("embedding_length") == cfg.d_model
     assert int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1]) == cfg.vocab_size
+    keys = {f"{arch}.{k}" for k in ("expert_count", "expert_used_count")}
+    n_expert, n_used = (int(reader.fields[k].parts[-1][0]) if k in reader.fields else 0 for k in sorted(keys))
+    assert n_used <= n_expert, f"llama.cpp's loader asserts experts used ({n_used}) <= experts ({n_expert})"
     if "M" in cfg.pattern:
         assert field("ssm.inner_size") == cfg.mamba2.d_inner and field("ssm.state_size") == cfg.mamba2.d_state
     if arch == "granitehybrid":

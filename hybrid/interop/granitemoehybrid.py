@@ -225,7 +225,8 @@ def config_to_hf(cfg: HybridConfig) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
         "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
         "num_local_experts": cfg.moe.n_experts if experts else 0,
-        "num_experts_per_tok": cfg.moe.top_k if experts else 1,
+        # dense: 0, not a leftover top-k (llama.cpp's loader asserts experts used <= experts)
+        "num_experts_per_tok": cfg.moe.top_k if experts else 0,
         "intermediate_size": cfg.moe.d_ff if experts else cfg.mlp.d_ff,
         "shared_intermediate_size": 0 if experts else cfg.mlp.d_ff,
         **mamba2_to_hf(cfg),
