@@ -154,13 +154,13 @@ def cmd_convert(args) -> None:
           f"{model.num_parameters():,} parameters; tokenizer files: {', '.join(tok) or 'none'})")
 
 
-def cmd_generate(args) -> None:
+def _engine_model(args, *, seed: int):
+    """The model and tokenizer of ``generate`` / ``serve``: a checkpoint folder (its tokenizer.json if any,
+    else bytes) or a recipe with random weights drawn from ``seed`` (byte tokenizer); threads set."""
     import torch
 
     from . import from_pretrained, recipes
-    from .engine import Engine
     from .model import HybridLM
-    from .sampling import SamplingParams
     from .tokenizer import load_tokenizer
 
     if (args.model is None) == (args.recipe is None):
@@ -169,12 +169,17 @@ def cmd_generate(args) -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if args.recipe:
-        torch.manual_seed(0 if args.seed is None else args.seed)  # a recipe has random weights
-        model = HybridLM(recipes.get(args.recipe)).to(device=args.device, dtype=dtype)
-        tokenizer = load_tokenizer(None)
-    else:
-        model = from_pretrained(args.model, dtype=dtype, device=args.device)
-        tokenizer = load_tokenizer(args.model)
+        torch.manual_seed(seed)  # a recipe has random weights; the seed makes them reproducible
+        return HybridLM(recipes.get(args.recipe)).to(device=args.device, dtype=dtype).eval(), load_tokenizer(None)
+    return from_pretrained(args.model, dtype=dtype, device=args.device), load_tokenizer(args.model)
+
+
+def cmd_generate(args) -> None:
+
+    from .engine import Engine
+    from .sampling import SamplingParams
+
+    model, tokenizer = _engine_model(args, seed=0 if args.seed is None else args.seed)
     prompt = tokenizer.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
@@ -222,29 +227,15 @@ def cmd_serve(args) -> None:
     import logging
     from pathlib import Path
 
-    import torch
 
     try:
         from .server import ServerSettings, create_app, load_chat_template, run
     except ImportError as e:
         raise SystemExit(f"hybrid serve needs the serve extra: pip install 'hybrid-lm[serve]' ({e})") from e
-    from . import from_pretrained, recipes
     from .engine import Engine
-    from .model import HybridLM
-    from .tokenizer import load_tokenizer
 
-    if (args.model is None) == (args.recipe is None):
-        raise SystemExit("give exactly one of --model DIR or --recipe NAME")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    if args.recipe:
-        torch.manual_seed(args.seed)  # a recipe has random weights; the seed makes them reproducible
-        model = HybridLM(recipes.get(args.recipe)).to(device=args.device, dtype=dtype).eval()
-        tokenizer, template = load_tokenizer(None), load_chat_template(None)
-    else:
-        model = from_pretrained(args.model, dtype=dtype, device=args.device)
-        tokenizer, template = load_tokenizer(args.model), load_chat_template(args.model)
+    model, tokenizer = _engine_model(args, seed=args.seed)
+    template = load_chat_template(args.model)  # None for a recipe: the documented default
     name = args.served_model_name or args.recipe or Path(args.model).resolve().name
     engine_options = {"compile": args.compile, "prefix_caching": args.prefix_caching}
     try:
