@@ -12,6 +12,7 @@ from .pattern import PatternError, attention_share, blocks_pattern, parse_patter
 from .pretrained import from_pretrained, save_pretrained
 from .request import RequestOutput
 from .sampling import SamplingParams
+from .speculative import SpeculativeConfig
 from .tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
 
 __version__ = "0.1.0"
@@ -23,7 +24,7 @@ __all__ = [
     "from_pretrained", "parse_pattern", "ratio_pattern", "save_pretrained",
     # inference engine
     "ByteTokenizer", "CacheFullError", "Engine", "HFTokenizer", "HybridCache", "PagedKVCache", "RequestOutput",
-    "SSMStateCache", "SamplingParams", "StreamDecoder", "generate", "load_tokenizer",
+    "SSMStateCache", "SamplingParams", "SpeculativeConfig", "StreamDecoder", "generate", "load_tokenizer",
 ]
 
 

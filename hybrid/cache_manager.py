@@ -3,7 +3,8 @@
 Nothing else touches block tables, the block allocator or the state-slot free list: the scheduler asks
 it whether a sequence can be admitted or grown, the model runner asks it for each sequence's block table,
 pool slots and state slot when it builds a step's metadata. Later cache features (a prefix tree, Mamba
-state checkpoints, speculative rollback) live here too.
+state checkpoints, speculative rollback: :meth:`CacheManager.commit_verified`, :meth:`CacheManager.shrink`)
+live here too.
 
 A block table lists a sequence's blocks in order; an entry is :data:`~hybrid.cache.NULL_BLOCK` where a
 sliding window let the block go (no future token can see it), so tables never hold holes of another kind
@@ -15,6 +16,8 @@ from __future__ import annotations
 from bisect import insort
 from dataclasses import dataclass, field
 from os.path import commonprefix
+
+import torch
 
 from .cache import NULL_BLOCK, CacheFullError, HybridCache
 from .prefix_cache import Match, Node, PrefixCache
@@ -218,6 +221,45 @@ class CacheManager:
         self.kv.allocator.release([table[j] for j in dead])
         for j in dead:
             table[j] = NULL_BLOCK
+
+    # ---- speculative decoding: rollback ----------------------------------------------------------
+    def commit_verified(self, states, positions: list[int]) -> None:
+        """After a verify step: write into each verify chunk's state slot its Mamba state (conv and SSM, every
+        layer) after chunk position ``positions[i]`` (0: only the chunk's first token, the last accepted one,
+        kept), from the per-position states the layers left in ``states`` (a
+        :class:`~hybrid.speculative.verify_states.VerifyStates`). Rejected positions are simply not copied."""
+        if not states.layers:
+            return
+        device = states.slots.device
+        which = torch.tensor(positions, dtype=torch.long, device=device)
+        rows = torch.arange(len(positions), device=device)
+        for conv_pool, ssm_pool, conv_hist, ssm_hist in states.layers:
+            conv_pool[states.slots] = conv_hist[which, rows]
+            ssm_pool[states.slots] = ssm_hist[which, rows]
+
+    def shrink(self, seq_id: int, n_tokens: int) -> None:
+        """Give back the KV blocks of ``seq_id`` past its first ``n_tokens`` tokens (rejected draft tokens'
+        K/V): the sequence length is cut there and a later token overwrites what is left in its last block."""
+        table = self.seqs[seq_id].blocks
+        keep = self.kv.blocks_for(n_tokens)
+        if len(table) > keep:
+            self.kv.allocator.release([b for b in table[keep:] if b != NULL_BLOCK])
+            del table[keep:]
+
+    def save_states(self, seq_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the Mamba states (conv, SSM per layer) of ``seq_ids``' slots, to roll back to later."""
+        slots = [self.seqs[s].slot for s in seq_ids]
+        return [(conv[slots], ssm[slots]) for conv, ssm in self.ssm.pools.values()]
+
+    def load_states(self, seq_ids: list[int], saved: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                    which: list[int]) -> None:
+        """Roll ``seq_ids[i]``'s Mamba states back to ``saved[which[i]]`` (a :meth:`save_states` list taken
+        with the same ``seq_ids``)."""
+        for i, (seq_id, w) in enumerate(zip(seq_ids, which, strict=True)):
+            slot = self.seqs[seq_id].slot
+            for (conv, ssm), (conv_saved, ssm_saved) in zip(self.ssm.pools.values(), saved[w], strict=True):
+                conv[slot] = conv_saved[i]
+                ssm[slot] = ssm_saved[i]
 
     def free(self, seq_id: int, tokens: list[int] | None = None, n_computed: int = 0) -> None:
         """Take back everything ``seq_id`` holds. With a prefix cache and the sequence's ``tokens`` (of

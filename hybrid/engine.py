@@ -15,6 +15,12 @@ The engine itself validates requests, wires the rooms together and keeps the sta
 start like earlier ones share their KV blocks and resume from saved Mamba state checkpoints, and prefill
 only the rest; outputs equal those with the cache off. :meth:`Engine.score` returns the log-probabilities
 of tokens given their prefix (lm-eval's loglikelihood), through the same cache.
+
+``speculative=SpeculativeConfig(...)`` drafts tokens for decoding requests (a draft model or n-gram lookup,
+:mod:`hybrid.speculative`) and checks them in the same packed forward as everything else: a decoding request
+runs as a short chunk of its last token and its drafts, the Mamba layers keep their state at each position,
+and after the rejection rule the cache manager writes back the state at the last accepted token and gives
+back the rejected tokens' KV blocks. Greedy output is identical to the engine without it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from .prefix_cache import PrefixCache, prefill_flops_fn
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .speculative.config import SpeculativeConfig
+from .speculative.verifier import ACCEPT_SALT, stream_uniforms, token_probs, verify
 from .tokenizer import StreamDecoder
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
@@ -83,6 +91,25 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of those, served from the prefix cache at each request's first admission
     prompt_tokens_computed: int = 0  # prompt positions the model ran (recomputes after preemption included)
     recompute_hit_tokens: int = 0  # tokens a re-admitted (preempted) request got back from the prefix cache
+    # speculative decoding (a decode step that verified drafts counts every token it emitted as decoded)
+    draft_tokens_proposed: int = 0  # draft tokens checked by the target
+    draft_tokens_accepted: int = 0  # of those, accepted
+    verify_chunks: int = 0  # (request, step) pairs whose drafts were checked
+    verify_steps: int = 0  # steps with at least one verify chunk
+    verify_forward_seconds: float = 0.0  # the target forward of those steps
+    draft_seconds: float = 0.0  # the drafter (draft model forwards and sampling, or n-gram lookup)
+    rollback_seconds: float = 0.0  # acceptance, Mamba state write-back and KV give-back, target and draft
+    verify_state_bytes: int = 0  # the largest per-position Mamba state scratch of one verify step
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 before any was proposed)."""
+        return self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Draft tokens accepted per verify chunk (each chunk also emits one token of the target's own)."""
+        return self.draft_tokens_accepted / self.verify_chunks if self.verify_chunks else 0.0
 
 
 class Engine:
@@ -101,6 +128,10 @@ class Engine:
     checkpoint every that many tokens of a prefill (None: only at branch points, prompt ends and where a
     sequence stops). ``prefix_flop_weight`` weighs FLOPs saved per byte against recency in eviction
     (0: least recently used first).
+
+    ``speculative``: a :class:`~hybrid.speculative.SpeculativeConfig` (draft model or n-gram drafting; see
+    :mod:`hybrid.speculative`). Requests with a repetition penalty, scoring requests and the last token of a
+    request are never speculated (plain decodes).
     """
 
     def __init__(self, model, *, cache: HybridCache | None = None, num_blocks: int | None = None,
@@ -108,7 +139,7 @@ class Engine:
                  max_batch_tokens: int = 512, tokenizer=None, compile: bool = False,
                  compile_backend: str = "inductor", prefix_caching: bool = False,
                  prefix_state_bytes: int | None = None, prefix_checkpoint_interval: int | None = None,
-                 prefix_flop_weight: float = 1.0):
+                 prefix_flop_weight: float = 1.0, speculative: SpeculativeConfig | None = None):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.model = model.eval()
@@ -126,13 +157,57 @@ class Engine:
         elif prefix_state_bytes is not None or prefix_checkpoint_interval is not None:
             raise ValueError("prefix_state_bytes / prefix_checkpoint_interval need prefix_caching=True")
         self.cache_manager = CacheManager(cache, prefix)
-        self.scheduler = Scheduler(self.cache_manager, max_seqs=cache.ssm.num_slots, max_batch_tokens=max_batch_tokens)
+        self.speculative = speculative
+        self.drafter = None if speculative is None else self._make_drafter(
+            speculative, block_size, prefix_caching, prefix_state_bytes, prefix_checkpoint_interval, prefix_flop_weight)
+        self.scheduler = Scheduler(self.cache_manager, max_seqs=cache.ssm.num_slots, max_batch_tokens=max_batch_tokens,
+                                   draft_tokens=None if speculative is None else self._draft_allowance)
         self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=compile,
                                   compile_backend=compile_backend)
         self.tokenizer = tokenizer
         self.requests: dict[int, Request] = {}
         self.stats = EngineStats()
         self._next_id = 0
+
+    def _make_drafter(self, spec, block_size, prefix_caching, prefix_state_bytes, checkpoint_interval, flop_weight):
+        from .speculative.draft_model import DraftModelDrafter
+        from .speculative.ngram import NgramDrafter
+
+        if not isinstance(spec, SpeculativeConfig):
+            raise TypeError(f"speculative must be a hybrid.SpeculativeConfig, got {type(spec).__name__}")
+        if spec.method == "ngram":
+            return NgramDrafter(spec.ngram_max, spec.ngram_min)
+        draft = spec.draft_model
+        if draft.config.vocab_size != self.model.config.vocab_size:
+            raise ValueError(f"the draft model's vocab_size {draft.config.vocab_size} differs from the target's "
+                             f"{self.model.config.vocab_size}: a draft must share the target's vocabulary")
+        if next(draft.parameters()).device != self.cache.device:
+            raise ValueError(f"the draft model is on {next(draft.parameters()).device}, the engine's cache on "
+                             f"{self.cache.device}: move the draft model there")
+        num_blocks, cache_bytes = spec.draft_num_blocks, spec.draft_cache_bytes
+        if num_blocks is None and cache_bytes is None:  # as many tokens as the target holds, plus drafts
+            if self.cache.kv.enabled:
+                num_blocks = self.cache.kv.num_blocks + self.cache.ssm.num_slots * self.cache.kv.blocks_for(
+                    spec.num_tokens)
+            else:
+                cache_bytes = DEFAULT_CACHE_BYTES
+        draft_cache = HybridCache.for_model(draft, num_blocks=num_blocks, cache_bytes=cache_bytes,
+                                            block_size=block_size, max_seqs=self.cache.ssm.num_slots)
+        prefix = None
+        if prefix_caching:
+            prefix = PrefixCache(draft_cache.kv, draft_cache.ssm, state_bytes=DEFAULT_PREFIX_STATE_BYTES
+                                 if prefix_state_bytes is None else prefix_state_bytes,
+                                 checkpoint_interval=checkpoint_interval, flop_weight=flop_weight,
+                                 prefill_flops=prefill_flops_fn(draft))
+        return DraftModelDrafter(draft, CacheManager(draft_cache, prefix))
+
+    def _draft_allowance(self, req: Request) -> int:
+        """The most draft tokens ``req`` may have checked this step: the configured number, fewer near its
+        length limit (the verify emits drafts + 1 tokens), none for requests the rule does not cover."""
+        p = req.params
+        if req.score_only or p.repetition_penalty != 1.0:
+            return 0
+        return max(0, min(self.speculative.num_tokens, p.max_new_tokens - len(req.output) - 1))
 
     @property
     def max_seqs(self) -> int:
@@ -284,6 +359,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.release(req)
+        if self.drafter is not None:
+            self.drafter.release(req.request_id, req.tokens)
         req.finish_reason = reason
 
     # ---- one step --------------------------------------------------------------------------------
@@ -306,17 +383,26 @@ class Engine:
         self.stats.recompute_hit_tokens = self.scheduler.recompute_hit_tokens
         for req, n in plan:
             self.stats.prompt_tokens_computed += max(0, min(req.num_computed + n, len(req.prompt)) - req.num_computed)
-        chunks = [SeqChunk(r.request_id, r.pending(n), r.num_computed) for r, n in plan]
+        drafts = {}
+        if self.drafter is not None:
+            plan, drafts = self._draft(plan)
+        chunks = [SeqChunk(r.request_id, r.pending(1) + drafts[r][0] if r in drafts else r.pending(n), r.num_computed)
+                  for r, n in plan]
         scoring = [self._scored_positions(r, n) for r, n in plan]
+        t_fwd = time.perf_counter()
         if any(len(q) for q in scoring):
-            all_logits, compiled = self.runner.execute(chunks, all_logits=True)
-            ends = torch.tensor([n for _, n in plan], device=all_logits.device).cumsum(0) - 1
-            logits = all_logits[ends]
-            self._record_logprobs(plan, scoring, all_logits)
+            out, compiled = self.runner.execute(chunks, all_logits=True, num_verify=len(drafts))
+            counts = [n for _, n in plan]  # every token's row came back
+            self._record_logprobs(plan, scoring, out)
         else:
-            logits, compiled = self.runner.execute(chunks)
+            out, compiled = self.runner.execute(chunks, num_verify=len(drafts))
+            counts = [n if r in drafts else 1 for r, n in plan]
+        ends = torch.tensor(counts, device=out.device).cumsum(0) - 1
+        logits = out[ends]
         t2 = time.perf_counter()
-        ready = self.scheduler.advance(plan)
+        if drafts:
+            self.stats.verify_forward_seconds += t2 - t_fwd
+        ready = self.scheduler.advance([(r, n) for r, n in plan if r not in drafts])
         for b, (req, _) in enumerate(plan):
             if req in ready and req.score_only:
                 req.next_logprobs = torch.log_softmax(logits[b].float(), dim=-1)
@@ -332,15 +418,100 @@ class Engine:
         t3 = time.perf_counter()
         outputs = []
         for req, tok in zip(ready, new_ids, strict=True):
-            out, reason = process_token(req, tok)
+            out_, reason = process_token(req, tok)
             if req.first_token_time is None:
                 req.first_token_time = t3
                 self.stats.time_to_first_token[req.request_id] = t3 - req.arrival_time
             if reason is not None:
                 self._finish(req, reason)
-            outputs.append(out)
+            outputs.append(out_)
+        emitted = len(new_ids)
+        if drafts:
+            ends_list = ends.tolist()
+            starts = [e - c + 1 for e, c in zip(ends_list, counts, strict=True)]
+            verified = [(req, starts[b]) for b, (req, _) in enumerate(plan) if req in drafts]
+            verify_outputs = self._verify(verified, drafts, out)
+            outputs.extend(verify_outputs)
+            emitted += sum(len(o.new_token_ids) for o in verify_outputs)
         t4 = time.perf_counter()
-        self._count(plan, compiled, self.runner.compile_seconds - compile_before, t0, t1, t2, t3, t4)
+        self._count(plan, compiled, self.runner.compile_seconds - compile_before, t0, t1, t2, t3, t4, drafts, emitted)
+        return outputs
+
+    # ---- speculative decoding ---------------------------------------------------------------------
+    def _draft(self, plan):
+        """Ask the drafter for the drafts of the decoding requests the scheduler gave room for; returns the
+        plan with each one's real chunk length (decodes, then verify chunks, then prefills) and
+        {request: (drafts, their proposal distributions or None)}."""
+        t0 = time.perf_counter()
+        self.drafter.retain({r.request_id for r in self.scheduler.running})  # preempted ones let go
+        want = [(req, n - 1) for req, n in plan if n > 1 and req.num_pending == 1]
+        drafts = {}
+        if want:
+            proposals, qs = self.drafter.propose([r for r, _ in want], [k for _, k in want])
+            for i, ((req, k), toks) in enumerate(zip(want, proposals, strict=True)):
+                toks = toks[:k]
+                if toks:
+                    drafts[req] = (toks, None if qs is None else qs[i][:len(toks)])
+        plan = [(req, 1 + len(drafts[req][0]) if req in drafts else (1 if req.num_pending == 1 else n))
+                for req, n in plan]
+        plan.sort(key=lambda rn: 0 if rn[1] == 1 else 1 if rn[0] in drafts else 2)
+        self.stats.draft_seconds += time.perf_counter() - t0
+        return plan, drafts
+
+    def _verify(self, verified, drafts, out) -> list[RequestOutput]:
+        """The rejection rule over every verify chunk of this step at once, then each request's emitted
+        tokens (accepted drafts + one of the target's own), the Mamba states written back at the last
+        accepted token and the rejected tokens' KV blocks given back, in the target's and the draft's cache."""
+        t0 = time.perf_counter()
+        reqs = [r for r, _ in verified]
+        lens = [len(drafts[r][0]) for r in reqs]
+        K, n, dev = max(lens), len(reqs), out.device
+        index = torch.tensor([s + j for (_, s), k in zip(verified, lens, strict=True) for j in range(k + 1)],
+                             device=dev)
+        probs = token_probs(out[index], [r.params for r, k in zip(reqs, lens, strict=True) for _ in range(k + 1)])
+        p = torch.zeros(n, K + 1, probs.shape[-1], device=dev)
+        where = torch.tensor([i * (K + 1) + j for i, k in enumerate(lens) for j in range(k + 1)], device=dev)
+        p.view(n * (K + 1), -1)[where] = probs
+        tokens = torch.tensor([drafts[r][0] + [0] * (K - k) for r, k in zip(reqs, lens, strict=True)], device=dev)
+        q = None
+        if not self.drafter.deterministic:
+            q = torch.zeros(n, K, probs.shape[-1], device=dev)
+            for i, r in enumerate(reqs):
+                q[i, :lens[i]] = drafts[r][1]
+        seeds = [r.seed for r in reqs]
+        counters = [[len(r.output) + j for j in range(K + 1)] for r in reqs]
+        u_accept = stream_uniforms(seeds, [c[:K] for c in counters], ACCEPT_SALT, dev)
+        u_resample = stream_uniforms(seeds, counters, 0, dev)
+        accepted, nxt = verify(p, tokens, torch.tensor(lens, device=dev), q, u_accept, u_resample)
+        accepted, nxt = accepted.tolist(), nxt.tolist()
+        outputs, kept, reasons = [], [], []
+        for req, m, x in zip(reqs, accepted, nxt, strict=True):
+            before, reason, ids, text, last = len(req.output), None, [], "", None
+            for tok in drafts[req][0][:m] + [x]:
+                last, reason = process_token(req, tok)
+                ids.extend(last.new_token_ids)
+                text += last.text
+                if reason is not None:
+                    break
+            outputs.append(RequestOutput(req.request_id, ids, text, last.finished, last.finish_reason))
+            kept.append(min(m, len(req.output) - before))
+            reasons.append(reason)
+        self.cache_manager.commit_verified(self.runner.verify_states, kept)
+        self.stats.verify_state_bytes = max(self.stats.verify_state_bytes, self.runner.verify_states.nbytes)
+        self.scheduler.advance([(r, 1 + j) for r, j in zip(reqs, kept, strict=True)])
+        for r in reqs:
+            self.cache_manager.shrink(r.request_id, r.num_computed)
+        live = [i for i, reason in enumerate(reasons) if reason is None]
+        self.drafter.rollback([reqs[i] for i in live], [lens[i] for i in live], [accepted[i] for i in live])
+        for req, reason in zip(reqs, reasons, strict=True):
+            if reason is not None:
+                self._finish(req, reason)
+        s = self.stats
+        s.verify_steps += 1
+        s.verify_chunks += n
+        s.draft_tokens_proposed += sum(lens)
+        s.draft_tokens_accepted += sum(accepted)
+        s.rollback_seconds += time.perf_counter() - t0
         return outputs
 
     def _scored_positions(self, req, n: int) -> range:
@@ -362,7 +533,7 @@ class Engine:
                 req.prompt_greedy.extend((logp.argmax(-1) == target).tolist())
             offset += n
 
-    def _count(self, plan, compiled, compile_dt, t0, t1, t2, t3, t4) -> None:
+    def _count(self, plan, compiled, compile_dt, t0, t1, t2, t3, t4, drafts=(), emitted=0) -> None:
         s = self.stats
         s.steps += 1
         n_tokens = sum(n for _, n in plan)
@@ -373,11 +544,11 @@ class Engine:
         s.forward_seconds += t2 - t1
         s.sample_seconds += t3 - t2
         s.output_seconds += t4 - t3
-        if any(n > 1 for _, n in plan):
+        if any(n > 1 and r not in drafts for r, n in plan):
             s.prefill_tokens += n_tokens
             s.prefill_seconds += t4 - t0
         else:
-            s.decode_tokens += n_tokens
+            s.decode_tokens += emitted if drafts else n_tokens
             s.decode_seconds += t4 - t0
             s.decode_steps += 1
             s.compiled_steps += compiled

@@ -74,6 +74,7 @@ class ModelRunner:
         self.compile_seconds = 0.0  # first call of each compiled shape (tracing + codegen), never in tokens/s
         self.compiled_shapes: list[tuple[int, int]] = []
         self._decode = None
+        self.verify_states = None  # the last step's per-position Mamba states of its verify chunks
         if compile:
             import torch._dynamo
 
@@ -85,10 +86,18 @@ class ModelRunner:
                                          dynamic=False)
 
     # ---- forward ---------------------------------------------------------------------------------
-    def execute(self, chunks: list[SeqChunk], *, all_logits: bool = False) -> tuple[torch.Tensor, bool]:
+    def execute(self, chunks: list[SeqChunk], *, all_logits: bool = False,
+                num_verify: int = 0) -> tuple[torch.Tensor, bool]:
         """Run one step; returns (last-token logits [B, V] on the device, whether the compiled decode ran).
         A step that compiled a new shape reports it through ``compile_seconds``. ``all_logits``: every new
-        token's logits [T, V] instead (eager; prompt scoring)."""
+        token's logits [T, V] instead (eager; prompt scoring). ``num_verify``: the chunks after the decodes
+        that are speculative verify chunks (eager); their every row's logits come back, in place of one, and
+        their per-position Mamba states are left in ``verify_states`` for the cache manager to commit."""
+        self.verify_states = None
+        if num_verify:
+            batch = build_batch(self.manager, chunks, num_verify)
+            self.verify_states = batch.verify_states
+            return self.model.forward_packed(batch, self.cache, all_logits=all_logits), False
         if all_logits:
             return self.model.forward_packed(build_batch(self.manager, chunks), self.cache, all_logits=True), False
         if self._decode is not None and all(len(c.tokens) == 1 for c in chunks) and len(chunks) <= self.buckets[-1]:

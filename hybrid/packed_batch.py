@@ -1,7 +1,9 @@
 """One inference step's flat batch: many sequences of different lengths, no padding.
 
 A step's sequences are concatenated, one-token sequences first (decodes: they take the O(1) Mamba step
-ops and the paged decode-attention op), then prefills and prefill chunks. :func:`build_batch` makes the
+ops and the paged decode-attention op), then speculative verify chunks (a decoding sequence's last token and
+its draft tokens: attention runs them as prefill chunks, the Mamba layers with the step ops, keeping the
+state at every position), then prefills and prefill chunks. :func:`build_batch` makes the
 metadata once per step and validates it once; the ops trust it (see :mod:`hybrid.kernels.packing`):
 every length tensor carries its host copy, and the decode and prefill groups come pre-split, so no layer
 slices, re-validates or reads a tensor back.
@@ -9,12 +11,13 @@ slices, re-validates or reads a tensor back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .cache_manager import CacheManager
 from .kernels.packing import with_host_values
+from .speculative.verify_states import VerifyStates
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,15 @@ class SeqGroup:
 
 @dataclass(frozen=True)
 class PackedBatch:
-    """One step's flat batch. tokens, positions, slot_mapping: [T]; ``last_token_index`` [B] is each
-    sequence's last new token (its logits are what a sampler needs); ``rope`` the (cos, sin) of every
-    position, computed once for all attention layers (None: each layer computes its own)."""
+    """One step's flat batch. tokens, positions, slot_mapping: [T]; ``last_token_index`` lists the rows whose
+    logits the forward returns: each sequence's last new token (what a sampler needs), and every row of a
+    verify chunk; ``rope`` the (cos, sin) of every position, computed once for all attention layers (None: each
+    layer computes its own).
+
+    ``prefill`` is every sequence of more than one token (what attention runs as prefill). Of those, the
+    first ``verify`` ones are speculative verify chunks, with ``verify_states`` collecting their
+    per-position Mamba states; ``scan`` is the rest, what the Mamba varlen scans run (== ``prefill`` in a
+    step without speculation)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -60,6 +69,14 @@ class PackedBatch:
     decode: SeqGroup | None
     prefill: SeqGroup | None
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    verify: SeqGroup | None = None
+    verify_states: VerifyStates | None = None
+    rest: SeqGroup | None = None  # the prefills after the verify chunks (only set with verify chunks)
+
+    @property
+    def scan(self) -> SeqGroup | None:
+        """The sequences the Mamba layers' varlen scans run: the prefills that are not verify chunks."""
+        return self.prefill if self.verify is None else self.rest
 
     @property
     def num_decodes(self) -> int:
@@ -74,8 +91,7 @@ class PackedBatch:
         return self.tokens.shape[0]
 
     def with_rope(self, rope: tuple[torch.Tensor, torch.Tensor] | None) -> PackedBatch:
-        return PackedBatch(self.tokens, self.positions, self.slot_mapping, self.last_token_index, self.decode,
-                           self.prefill, rope)
+        return replace(self, rope=rope)
 
 
 def _lengths(values: list[int], device) -> torch.Tensor:
@@ -96,9 +112,10 @@ def make_group(tokens: slice, lengths: list[int], seq_lens: list[int], tables: l
     return SeqGroup(tokens, _lengths(cu, device), _lengths(seq_lens, device), table.to(device), state_slots)
 
 
-def build_batch(manager: CacheManager, chunks: list[SeqChunk]) -> PackedBatch:
-    """Pack ``chunks`` (one-token chunks first) into a validated batch. Each sequence must already hold a
-    state slot and enough KV blocks for ``start + len(tokens)`` tokens (the scheduler saw to that)."""
+def build_batch(manager: CacheManager, chunks: list[SeqChunk], num_verify: int = 0) -> PackedBatch:
+    """Pack ``chunks`` (one-token chunks first, then ``num_verify`` speculative verify chunks of 2+ tokens,
+    then prefills) into a validated batch. Each sequence must already hold a state slot and enough KV blocks
+    for ``start + len(tokens)`` tokens (the scheduler saw to that)."""
     if not chunks:
         raise ValueError("build_batch: no sequences to run")
     lengths = [len(c.tokens) for c in chunks]
@@ -107,6 +124,9 @@ def build_batch(manager: CacheManager, chunks: list[SeqChunk]) -> PackedBatch:
     nd = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
     if any(n == 1 for n in lengths[nd:]):
         raise ValueError("build_batch: put the one-token (decode) sequences first")
+    if num_verify and (nd + num_verify > len(lengths)):
+        raise ValueError(f"build_batch: {num_verify} verify chunks asked for, only {len(lengths) - nd} chunks of "
+                         "2+ tokens follow the decodes")
     missing = [c.seq_id for c in chunks if not manager.holds(c.seq_id)]
     if missing:
         raise ValueError(f"build_batch: sequences {missing} hold no cache in this manager")
@@ -131,11 +151,22 @@ def build_batch(manager: CacheManager, chunks: list[SeqChunk]) -> PackedBatch:
         else:
             groups.append(None)
     last, total = [], 0
-    for n in lengths:
+    for b, n in enumerate(lengths):
+        if nd <= b < nd + num_verify:  # a verify chunk: the logits after every one of its tokens are checked
+            last.extend(range(total, total + n))
+        else:
+            last.append(total + n - 1)
         total += n
-        last.append(total - 1)
+    verify = verify_states = rest = None
+    if num_verify:
+        t0, t1 = nd, nd + sum(lengths[nd:nd + num_verify])
+        hi = nd + num_verify
+        verify = make_group(slice(t0, t1), lengths[nd:hi], seq_lens[nd:hi], tables[nd:hi], state_slots[nd:hi], device)
+        verify_states = VerifyStates(lengths[nd:hi], verify.state_slots, device)
+        if hi < len(chunks):
+            rest = make_group(slice(t1, total), lengths[hi:], seq_lens[hi:], tables[hi:], state_slots[hi:], device)
     return PackedBatch(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
                        positions=torch.tensor(positions, dtype=torch.long, device=device),
                        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
                        last_token_index=torch.tensor(last, dtype=torch.long, device=device),
-                       decode=groups[0], prefill=groups[1])
+                       decode=groups[0], prefill=groups[1], verify=verify, verify_states=verify_states, rest=rest)

@@ -19,6 +19,7 @@ state at that position.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from itertools import islice
 
 from .cache_manager import CacheManager
@@ -26,7 +27,8 @@ from .request import Request
 
 
 class Scheduler:
-    def __init__(self, manager: CacheManager, *, max_seqs: int, max_batch_tokens: int):
+    def __init__(self, manager: CacheManager, *, max_seqs: int, max_batch_tokens: int,
+                 draft_tokens: Callable[[Request], int] | None = None):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.manager = manager
@@ -37,6 +39,9 @@ class Scheduler:
         self.preemptions = 0
         self.prefix_hit_tokens = 0  # prompt tokens served by the prefix cache at first admissions
         self.recompute_hit_tokens = 0  # tokens served by it when preempted requests came back
+        # speculative decoding: how many draft tokens a decoding request may have checked this step (its
+        # chunk is then its last token plus up to that many drafts; 0: a plain decode)
+        self.draft_tokens = draft_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -90,12 +95,17 @@ class Scheduler:
         return n
 
     def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_pending, budget)
+        want = req.num_pending
+        if want == 1 and self.draft_tokens is not None:
+            want += self.draft_tokens(req)
+        n = min(want, budget)
         stop = self.manager.next_checkpoint(req.request_id, req.num_computed)
         return n if stop is None else min(n, stop - req.num_computed)
 
     def schedule(self) -> list[tuple[Request, int]]:
-        """This step's (request, new tokens) pairs, one-token decodes first (the packed forward's decode group)."""
+        """This step's (request, new tokens) pairs, one-token decodes first (the packed forward's decode group).
+        A decoding request given more than one token is to be speculated: its last token and that many minus
+        one drafts (the engine asks the drafter and may shorten it)."""
         budget = self.max_batch_tokens
         plan: dict[Request, int] = {}
         if self.manager.prefix is not None:
@@ -111,6 +121,8 @@ class Scheduler:
             n = self._chunk(req, budget)
             if n == 0:
                 break
+            if n > req.num_pending and not self.manager.can_grow(req.request_id, req.num_computed + n):
+                n = req.num_pending  # no room for drafts: a plain decode, before anyone is preempted for it
             while not self.manager.can_grow(req.request_id, req.num_computed + n):
                 victim = self.running[-1]  # the newest running sequence
                 self.preempt(victim)

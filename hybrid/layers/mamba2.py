@@ -93,23 +93,33 @@ class Mamba2(nn.Module):
         y = self.norm(y.reshape(Bsz, L, self.d_inner), z)
         return self.out_proj(y)
 
+    def step(self, conv_state: torch.Tensor, ssm_state: torch.Tensor, xBC: torch.Tensor, dt_raw: torch.Tensor,
+             slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence through the conv and SSD step ops, updating the states in place (rows
+        ``slots`` of the pools, or the given state tensors): xBC [n, conv_dim], dt_raw [n, H] -> y [n, H, P]."""
+        xBC = kernels.causal_conv1d_step(conv_state, xBC, self.conv1d.weight[:, 0], self.conv1d.bias,
+                                         activation="silu", slots=slots)
+        x, B, C = self.split_xBC(xBC)
+        dt, A = self.dt_A(dt_raw)
+        return kernels.ssd_step(ssm_state, x, dt, A, B, C, D=self.D, slots=slots)
+
     def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
         """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
 
         Each sequence starts from and leaves its state in its rows (``state_slots``) of the pools: the
-        one-token sequences (``batch.decode``) take the O(1) step ops, the rest (``batch.prefill``) run
-        the varlen conv and SSD scan from their slot's state (zero for a fresh sequence).
+        one-token sequences (``batch.decode``) take the O(1) step ops, speculative verify chunks
+        (``batch.verify``) the step ops position by position with every position's state kept aside
+        (:mod:`hybrid.speculative.verify_states`), the rest (``batch.scan``) run the varlen conv and SSD scan
+        from their slot's state (zero for a fresh sequence).
         """
         z, xBC, dt_raw = self.split_projection(self.in_proj(u))
         w, bias = self.conv1d.weight[:, 0], self.conv1d.bias
         ys = []
         if (d := batch.decode) is not None:
-            slots = d.state_slots
-            xBC_d = kernels.causal_conv1d_step(conv_pool, xBC[d.tokens], w, bias, activation="silu", slots=slots)
-            x, B, C = self.split_xBC(xBC_d)
-            dt, A = self.dt_A(dt_raw[d.tokens])
-            ys.append(kernels.ssd_step(ssm_pool, x, dt, A, B, C, D=self.D, slots=slots))
-        if (p := batch.prefill) is not None:
+            ys.append(self.step(conv_pool, ssm_pool, xBC[d.tokens], dt_raw[d.tokens], slots=d.state_slots))
+        if (v := batch.verify) is not None:  # speculative verify chunks: states kept at every position
+            ys.append(batch.verify_states.run(conv_pool, ssm_pool, (xBC[v.tokens], dt_raw[v.tokens]), self.step))
+        if (p := batch.scan) is not None:
             slots, cu = p.state_slots, p.cu_seqlens
             xBC_p, conv_final = kernels.causal_conv1d_varlen(xBC[p.tokens], w, bias, cu,
                                                              initial_states=conv_pool[slots], activation="silu")

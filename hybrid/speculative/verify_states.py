@@ -1,0 +1,66 @@
+"""Mamba state at every position of a verify chunk, so a rejected draft is rolled back without rerunning.
+
+A verify chunk is a decoding sequence's last token followed by its draft tokens (k + 1 tokens). The Mamba
+layers run such chunks with the one-token step ops, one position at a time, on a *copy* of each sequence's
+conv and SSM state, and keep the copy after every position in a scratch buffer of this step
+(``[k+1, n, *state]`` per layer); the slots in the pools are not touched. Once the engine knows how many
+drafts were accepted, :meth:`hybrid.cache_manager.CacheManager.commit_verified` writes the state at the
+last accepted position into each slot. For chunks of at most ~9 tokens the step ops cost about what the
+chunked scan does and give the states at every position for free (the scan would only give the last).
+
+Extra memory per verify step: (k + 1) x (conv + SSM state bytes of one sequence) x verified sequences,
+freed when the step ends. Extra time: one state copy per position (what the step ops write anyway) and
+one gather per layer at commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class VerifyStates:
+    """This step's verify chunks as the Mamba layers see them, and the per-position states they leave.
+
+    ``lengths``: tokens of each verify chunk (2..k+1). Built once per step (host lists -> index tensors); the
+    layers only index with them, so a verify step makes no device->host read inside the layers.
+    """
+
+    def __init__(self, lengths: list[int], slots: torch.Tensor, device):
+        self.lengths = list(lengths)
+        self.slots = slots  # [n] int64 state slots of the verify chunks
+        n, steps = len(lengths), max(lengths)
+        starts = [0]
+        for length in lengths[:-1]:
+            starts.append(starts[-1] + length)
+        # row of the packed verify group read at step j by chunk i (a finished chunk repeats its last token:
+        # the state it then computes is never committed)
+        self.rows_JN = torch.tensor([[s + min(j, length - 1) for s, length in zip(starts, lengths, strict=True)]
+                                     for j in range(steps)], dtype=torch.long, device=device)
+        # where each packed verify row's output sits in the stacked [steps * n] step outputs
+        self.out_rows = torch.tensor([j * n + i for i, length in enumerate(lengths) for j in range(length)],
+                                     dtype=torch.long, device=device)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def run(self, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+            step: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Run ``step(conv_state, ssm_state, *inputs_at_one_position)`` (the layer's in-place one-token
+        update, returning y [n, ...]) over every position of the verify chunks, starting from the slots'
+        states; keep the states after each position. ``inputs``: the layer's per-token step inputs over the
+        packed verify rows. Returns y over those rows."""
+        conv, ssm = conv_pool[self.slots], ssm_pool[self.slots]  # working copies; the slots stay as they were
+        conv_hist = torch.empty(len(self.rows_JN), *conv.shape, dtype=conv.dtype, device=conv.device)
+        ssm_hist = torch.empty(len(self.rows_JN), *ssm.shape, dtype=ssm.dtype, device=ssm.device)
+        ys = []
+        for j, rows in enumerate(self.rows_JN):
+            ys.append(step(conv, ssm, *(t[rows] for t in inputs)))
+            conv_hist[j] = conv
+            ssm_hist[j] = ssm
+        self.layers.append((conv_pool, ssm_pool, conv_hist, ssm_hist))
+        return torch.cat(ys)[self.out_rows]
+
+    @property
+    def nbytes(self) -> int:
+        """Scratch bytes the per-position states of this step take (all layers)."""
+        return sum(c.nbytes + s.nbytes for _, _, c, s in self.layers)
