@@ -161,7 +161,8 @@ class Engine:
         self.drafter = None if speculative is None else self._make_drafter(
             speculative, block_size, prefix_caching, prefix_state_bytes, prefix_checkpoint_interval, prefix_flop_weight)
         self.scheduler = Scheduler(self.cache_manager, max_seqs=cache.ssm.num_slots, max_batch_tokens=max_batch_tokens,
-                                   draft_tokens=None if speculative is None else self._draft_allowance)
+                                   draft_tokens=None if speculative is None else self._draft_allowance,
+                                   on_release=None if speculative is None else self._release_draft)
         self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=compile,
                                   compile_backend=compile_backend)
         self.tokenizer = tokenizer
@@ -208,6 +209,10 @@ class Engine:
         if req.score_only or p.repetition_penalty != 1.0:
             return 0
         return max(0, min(self.speculative.num_tokens, p.max_new_tokens - len(req.output) - 1))
+
+    def _release_draft(self, req: Request) -> None:
+        """A request finished or was preempted: the drafter frees what it holds for it too."""
+        self.drafter.release(req.request_id, req.tokens)
 
     @property
     def max_seqs(self) -> int:
@@ -359,8 +364,6 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.release(req)
-        if self.drafter is not None:
-            self.drafter.release(req.request_id, req.tokens)
         req.finish_reason = reason
 
     # ---- one step --------------------------------------------------------------------------------
@@ -443,7 +446,6 @@ class Engine:
         plan with each one's real chunk length (decodes, then verify chunks, then prefills) and
         {request: (drafts, their proposal distributions or None)}."""
         t0 = time.perf_counter()
-        self.drafter.retain({r.request_id for r in self.scheduler.running})  # preempted ones let go
         want = [(req, n - 1) for req, n in plan if n > 1 and req.num_pending == 1]
         drafts = {}
         if want:
@@ -484,6 +486,7 @@ class Engine:
         u_resample = stream_uniforms(seeds, counters, 0, dev)
         accepted, nxt = verify(p, tokens, torch.tensor(lens, device=dev), q, u_accept, u_resample)
         accepted, nxt = accepted.tolist(), nxt.tolist()
+        starts = [r.num_tokens for r in reqs]
         outputs, kept, reasons = [], [], []
         for req, m, x in zip(reqs, accepted, nxt, strict=True):
             before, reason, ids, text, last = len(req.output), None, [], "", None
@@ -501,8 +504,7 @@ class Engine:
         self.scheduler.advance([(r, 1 + j) for r, j in zip(reqs, kept, strict=True)])
         for r in reqs:
             self.cache_manager.shrink(r.request_id, r.num_computed)
-        live = [i for i, reason in enumerate(reasons) if reason is None]
-        self.drafter.rollback([reqs[i] for i in live], [lens[i] for i in live], [accepted[i] for i in live])
+        self.drafter.rollback(reqs, starts, lens, kept)  # finished ones too: their prefix stays in the draft's tree
         for req, reason in zip(reqs, reasons, strict=True):
             if reason is not None:
                 self._finish(req, reason)

@@ -28,7 +28,8 @@ from .request import Request
 
 class Scheduler:
     def __init__(self, manager: CacheManager, *, max_seqs: int, max_batch_tokens: int,
-                 draft_tokens: Callable[[Request], int] | None = None):
+                 draft_tokens: Callable[[Request], int] | None = None,
+                 on_release: Callable[[Request], None] | None = None):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.manager = manager
@@ -42,6 +43,7 @@ class Scheduler:
         # speculative decoding: how many draft tokens a decoding request may have checked this step (its
         # chunk is then its last token plus up to that many drafts; 0: a plain decode)
         self.draft_tokens = draft_tokens
+        self.on_release = on_release  # told of every request whose cache is freed (a drafter frees its own)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -61,6 +63,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.manager.free(req.request_id, req.tokens, req.num_computed)
+            if self.on_release is not None:
+                self.on_release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
 

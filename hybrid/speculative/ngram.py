@@ -30,11 +30,8 @@ class NgramDrafter:
     def propose(self, reqs, ks: list[int]) -> tuple[list[list[int]], None]:
         return [ngram_lookup(r.tokens, k, self.n_max, self.n_min) for r, k in zip(reqs, ks, strict=True)], None
 
-    def rollback(self, reqs, drafted: list[int], kept: list[int]) -> None:
+    def rollback(self, reqs, starts: list[int], drafted: list[int], kept: list[int]) -> None:
         """Nothing to undo: the drafter keeps no state."""
 
     def release(self, request_id: int, tokens: list[int] | None = None) -> None:
-        """Nothing held."""
-
-    def retain(self, request_ids) -> None:
         """Nothing held."""
