@@ -174,6 +174,33 @@ def _engine_model(args, *, seed: int):
     return from_pretrained(args.model, dtype=dtype, device=args.device), load_tokenizer(args.model)
 
 
+def _speculative(args, model):
+    """The SpeculativeConfig of ``--draft-model DIR`` / ``--ngram`` (``--num-draft-tokens k``), or None."""
+    if args.draft_model is None and not args.ngram:
+        return None
+    from . import from_pretrained
+    from .speculative import SpeculativeConfig
+
+    if args.draft_model is not None and args.ngram:
+        raise SystemExit("give one of --draft-model DIR or --ngram, not both")
+    try:
+        if args.ngram:
+            return SpeculativeConfig(method="ngram", num_tokens=args.num_draft_tokens)
+        p = next(model.parameters())
+        draft = from_pretrained(args.draft_model, dtype=p.dtype, device=p.device)
+        return SpeculativeConfig(method="draft", draft_model=draft, num_tokens=args.num_draft_tokens)
+    except ValueError as e:
+        raise SystemExit(f"speculative decoding: {e}") from e
+
+
+def _add_speculative_flags(p) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--draft-model", help="speculative decoding with this draft checkpoint folder (same vocabulary)")
+    g.add_argument("--ngram", action="store_true", help="speculative decoding with n-gram prompt lookup drafts")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens checked per step (with "
+                   "--draft-model or --ngram)")
+
+
 def cmd_generate(args) -> None:
 
     from .engine import Engine
@@ -185,9 +212,13 @@ def cmd_generate(args) -> None:
                             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, stop=tuple(args.stop or ()))
     block_size = 16
-    engine = Engine(model, num_blocks=-(-(len(prompt) + args.max_new_tokens) // block_size), block_size=block_size,
-                    max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer, compile=args.compile,
-                    prefix_caching=args.prefix_caching)
+    try:
+        engine = Engine(model, num_blocks=-(-(len(prompt) + args.max_new_tokens) // block_size),
+                        block_size=block_size, max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer,
+                        compile=args.compile, prefix_caching=args.prefix_caching,
+                        speculative=_speculative(args, model))
+    except ValueError as e:
+        raise SystemExit(f"hybrid generate: {e}") from e
     engine.add_request(prompt, params)
     sys.stdout.write(args.prompt)
     while engine.has_unfinished():
@@ -201,6 +232,10 @@ def cmd_generate(args) -> None:
           f"decode: {s.decode_tokens} tokens in {s.decode_seconds:.3f} s "
           f"({s.decode_tokens / max(s.decode_seconds, 1e-9):.1f} tok/s)"
           + (f"; compile: {s.compile_seconds:.1f} s (not counted)" if args.compile else ""), file=sys.stderr)
+    if engine.speculative is not None:
+        print(f"speculative ({engine.speculative.method}, k={engine.speculative.num_tokens}): "
+              f"{s.draft_tokens_accepted} of {s.draft_tokens_proposed} draft tokens accepted "
+              f"(rate {s.acceptance_rate:.2f}, {s.mean_accepted_length:.2f} per verify step)", file=sys.stderr)
     if args.prefix_caching:
         r = engine.cache.report()
         print(f"prefix cache: {s.prefix_hit_tokens} of {s.prompt_tokens} prompt tokens served; tree holds "
@@ -237,7 +272,8 @@ def cmd_serve(args) -> None:
     model, tokenizer = _engine_model(args, seed=args.seed)
     template = load_chat_template(args.model)  # None for a recipe: the documented default
     name = args.served_model_name or args.recipe or Path(args.model).resolve().name
-    engine_options = {"compile": args.compile, "prefix_caching": args.prefix_caching}
+    engine_options = {"compile": args.compile, "prefix_caching": args.prefix_caching,
+                      "speculative": _speculative(args, model)}
     try:
         engine = Engine(model, cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
                         max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, **engine_options)
@@ -387,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    _add_speculative_flags(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics) over the engine")
@@ -413,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_speculative_flags(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("doctor", help="which kernel backend each op uses here, and why not the others")
