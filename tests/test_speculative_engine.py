@@ -217,3 +217,30 @@ def test_random_workloads_never_leak_and_stay_lossless(ops, budget, method, k, t
                 rid = alone.add_request(r.prompt, r.params)
                 alone.run()
                 assert alone.requests[rid].output == r.output
+
+
+def test_mamba2_closed_form_verify_equals_step_ops_at_every_position():
+    """The closed-form verify chunk (conv + SSD) gives the outputs and the states after each position that
+    running the one-token step ops position by position gives (the per-position reference path)."""
+    from hybrid.speculative.verify_states import VerifyStates
+
+    torch.manual_seed(0)
+    layer = HybridLM(CFG).layers[0].mixer  # a Mamba-2 mixer
+    n, lengths = 3, [5, 2, 4]
+    m = layer.cfg
+    conv_pool = torch.randn(n + 1, m.conv_dim, m.d_conv - 1)
+    ssm_pool = torch.randn(n + 1, layer.n_heads, layer.head_dim, layer.d_state)
+    slots = torch.tensor([2, 0, 3])
+    T = sum(lengths)
+    xBC, dt_raw = torch.randn(T, m.conv_dim), torch.randn(T, layer.n_heads)
+    closed, stepped = VerifyStates(lengths, slots, "cpu"), VerifyStates(lengths, slots, "cpu")
+    before = (conv_pool.clone(), ssm_pool.clone())
+    with torch.no_grad():
+        y_closed = closed.run_chunk(conv_pool, ssm_pool, (xBC, dt_raw), layer.verify_chunk)
+        y_step = stepped.run(conv_pool, ssm_pool, (xBC, dt_raw), layer.step)
+    torch.testing.assert_close(y_closed, y_step, rtol=1e-4, atol=1e-5)
+    assert torch.equal(conv_pool, before[0]) and torch.equal(ssm_pool, before[1]), "the slots stay as they were"
+    (_, _, conv_c, ssm_c), (_, _, conv_s, ssm_s) = closed.layers[0], stepped.layers[0]
+    for i, length in enumerate(lengths):  # positions past a chunk's end are padding, never committed
+        torch.testing.assert_close(conv_c[:length, i], conv_s[:length, i])
+        torch.testing.assert_close(ssm_c[:length, i], ssm_s[:length, i], rtol=1e-4, atol=1e-5)

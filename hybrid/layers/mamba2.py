@@ -15,6 +15,7 @@ from torch import nn
 from .. import kernels
 from ..config import HybridConfig, Mamba2Config
 from ..specs import CacheDtypes, MambaStateSpec
+from ..speculative import mamba2_verify
 from .norm import GatedRMSNorm
 
 
@@ -103,14 +104,24 @@ class Mamba2(nn.Module):
         dt, A = self.dt_A(dt_raw)
         return kernels.ssd_step(ssm_state, x, dt, A, B, C, D=self.D, slots=slots)
 
+    def verify_chunk(self, conv0: torch.Tensor, ssm0: torch.Tensor, xBC: torch.Tensor, dt_raw: torch.Tensor):
+        """Speculative verify chunks, padded to one length, in closed form from their states conv0 [n, C, K-1],
+        ssm0 [n, H, P, N]: xBC [n, L, conv_dim], dt_raw [n, L, H] -> (y [n, L, H, P], conv states
+        [L, n, C, K-1], SSM states [L, n, H, P, N]: the states after each position)."""
+        xBC, conv_hist = mamba2_verify.conv_states(conv0, xBC, self.conv1d.weight[:, 0], self.conv1d.bias)
+        x, B, C = self.split_xBC(xBC)
+        dt, A = self.dt_A(dt_raw)
+        y, ssm_hist = mamba2_verify.ssd_states(ssm0, x, dt, A, B, C, self.D)
+        return y.to(dt_raw.dtype), conv_hist.to(conv0.dtype), ssm_hist.to(ssm0.dtype)
+
     def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
         """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
 
         Each sequence starts from and leaves its state in its rows (``state_slots``) of the pools: the
         one-token sequences (``batch.decode``) take the O(1) step ops, speculative verify chunks
-        (``batch.verify``) the step ops position by position with every position's state kept aside
-        (:mod:`hybrid.speculative.verify_states`), the rest (``batch.scan``) run the varlen conv and SSD scan
-        from their slot's state (zero for a fresh sequence).
+        (``batch.verify``) a closed form that keeps every position's state aside (:mod:`hybrid.speculative`),
+        the rest (``batch.scan``) run the varlen conv and SSD scan from their slot's state (zero for a fresh
+        sequence).
         """
         z, xBC, dt_raw = self.split_projection(self.in_proj(u))
         w, bias = self.conv1d.weight[:, 0], self.conv1d.bias
@@ -118,7 +129,8 @@ class Mamba2(nn.Module):
         if (d := batch.decode) is not None:
             ys.append(self.step(conv_pool, ssm_pool, xBC[d.tokens], dt_raw[d.tokens], slots=d.state_slots))
         if (v := batch.verify) is not None:  # speculative verify chunks: states kept at every position
-            ys.append(batch.verify_states.run(conv_pool, ssm_pool, (xBC[v.tokens], dt_raw[v.tokens]), self.step))
+            ys.append(batch.verify_states.run_chunk(conv_pool, ssm_pool, (xBC[v.tokens], dt_raw[v.tokens]),
+                                                    self.verify_chunk))
         if (p := batch.scan) is not None:
             slots, cu = p.state_slots, p.cu_seqlens
             xBC_p, conv_final = kernels.causal_conv1d_varlen(xBC[p.tokens], w, bias, cu,

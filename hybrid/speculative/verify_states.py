@@ -1,12 +1,12 @@
 """Mamba state at every position of a verify chunk, so a rejected draft is rolled back without rerunning.
 
 A verify chunk is a decoding sequence's last token followed by its draft tokens (k + 1 tokens). The Mamba
-layers run such chunks with the one-token step ops, one position at a time, on a *copy* of each sequence's
-conv and SSM state, and keep the copy after every position in a scratch buffer of this step
-(``[k+1, n, *state]`` per layer); the slots in the pools are not touched. Once the engine knows how many
-drafts were accepted, :meth:`hybrid.cache_manager.CacheManager.commit_verified` writes the state at the
-last accepted position into each slot. For chunks of at most ~9 tokens the step ops cost about what the
-chunked scan does and give the states at every position for free (the scan would only give the last).
+layers run such chunks from a *copy* of each sequence's conv and SSM state and keep the state after every
+position in a scratch buffer of this step (``[k+1, n, *state]`` per layer); the slots in the pools are not
+touched. Mamba-1 runs the one-token step ops position by position (:meth:`VerifyStates.run`); Mamba-2
+computes all positions at once in closed form (:meth:`VerifyStates.run_chunk`, :mod:`.mamba2_verify`). Once
+the engine knows how many drafts were accepted, :meth:`hybrid.cache_manager.CacheManager.commit_verified`
+writes the state at the last accepted position into each slot.
 
 Extra memory per verify step: (k + 1) x (conv + SSM state bytes of one sequence) x verified sequences,
 freed when the step ends. Extra time: one state copy per position (what the step ops write anyway) and
@@ -41,6 +41,9 @@ class VerifyStates:
         # where each packed verify row's output sits in the stacked [steps * n] step outputs
         self.out_rows = torch.tensor([j * n + i for i, length in enumerate(lengths) for j in range(length)],
                                      dtype=torch.long, device=device)
+        # the same in the [n, L] layout of a closed-form chunk
+        self.chunk_rows = torch.tensor([i * steps + j for i, length in enumerate(lengths) for j in range(length)],
+                                       dtype=torch.long, device=device)
         self.layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def run(self, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, inputs: tuple[torch.Tensor, ...],
@@ -59,6 +62,16 @@ class VerifyStates:
             ssm_hist[j] = ssm
         self.layers.append((conv_pool, ssm_pool, conv_hist, ssm_hist))
         return torch.cat(ys)[self.out_rows]
+
+    def run_chunk(self, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+                  chunk: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Like :meth:`run`, with the layer computing all positions at once: ``chunk(conv0, ssm0,
+        *inputs_padded)`` gets the slots' states and the inputs padded to [n, L, ...] and returns (y [n, L, ...],
+        conv states [L, n, ...], SSM states [L, n, ...])."""
+        rows_NL = self.rows_JN.t()
+        y, conv_hist, ssm_hist = chunk(conv_pool[self.slots], ssm_pool[self.slots], *(t[rows_NL] for t in inputs))
+        self.layers.append((conv_pool, ssm_pool, conv_hist, ssm_hist))
+        return y.flatten(0, 1)[self.chunk_rows]
 
     @property
     def nbytes(self) -> int:
