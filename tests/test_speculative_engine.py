@@ -244,3 +244,24 @@ def test_mamba2_closed_form_verify_equals_step_ops_at_every_position():
     for i, length in enumerate(lengths):  # positions past a chunk's end are padding, never committed
         torch.testing.assert_close(conv_c[:length, i], conv_s[:length, i])
         torch.testing.assert_close(ssm_c[:length, i], ssm_s[:length, i], rtol=1e-4, atol=1e-5)
+
+
+def test_cli_flags_pass_the_config_through(tmp_path, capsys):
+    from hybrid import save_pretrained
+    from hybrid.cli import _speculative, build_parser, main
+
+    draft_dir = tmp_path / "draft"
+    save_pretrained(tiny("llama-tiny", seed=1), str(draft_dir))
+    main(["generate", "--recipe", "hybrid-1to7-tiny", "--prompt", "abcabcabc", "--max-new-tokens", "8", "--ngram",
+          "--num-draft-tokens", "3", "--threads", "1"])
+    assert "speculative (ngram, k=3)" in capsys.readouterr().err
+    main(["generate", "--recipe", "hybrid-1to7-tiny", "--prompt", "abc", "--max-new-tokens", "6",
+          "--draft-model", str(draft_dir), "--threads", "1"])
+    assert "speculative (draft, k=4)" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--recipe", "llama-tiny", "--draft-model", str(draft_dir),
+                                      "--num-draft-tokens", "2"])
+    spec = _speculative(args, tiny("llama-tiny"))
+    assert spec.method == "draft" and spec.num_tokens == 2 and spec.draft_model.config.vocab_size == 256
+    assert _speculative(build_parser().parse_args(["serve", "--recipe", "llama-tiny"]), None) is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--recipe", "llama-tiny", "--ngram", "--draft-model", "x"])
