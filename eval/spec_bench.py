@@ -9,8 +9,10 @@ again: the second half is predictable from the first). Drafts: the small model, 
 draft accepted: the upper bound of what the drafts can buy), and n-gram lookup (the output repeats the
 prompt). Batch 1 and 8, k = 2, 4, 8. Every configuration runs in this one process, ``--repeats`` times, with
 the plain engine timed in between; the table gives decode tokens/s as median [min, max] and the speedup of the
-medians. Trained checkpoints are kept in ``--output`` and reused. ``--lock PATH`` holds an exclusive flock on
-PATH while timing (not while training), the lock ``flock(1) PATH cmd`` takes.
+medians, and per verify step: the target forward, the drafter, the rejection rule with output processing
+(accept) and the rollback (Mamba state write-back + KV give-back, target and draft), "rollback %" of their
+sum. Trained checkpoints are kept in ``--output`` and reused. ``--lock PATH`` holds an exclusive flock on PATH
+while timing (not while training), the lock ``flock(1) PATH cmd`` takes.
 """
 
 from __future__ import annotations
@@ -169,9 +171,11 @@ def measure(args, target, draft):
                 "acc/verify": round(stats.mean_accepted_length, 2),
                 "target fwd ms/step": round(1e3 * stats.verify_forward_seconds / v, 2),
                 "draft ms/step": round(1e3 * stats.draft_seconds / v, 2),
+                "accept ms/step": round(1e3 * stats.accept_seconds / v, 2),
                 "rollback ms/step": round(1e3 * stats.rollback_seconds / v, 2),
-                "rollback %": round(100 * stats.rollback_seconds / max(
-                    stats.verify_forward_seconds + stats.draft_seconds + stats.rollback_seconds, 1e-9), 1),
+                "rollback %": round(100 * stats.rollback_seconds / max(1e-9, stats.verify_forward_seconds
+                                                                       + stats.draft_seconds + stats.accept_seconds
+                                                                       + stats.rollback_seconds), 1),
                 "state scratch KiB": round(stats.verify_state_bytes / 1024, 1),
             }
             rows.append(row)

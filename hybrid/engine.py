@@ -98,7 +98,8 @@ class EngineStats:
     verify_steps: int = 0  # steps with at least one verify chunk
     verify_forward_seconds: float = 0.0  # the target forward of those steps
     draft_seconds: float = 0.0  # the drafter (draft model forwards and sampling, or n-gram lookup)
-    rollback_seconds: float = 0.0  # acceptance, Mamba state write-back and KV give-back, target and draft
+    accept_seconds: float = 0.0  # the rejection rule and the emitted tokens' output processing
+    rollback_seconds: float = 0.0  # Mamba state write-back and KV give-back, in the target's and the draft's cache
     verify_state_bytes: int = 0  # the largest per-position Mamba state scratch of one verify step
 
     @property
@@ -499,12 +500,14 @@ class Engine:
             outputs.append(RequestOutput(req.request_id, ids, text, last.finished, last.finish_reason))
             kept.append(min(m, len(req.output) - before))
             reasons.append(reason)
+        t1 = time.perf_counter()
         self.cache_manager.commit_verified(self.runner.verify_states, kept)
         self.stats.verify_state_bytes = max(self.stats.verify_state_bytes, self.runner.verify_states.nbytes)
         self.scheduler.advance([(r, 1 + j) for r, j in zip(reqs, kept, strict=True)])
         for r in reqs:
             self.cache_manager.shrink(r.request_id, r.num_computed)
         self.drafter.rollback(reqs, starts, lens, kept)  # finished ones too: their prefix stays in the draft's tree
+        t2 = time.perf_counter()
         for req, reason in zip(reqs, reasons, strict=True):
             if reason is not None:
                 self._finish(req, reason)
@@ -513,7 +516,8 @@ class Engine:
         s.verify_chunks += n
         s.draft_tokens_proposed += sum(lens)
         s.draft_tokens_accepted += sum(accepted)
-        s.rollback_seconds += time.perf_counter() - t0
+        s.accept_seconds += t1 - t0
+        s.rollback_seconds += t2 - t1
         return outputs
 
     def _scored_positions(self, req, n: int) -> range:
