@@ -119,13 +119,16 @@ def main(argv=None) -> None:
     print(f"target {target.num_parameters():,} params, copy accuracy {acc_t:.3f}; "
           f"draft {draft.num_parameters():,} params, copy accuracy {acc_d:.3f}")
     with timing_lock(args.lock):
+        paths = verify_path_rows(target, args.ks, args.batches)
+        print(format_table(paths), flush=True)
         rows, raw = measure(args, target, draft)
     table = format_table(rows)
     print(table)
-    (out / "spec_bench.md").write_text(table + "\n")
+    (out / "spec_bench.md").write_text(table + "\n\n" + format_table(paths) + "\n")
     (out / "spec_bench.json").write_text(json.dumps({"threads": args.threads, "length": args.length,
                                                      "target_copy_accuracy": acc_t, "draft_copy_accuracy": acc_d,
-                                                     "rows": raw, "time": time.ctime()}, indent=1))
+                                                     "rows": raw, "verify_paths": paths,
+                                                     "time": time.ctime()}, indent=1))
 
 
 @contextlib.contextmanager
@@ -140,6 +143,37 @@ def timing_lock(path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def verify_path_rows(target, ks, batches, reps: int = 30) -> list[dict]:
+    """One Mamba-2 layer's verify chunk: the closed form against k+1 step-op calls (median ms of ``reps``)."""
+    from ..speculative.verify_states import VerifyStates
+
+    layer = next(b.mixer for b in target.layers if b.kind == "mamba2")
+    m, rows = layer.cfg, []
+    for batch in batches:
+        for k in ks:
+            lengths = [k + 1] * batch
+            conv = torch.randn(batch + 1, m.conv_dim, m.d_conv - 1)
+            ssm = torch.randn(batch + 1, layer.n_heads, layer.head_dim, layer.d_state)
+            slots = torch.arange(batch)
+            xBC, dt = torch.randn(sum(lengths), m.conv_dim), torch.randn(sum(lengths), layer.n_heads)
+            times = {}
+            for name in ("closed form", "step ops"):
+                ts = []
+                for _ in range(reps):
+                    vs = VerifyStates(lengths, slots, "cpu")
+                    t0 = time.perf_counter()
+                    with torch.inference_mode():
+                        if name == "closed form":
+                            vs.run_chunk(conv, ssm, (xBC, dt), layer.verify_chunk)
+                        else:
+                            vs.run(conv, ssm, (xBC, dt), layer.step)
+                    ts.append(time.perf_counter() - t0)
+                times[name] = statistics.median(ts) * 1e3
+            rows.append({"batch": batch, "k": k, "closed form ms": round(times["closed form"], 3),
+                         "step ops ms": round(times["step ops"], 3)})
+    return rows
 
 
 def measure(args, target, draft):
