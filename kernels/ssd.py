@@ -9,6 +9,8 @@ Recurrence (per head h): ``s_t = exp(dt_t A) s_{t-1} + dt_t x_t B_t^T``, ``y_t =
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -46,14 +48,29 @@ def ssd_scan_ref(x, dt, A, B, C, *, D=None, initial_state=None):
     return y.to(x.dtype), s
 
 
+# log of the smallest normal fp32: a decay below e^this would be a denormal, whose arithmetic costs
+# ~100x on x86 without flush-to-zero. Such a decay is set to exactly 0 instead: it differs from the true
+# value by less than 1.2e-38 of the state it scales, far below fp32 rounding of anything it is added to.
+_LOG_TINY = math.log(torch.finfo(torch.float32).tiny)
+
+
+def _decay_exp(t: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """exp(t) with what would underflow into the denormal range flushed to exact zeros (``t`` fp32)."""
+    if inplace:
+        return t.masked_fill_(t < _LOG_TINY, -math.inf).exp_()
+    return t.masked_fill(t < _LOG_TINY, -math.inf).exp()
+
+
 def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
     """One block of n tokens from ``state`` [b, H, P, N] fp32 -> (y [b, n, H, P] fp32, state at its end).
 
-    Per chunk of T tokens with cs = cumsum(dt A) (fp32, restarted at the chunk start, non-increasing):
+    Per chunk of T tokens with cs = cumsum(dt A) (fp32, restarted at the chunk start):
       y_l   = sum_{s<=l} (C_l . B_s) e^{cs_l - cs_s} dt_s x_s  +  e^{cs_l} C_l . state  +  D x_l
       state = e^{cs_T} state + sum_s e^{cs_T - cs_s} dt_s x_s B_s^T
-    Each term is one batched matmul in ``mm`` (the block's chunks and groups are its batch); only the
-    hand-over of the state from chunk to chunk runs in sequence.
+    The intra-chunk term is one batched matmul over the block's chunks. The state terms run chunk by
+    chunk: the [H, P, N] state is never materialised per chunk (at T = 64 that would be 3K floats per
+    token written and read back, more traffic than the activations); the one live state stays in cache
+    and each chunk reads it with one matmul and updates it with one scaled, accumulating matmul.
     """
     b, n, H, P = x.shape
     G, N = B.shape[2:]
@@ -73,42 +90,48 @@ def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
 
     with torch.profiler.record_function("ssd.intra_chunk"):
         CB = torch.matmul(Cc, Bc.transpose(-1, -2))  # [b, nc, G, T, T]
-        CB = CB.tril_() if inplace else CB.tril()
-        # e^{cs_l - cs_s}: the upper triangle (s > l) is clamped to e^0 = 1 before CB's zeros mask it,
-        # so no inf ever meets a 0
+        # e^{cs_l - cs_s} for s <= l; the upper triangle (s > l) is -inf before the exp, so exactly 0
+        # (and no inf ever meets a 0)
         decay = cs_h[..., :, None] - cs_h[..., None, :]  # [b, nc, H, T, T]
-        decay = decay.clamp_(max=0.0).exp_() if inplace else decay.clamp(max=0.0).exp()
-        decay = decay.view(b, nc, G, hpg, T, T)
+        upper = torch.ones(T, T, dtype=torch.bool, device=x.device).triu_(1)
+        decay = decay.masked_fill_(upper, -math.inf) if inplace else decay.masked_fill(upper, -math.inf)
+        decay = _decay_exp(decay, inplace).view(b, nc, G, hpg, T, T)
         M = decay.mul_(CB[:, :, :, None]) if inplace else decay * CB[:, :, :, None]
         xdt_h = xdt.view(b, nc, T, H, P).transpose(2, 3)  # [b, nc, H, T, P]
         y = torch.matmul(M.view(b, nc, H, T, T).to(mm), xdt_h)  # [b, nc, H, T, P]
 
-    with torch.profiler.record_function("ssd.chunk_states"):
-        to_end = (cs[:, :, -1:] - cs).exp_()  # [b, nc, T, H]: decay from each token to its chunk's end
+    with torch.profiler.record_function("ssd.chunk_inputs"):
+        # the per-chunk operands of the state matmuls, chunk-major so that each chunk's are contiguous
+        to_end = _decay_exp(cs[:, :, -1:] - cs, True)  # [b, nc, T, H]: decay from each token to its chunk's end
         xw = (xdt.view(b, nc, T, H, P) * to_end[..., None].to(mm)).view(b, nc, T, G, hpg * P)
-        states = torch.matmul(xw.permute(0, 1, 3, 4, 2), Bc).float()  # [b, nc, G, hpg*P, N]
+        xw = xw.permute(1, 0, 3, 4, 2).reshape(nc, b * G, hpg * P, T)
+        Bk = Bc.transpose(0, 1).reshape(nc, b * G, T, N)
+        Ck = Cc.transpose(0, 1).reshape(nc, b * G, T, N)
+        chunk_decay = _decay_exp(cs[:, :, -1].clone(), True).transpose(0, 1)  # [nc, b, H]
+        chunk_decay = chunk_decay.reshape(nc, b * G, hpg, 1, 1)
 
-    with torch.profiler.record_function("ssd.state_passing"):
-        chunk_decay = cs[:, :, -1].exp()[..., None, None]  # [b, nc, H, 1, 1]
-        states = states.view(b, nc, H, P, N)
-        if inplace:  # each chunk's entering state written straight into its row: no stacking copy
-            entering = torch.empty_like(states)
-            entering[:, 0] = state
-            for c in range(nc - 1):
-                torch.addcmul(states[:, c], entering[:, c], chunk_decay[:, c], out=entering[:, c + 1])
-            state = torch.addcmul(states[:, -1], entering[:, -1], chunk_decay[:, -1])
-        else:
-            rows = []
-            for c in range(nc):
-                rows.append(state)
-                state = torch.addcmul(states[:, c], state, chunk_decay[:, c])
-            entering = torch.stack(rows, 1)
-        entering = entering.view(b, nc, G, hpg * P, N)
+    with torch.profiler.record_function("ssd.inter_chunk"):
+        st = state.reshape(b * G, hpg * P, N).to(mm) if mm != torch.float32 else state.reshape(b * G, hpg * P, N)
+        st = st.clone() if inplace else st  # never write into the caller's state
+        y_state = torch.empty(nc, b * G, T, hpg * P, dtype=mm, device=x.device) if inplace else []
+        for c in range(nc):
+            if inplace:
+                torch.bmm(Ck[c], st.transpose(1, 2), out=y_state[c])  # [bG, T, hpg*P]
+                st.view(b * G, hpg, P, N).mul_(chunk_decay[c])
+                st.baddbmm_(xw[c], Bk[c])
+            else:
+                y_state.append(torch.bmm(Ck[c], st.transpose(1, 2)))
+                st = torch.baddbmm((st.view(b * G, hpg, P, N) * chunk_decay[c]).view(b * G, hpg * P, N),
+                                   xw[c], Bk[c])
+        if not inplace:
+            y_state = torch.stack(y_state)
+        state = st.float().view(b, H, P, N)
 
-    with torch.profiler.record_function("ssd.state_output"):
-        y_state = torch.matmul(Cc, entering.transpose(-1, -2).to(mm))  # [b, nc, G, T, hpg*P]
-        y_tok = y_state.view(b, nc, G, T, hpg, P).permute(0, 1, 3, 2, 4, 5).reshape(b, nc, T, H, P).float()
-        y_tok = y_tok.mul_(cs.exp()[..., None]) if inplace else y_tok * cs.exp()[..., None]
+    with torch.profiler.record_function("ssd.combine"):
+        # [nc, b, G, T, hpg, P] -> [b, nc, T, H, P], scaled by each token's decay from its chunk's start
+        y_tok = y_state.view(nc, b, G, T, hpg, P).permute(1, 0, 3, 2, 4, 5).float().contiguous().view(b, nc, T, H, P)
+        at_start = _decay_exp(cs.clone(), True)[..., None]
+        y_tok = y_tok.mul_(at_start) if inplace else y_tok * at_start
         y_tok = y_tok.add_(y.transpose(2, 3)) if inplace else y_tok + y.transpose(2, 3)
         y_tok = y_tok.view(b, nc * T, H, P)[:, :n]
         if D is not None:
