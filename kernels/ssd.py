@@ -24,9 +24,12 @@ from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2
 # per-head [T, T] decay work grows with T while the [H, P, N] chunk states shrink with it; 64 keeps both a
 # chunk's decay ([H, 64, 64], 0.4 MB fp32 at H=24) and its state in a core's L2 (eval/profile_prefill.py).
 _TORCH_CHUNK = 64
-# Tokens scanned at once: every temporary is sized by this block, not by the sequence, so a 64K prompt
-# costs the memory of a 1K one and the block's working set stays in the last-level cache.
-_TORCH_BLOCK = 512
+# Tokens scanned at once (all sequences of the batch together): every temporary is sized by this block,
+# not by the sequence, so a 64K prompt costs the memory of a 2K one (~130 MB of fp32 temporaries at
+# H=24, P=64, N=128). A block costs a fixed number of ops, so fewer, larger blocks mean fewer thread
+# sync points; on a loaded CPU each one can wait a scheduler slice. The engine's 2048-token steps are
+# one block each.
+_TORCH_BLOCK = 2048
 
 
 def ssd_scan_ref(x, dt, A, B, C, *, D=None, initial_state=None):
@@ -61,16 +64,30 @@ def _decay_exp(t: torch.Tensor, inplace: bool) -> torch.Tensor:
     return t.masked_fill(t < _LOG_TINY, -math.inf).exp()
 
 
+def _chunk_decays(chunk_total: torch.Tensor) -> torch.Tensor:
+    """[b, nc, H] log-decay of each chunk -> [b, H, nc+1, nc+1] with entry (i, j) = e^{sum of chunks j..i-1}
+    (1 on the diagonal, 0 above it). Summed as a masked cumsum, not as a difference of running sums, so
+    a long block's large running sums cost no precision; it is tiny (nc+1 squared per head)."""
+    b, nc, H = chunk_total.shape
+    x = F.pad(chunk_total.transpose(1, 2), (1, 0))  # [b, H, nc+1]: x_k = chunk k-1's log-decay, x_0 = 0
+    x = x[..., :, None].expand(b, H, nc + 1, nc + 1)  # [.., i, j] = x_i
+    below = torch.ones(nc + 1, nc + 1, dtype=torch.bool, device=x.device).tril_(-1)
+    seg = x.masked_fill(~below, 0.0).cumsum(-2)  # [.., i, j] = sum_{j < k <= i} x_k
+    on_or_below = torch.ones(nc + 1, nc + 1, dtype=torch.bool, device=x.device).tril_()
+    return _decay_exp(seg.masked_fill_(~on_or_below, -math.inf), True)
+
+
 def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
     """One block of n tokens from ``state`` [b, H, P, N] fp32 -> (y [b, n, H, P] fp32, state at its end).
 
     Per chunk of T tokens with cs = cumsum(dt A) (fp32, restarted at the chunk start):
       y_l   = sum_{s<=l} (C_l . B_s) e^{cs_l - cs_s} dt_s x_s  +  e^{cs_l} C_l . state  +  D x_l
       state = e^{cs_T} state + sum_s e^{cs_T - cs_s} dt_s x_s B_s^T
-    The intra-chunk term is one batched matmul over the block's chunks. The state terms run chunk by
-    chunk: the [H, P, N] state is never materialised per chunk (at T = 64 that would be 3K floats per
-    token written and read back, more traffic than the activations); the one live state stays in cache
-    and each chunk reads it with one matmul and updates it with one scaled, accumulating matmul.
+    Every term is one batched op over all the block's chunks, the hand-over of the state from chunk to
+    chunk too: the state entering chunk c is sum_{c' <= c} e^{(decay of chunks c'..c-1)} (states made in
+    chunk c'-1, or the block's entering state for c' = 0), one small matmul per head. A block is a fixed
+    number of ops (~30) whatever its length: on a shared CPU each op is a sync point of the threads, so
+    the count of ops, not only their FLOPs, sets the time.
     """
     b, n, H, P = x.shape
     G, N = B.shape[2:]
@@ -100,37 +117,23 @@ def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
         xdt_h = xdt.view(b, nc, T, H, P).transpose(2, 3)  # [b, nc, H, T, P]
         y = torch.matmul(M.view(b, nc, H, T, T).to(mm), xdt_h)  # [b, nc, H, T, P]
 
-    with torch.profiler.record_function("ssd.chunk_inputs"):
-        # the per-chunk operands of the state matmuls, chunk-major so that each chunk's are contiguous
+    with torch.profiler.record_function("ssd.chunk_states"):
         to_end = _decay_exp(cs[:, :, -1:] - cs, True)  # [b, nc, T, H]: decay from each token to its chunk's end
         xw = (xdt.view(b, nc, T, H, P) * to_end[..., None].to(mm)).view(b, nc, T, G, hpg * P)
-        xw = xw.permute(1, 0, 3, 4, 2).reshape(nc, b * G, hpg * P, T)
-        Bk = Bc.transpose(0, 1).reshape(nc, b * G, T, N)
-        Ck = Cc.transpose(0, 1).reshape(nc, b * G, T, N)
-        chunk_decay = _decay_exp(cs[:, :, -1].clone(), True).transpose(0, 1)  # [nc, b, H]
-        chunk_decay = chunk_decay.reshape(nc, b * G, hpg, 1, 1)
+        states = torch.matmul(xw.permute(0, 1, 3, 4, 2), Bc).float()  # [b, nc, G, hpg*P, N]
 
-    with torch.profiler.record_function("ssd.inter_chunk"):
-        st = state.reshape(b * G, hpg * P, N).to(mm) if mm != torch.float32 else state.reshape(b * G, hpg * P, N)
-        st = st.clone() if inplace else st  # never write into the caller's state
-        y_state = torch.empty(nc, b * G, T, hpg * P, dtype=mm, device=x.device) if inplace else []
-        for c in range(nc):
-            if inplace:
-                torch.bmm(Ck[c], st.transpose(1, 2), out=y_state[c])  # [bG, T, hpg*P]
-                st.view(b * G, hpg, P, N).mul_(chunk_decay[c])
-                st.baddbmm_(xw[c], Bk[c])
-            else:
-                y_state.append(torch.bmm(Ck[c], st.transpose(1, 2)))
-                st = torch.baddbmm((st.view(b * G, hpg, P, N) * chunk_decay[c]).view(b * G, hpg * P, N),
-                                   xw[c], Bk[c])
-        if not inplace:
-            y_state = torch.stack(y_state)
-        state = st.float().view(b, H, P, N)
+    with torch.profiler.record_function("ssd.state_passing"):
+        made = torch.cat([state.reshape(b, 1, H, P * N), states.view(b, nc, H, P * N)], 1)  # [b, nc+1, H, PN]
+        # [b, H, nc+1, PN]: row c is the state entering chunk c (row nc: leaving the block)
+        passed = torch.matmul(_chunk_decays(cs[:, :, -1]), made.transpose(1, 2))
+        state = passed[:, :, -1].reshape(b, H, P, N)
+        entering = passed[:, :, :-1].transpose(1, 2).reshape(b, nc, G, hpg * P, N)
 
-    with torch.profiler.record_function("ssd.combine"):
-        # [nc, b, G, T, hpg, P] -> [b, nc, T, H, P], scaled by each token's decay from its chunk's start
-        y_tok = y_state.view(nc, b, G, T, hpg, P).permute(1, 0, 3, 2, 4, 5).float().contiguous().view(b, nc, T, H, P)
-        at_start = _decay_exp(cs.clone(), True)[..., None]
+    with torch.profiler.record_function("ssd.state_output"):
+        y_state = torch.matmul(Cc, entering.transpose(-1, -2).to(mm))  # [b, nc, G, T, hpg*P]
+        y_tok = y_state.view(b, nc, G, T, hpg, P).permute(0, 1, 3, 2, 4, 5).float().contiguous()
+        y_tok = y_tok.view(b, nc, T, H, P)
+        at_start = _decay_exp(cs.clone(), True)[..., None]  # [b, nc, T, H, 1]
         y_tok = y_tok.mul_(at_start) if inplace else y_tok * at_start
         y_tok = y_tok.add_(y.transpose(2, 3)) if inplace else y_tok + y.transpose(2, 3)
         y_tok = y_tok.view(b, nc * T, H, P)[:, :n]
@@ -143,7 +146,7 @@ def _ssd_chunk_scan_torch(x, dt, A, B, C, *, chunk_size, D=None, initial_state=N
     b, L, H, P = x.shape
     N = B.shape[3]
     T = max(1, min(chunk_size, _TORCH_CHUNK, L))
-    block = max(T, _TORCH_BLOCK // T * T)
+    block = max(T, _TORCH_BLOCK // b // T * T)
     mm = matmul_dtype(x.dtype, x.device)
     inplace = not needs_grad(x, dt, A, B, C, D, initial_state)
     state = (torch.zeros(b, H, P, N, device=x.device) if initial_state is None
