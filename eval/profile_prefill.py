@@ -4,7 +4,7 @@ Every aten op's self time is charged to the innermost label around it: the layer
 sub-layer it runs in (``mamba2``, ``mamba1``, ``attention``, ``mlp``, ``moe``; ``outside layers`` is the
 embedding, final norm and LM head), then inside it the named parts — each ``nn.Linear`` by its attribute
 name (``in_proj``, ``q_proj``, ...), the gated RMSNorm, the conv1d, the SSD stages (``ssd.intra_chunk``,
-``ssd.chunk_inputs``, ``ssd.inter_chunk`` — the chunk-by-chunk state matmuls —, ``ssd.combine``), the
+``ssd.chunk_states``, ``ssd.state_passing``, ``ssd.state_output``), the
 selective scan, the MoE routing and experts, the attention op. What no label claims inside a layer is
 listed as that layer's ``other`` (element-wise glue: splits, dt softplus, gating, RoPE, residual adds).
 

@@ -12,7 +12,7 @@ def test_profile_splits_time_by_layer_kind_and_part():
     for chunk in (None, 16):
         row = profile_one(model, 40, engine_chunk=chunk)
         parts = row["parts_ms"]
-        for key in ("mamba2 / ssd.intra_chunk", "mamba2 / ssd.inter_chunk", "mamba2 / conv1d",
+        for key in ("mamba2 / ssd.intra_chunk", "mamba2 / ssd.state_passing", "mamba2 / conv1d",
                     "mamba2 / gated_rmsnorm", "mamba2 / linear.in_proj", "mlp / linear.down_proj",
                     "attention / linear.q_proj", "pre-norms / rmsnorm"):
             assert parts.get(key, 0.0) > 0.0, (chunk, key, sorted(parts))
