@@ -4,12 +4,16 @@ Every aten op's self time is charged to the innermost label around it: the layer
 sub-layer it runs in (``mamba2``, ``mamba1``, ``attention``, ``mlp``, ``moe``; ``outside layers`` is the
 embedding, final norm and LM head), then inside it the named parts — each ``nn.Linear`` by its attribute
 name (``in_proj``, ``q_proj``, ...), the gated RMSNorm, the conv1d, the SSD stages (``ssd.intra_chunk``,
-``ssd.chunk_states``, ``ssd.state_passing``, ``ssd.state_output``), the selective scan, the MoE routing
-and experts, the attention op. What no label claims inside a layer is listed as that layer's ``other``
-(element-wise glue: splits, dt softplus, gating, RoPE, residual adds).
+``ssd.chunk_states``, ``ssd.state_passing``, ``ssd.state_output``), the
+selective scan, the MoE routing and experts, the attention op. What no label claims inside a layer is
+listed as that layer's ``other`` (element-wise glue: splits, dt softplus, gating, RoPE, residual adds).
 
     python -m hybrid.eval.profile_prefill --recipe mamba2-small hybrid-1to7-small --lengths 2048 8192
     python -m hybrid.eval.profile_prefill --recipe hybrid-1to7-small --lengths 32768 --engine-chunk 2048
+    python -m hybrid.eval.profile_prefill --recipe family:small:0:4 family:small:1:4 --engine-chunk 2048
+
+``family:SIZE:SHARE:BLOCKS`` is ``recipes.attention_family(SIZE, SHARE, BLOCKS)``, the tradeoff report's
+timed members (``family:small:0:4`` is its pure Mamba-2 member ``M-M-M-M-``).
 
 ``--engine-chunk N`` profiles a prompt through ``hybrid.Engine`` (the packed varlen path) in chunks of N
 tokens instead of one ``model(ids)`` forward. Each (recipe, length) also reports the process's peak
@@ -218,15 +222,31 @@ def format_report(name: str, dtype: str, row: dict) -> str:
     return "\n".join(lines)
 
 
-def _build(name: str, dtype: torch.dtype):
+def _config(name: str):
+    """A recipe name, or ``family:SIZE:SHARE:BLOCKS`` for a member of ``recipes.attention_family``."""
     from .. import recipes
+    if not name.startswith("family:"):
+        return recipes.get(name)
+    parts = name.split(":")[1:]
+    if len(parts) != 3:
+        raise ValueError(f"{name!r}: a family member is family:SIZE:SHARE:BLOCKS, e.g. family:small:0:4")
+    try:
+        share, blocks = float(parts[1]), int(parts[2])
+    except ValueError:
+        raise ValueError(f"{name!r}: SHARE must be a number in 0..1 and BLOCKS an integer") from None
+    return recipes.attention_family(parts[0], share, blocks)
+
+
+def _build(name: str, dtype: torch.dtype):
     from ..model import HybridLM
-    return HybridLM(recipes.get(name)).to(dtype).eval()
+    torch.manual_seed(0)
+    return HybridLM(_config(name)).to(dtype).eval()
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--recipe", nargs="+", required=True, help="recipe names, or all-small")
+    p.add_argument("--recipe", nargs="+", required=True,
+                   help="recipe names, all-small, or family:SIZE:SHARE:BLOCKS (an attention_family member)")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
@@ -238,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     from .. import recipes
     names = [n for n in recipes.names() if n.endswith("-small")] if args.recipe == ["all-small"] else args.recipe
     for n in names:
-        recipes.get(n)  # unknown names fail here, before any work
+        _config(n)  # unknown names fail here, before any work
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     todo = [(n, L) for n in names for L in sorted(args.lengths)]

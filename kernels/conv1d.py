@@ -31,16 +31,28 @@ def causal_conv1d_ref(x, weight, bias=None, *, initial_state=None, activation=No
 
 
 def _causal_conv1d_torch(x, weight, bias=None, *, initial_state=None, activation=None):
+    """K shifted multiply-adds in the model's channels-last layout [B, L, C].
+
+    A depthwise conv has K multiply-adds per element: it is bound by memory, not arithmetic. oneDNN's
+    grouped conv wants channels first, so it paid a transpose of the input and of the output (and ran a
+    slow depthwise kernel): ~10x the time of these K contiguous passes.
+    """
     b, L, Cn = x.shape
     K = weight.shape[1]
-    xt = x.transpose(1, 2)
-    prev = x.new_zeros(b, Cn, K - 1) if initial_state is None else initial_state.to(x.dtype)
-    xs = torch.cat([prev, xt], dim=-1)
-    # one grouped (depthwise) conv over every channel; bf16 only where the CPU has bf16 arithmetic
-    cd = matmul_dtype(x.dtype, x.device)
-    y = F.conv1d(xs.to(cd), weight[:, None, :].to(cd), None if bias is None else bias.to(cd), groups=Cn)
-    y = _ACTIVATIONS[activation](y).to(x.dtype)
-    return y.transpose(1, 2), xs[:, :, xs.shape[-1] - (K - 1):].contiguous()
+    cd = matmul_dtype(x.dtype, x.device)  # bf16 arithmetic only where the CPU has it
+    prev = x.new_zeros(b, K - 1, Cn) if initial_state is None else initial_state.to(x.dtype).transpose(1, 2)
+    xs = torch.cat([prev, x], dim=1).to(cd)  # [B, K-1+L, C]: the taps before the start come from the state
+    w = weight.to(cd).t()  # [K, C]
+    inplace = not needs_grad(x, weight, bias, initial_state)
+    y = xs[:, :L] * w[0]
+    for k in range(1, K):
+        y = y.addcmul_(xs[:, k:k + L], w[k]) if inplace else y + xs[:, k:k + L] * w[k]
+    if bias is not None:
+        y = y.add_(bias.to(cd)) if inplace else y + bias.to(cd)
+    if activation == "silu":
+        y = F.silu(y, inplace=inplace)
+    final = xs[:, xs.shape[1] - (K - 1):].transpose(1, 2).to(x.dtype).contiguous()  # [B, C, K-1]
+    return y.to(x.dtype), final
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

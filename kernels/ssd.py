@@ -9,6 +9,8 @@ Recurrence (per head h): ``s_t = exp(dt_t A) s_{t-1} + dt_t x_t B_t^T``, ``y_t =
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -22,9 +24,12 @@ from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2
 # per-head [T, T] decay work grows with T while the [H, P, N] chunk states shrink with it; 64 keeps both a
 # chunk's decay ([H, 64, 64], 0.4 MB fp32 at H=24) and its state in a core's L2 (eval/profile_prefill.py).
 _TORCH_CHUNK = 64
-# Tokens scanned at once: every temporary is sized by this block, not by the sequence, so a 64K prompt
-# costs the memory of a 1K one and the block's working set stays in the last-level cache.
-_TORCH_BLOCK = 512
+# Tokens scanned at once (all sequences of the batch together): every temporary is sized by this block,
+# not by the sequence, so a 64K prompt costs the memory of a 2K one (~130 MB of fp32 temporaries at
+# H=24, P=64, N=128). A block costs a fixed number of ops, so fewer, larger blocks mean fewer thread
+# sync points; on a loaded CPU each one can wait a scheduler slice. The engine's 2048-token steps are
+# one block each.
+_TORCH_BLOCK = 2048
 
 
 def ssd_scan_ref(x, dt, A, B, C, *, D=None, initial_state=None):
@@ -46,14 +51,43 @@ def ssd_scan_ref(x, dt, A, B, C, *, D=None, initial_state=None):
     return y.to(x.dtype), s
 
 
+# log of the smallest normal fp32: a decay below e^this would be a denormal, whose arithmetic costs
+# ~100x on x86 without flush-to-zero. Such a decay is set to exactly 0 instead: it differs from the true
+# value by less than 1.2e-38 of the state it scales, far below fp32 rounding of anything it is added to.
+_LOG_TINY = math.log(torch.finfo(torch.float32).tiny)
+
+
+def _decay_exp(t: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """exp(t) with what would underflow into the denormal range flushed to exact zeros (``t`` fp32)."""
+    if inplace:
+        return t.masked_fill_(t < _LOG_TINY, -math.inf).exp_()
+    return t.masked_fill(t < _LOG_TINY, -math.inf).exp()
+
+
+def _chunk_decays(chunk_total: torch.Tensor) -> torch.Tensor:
+    """[b, nc, H] log-decay of each chunk -> [b, H, nc+1, nc+1] with entry (i, j) = e^{sum of chunks j..i-1}
+    (1 on the diagonal, 0 above it). Summed as a masked cumsum, not as a difference of running sums, so
+    a long block's large running sums cost no precision; it is tiny (nc+1 squared per head)."""
+    b, nc, H = chunk_total.shape
+    x = F.pad(chunk_total.transpose(1, 2), (1, 0))  # [b, H, nc+1]: x_k = chunk k-1's log-decay, x_0 = 0
+    x = x[..., :, None].expand(b, H, nc + 1, nc + 1)  # [.., i, j] = x_i
+    below = torch.ones(nc + 1, nc + 1, dtype=torch.bool, device=x.device).tril_(-1)
+    seg = x.masked_fill(~below, 0.0).cumsum(-2)  # [.., i, j] = sum_{j < k <= i} x_k
+    on_or_below = torch.ones(nc + 1, nc + 1, dtype=torch.bool, device=x.device).tril_()
+    return _decay_exp(seg.masked_fill_(~on_or_below, -math.inf), True)
+
+
 def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
     """One block of n tokens from ``state`` [b, H, P, N] fp32 -> (y [b, n, H, P] fp32, state at its end).
 
-    Per chunk of T tokens with cs = cumsum(dt A) (fp32, restarted at the chunk start, non-increasing):
+    Per chunk of T tokens with cs = cumsum(dt A) (fp32, restarted at the chunk start):
       y_l   = sum_{s<=l} (C_l . B_s) e^{cs_l - cs_s} dt_s x_s  +  e^{cs_l} C_l . state  +  D x_l
       state = e^{cs_T} state + sum_s e^{cs_T - cs_s} dt_s x_s B_s^T
-    Each term is one batched matmul in ``mm`` (the block's chunks and groups are its batch); only the
-    hand-over of the state from chunk to chunk runs in sequence.
+    Every term is one batched op over all the block's chunks, the hand-over of the state from chunk to
+    chunk too: the state entering chunk c is sum_{c' <= c} e^{(decay of chunks c'..c-1)} (states made in
+    chunk c'-1, or the block's entering state for c' = 0), one small matmul per head. A block is a fixed
+    number of ops (~30) whatever its length: on a shared CPU each op is a sync point of the threads, so
+    the count of ops, not only their FLOPs, sets the time.
     """
     b, n, H, P = x.shape
     G, N = B.shape[2:]
@@ -73,42 +107,34 @@ def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
 
     with torch.profiler.record_function("ssd.intra_chunk"):
         CB = torch.matmul(Cc, Bc.transpose(-1, -2))  # [b, nc, G, T, T]
-        CB = CB.tril_() if inplace else CB.tril()
-        # e^{cs_l - cs_s}: the upper triangle (s > l) is clamped to e^0 = 1 before CB's zeros mask it,
-        # so no inf ever meets a 0
+        # e^{cs_l - cs_s} for s <= l; the upper triangle (s > l) is -inf before the exp, so exactly 0
+        # (and no inf ever meets a 0)
         decay = cs_h[..., :, None] - cs_h[..., None, :]  # [b, nc, H, T, T]
-        decay = decay.clamp_(max=0.0).exp_() if inplace else decay.clamp(max=0.0).exp()
-        decay = decay.view(b, nc, G, hpg, T, T)
+        upper = torch.ones(T, T, dtype=torch.bool, device=x.device).triu_(1)
+        decay = decay.masked_fill_(upper, -math.inf) if inplace else decay.masked_fill(upper, -math.inf)
+        decay = _decay_exp(decay, inplace).view(b, nc, G, hpg, T, T)
         M = decay.mul_(CB[:, :, :, None]) if inplace else decay * CB[:, :, :, None]
         xdt_h = xdt.view(b, nc, T, H, P).transpose(2, 3)  # [b, nc, H, T, P]
         y = torch.matmul(M.view(b, nc, H, T, T).to(mm), xdt_h)  # [b, nc, H, T, P]
 
     with torch.profiler.record_function("ssd.chunk_states"):
-        to_end = (cs[:, :, -1:] - cs).exp_()  # [b, nc, T, H]: decay from each token to its chunk's end
+        to_end = _decay_exp(cs[:, :, -1:] - cs, True)  # [b, nc, T, H]: decay from each token to its chunk's end
         xw = (xdt.view(b, nc, T, H, P) * to_end[..., None].to(mm)).view(b, nc, T, G, hpg * P)
         states = torch.matmul(xw.permute(0, 1, 3, 4, 2), Bc).float()  # [b, nc, G, hpg*P, N]
 
     with torch.profiler.record_function("ssd.state_passing"):
-        chunk_decay = cs[:, :, -1].exp()[..., None, None]  # [b, nc, H, 1, 1]
-        states = states.view(b, nc, H, P, N)
-        if inplace:  # each chunk's entering state written straight into its row: no stacking copy
-            entering = torch.empty_like(states)
-            entering[:, 0] = state
-            for c in range(nc - 1):
-                torch.addcmul(states[:, c], entering[:, c], chunk_decay[:, c], out=entering[:, c + 1])
-            state = torch.addcmul(states[:, -1], entering[:, -1], chunk_decay[:, -1])
-        else:
-            rows = []
-            for c in range(nc):
-                rows.append(state)
-                state = torch.addcmul(states[:, c], state, chunk_decay[:, c])
-            entering = torch.stack(rows, 1)
-        entering = entering.view(b, nc, G, hpg * P, N)
+        made = torch.cat([state.reshape(b, 1, H, P * N), states.view(b, nc, H, P * N)], 1)  # [b, nc+1, H, PN]
+        # [b, H, nc+1, PN]: row c is the state entering chunk c (row nc: leaving the block)
+        passed = torch.matmul(_chunk_decays(cs[:, :, -1]), made.transpose(1, 2))
+        state = passed[:, :, -1].reshape(b, H, P, N)
+        entering = passed[:, :, :-1].transpose(1, 2).reshape(b, nc, G, hpg * P, N)
 
     with torch.profiler.record_function("ssd.state_output"):
         y_state = torch.matmul(Cc, entering.transpose(-1, -2).to(mm))  # [b, nc, G, T, hpg*P]
-        y_tok = y_state.view(b, nc, G, T, hpg, P).permute(0, 1, 3, 2, 4, 5).reshape(b, nc, T, H, P).float()
-        y_tok = y_tok.mul_(cs.exp()[..., None]) if inplace else y_tok * cs.exp()[..., None]
+        y_tok = y_state.view(b, nc, G, T, hpg, P).permute(0, 1, 3, 2, 4, 5).float().contiguous()
+        y_tok = y_tok.view(b, nc, T, H, P)
+        at_start = _decay_exp(cs.clone(), True)[..., None]  # [b, nc, T, H, 1]
+        y_tok = y_tok.mul_(at_start) if inplace else y_tok * at_start
         y_tok = y_tok.add_(y.transpose(2, 3)) if inplace else y_tok + y.transpose(2, 3)
         y_tok = y_tok.view(b, nc * T, H, P)[:, :n]
         if D is not None:
@@ -120,7 +146,7 @@ def _ssd_chunk_scan_torch(x, dt, A, B, C, *, chunk_size, D=None, initial_state=N
     b, L, H, P = x.shape
     N = B.shape[3]
     T = max(1, min(chunk_size, _TORCH_CHUNK, L))
-    block = max(T, _TORCH_BLOCK // T * T)
+    block = max(T, _TORCH_BLOCK // b // T * T)
     mm = matmul_dtype(x.dtype, x.device)
     inplace = not needs_grad(x, dt, A, B, C, D, initial_state)
     state = (torch.zeros(b, H, P, N, device=x.device) if initial_state is None

@@ -1,5 +1,6 @@
 """The prefill profile charges time to layer kinds and their named parts, forward and engine alike."""
 
+import pytest
 import torch
 from hybrid.eval.profile_prefill import format_report, profile_one
 
@@ -21,3 +22,15 @@ def test_profile_splits_time_by_layer_kind_and_part():
     assert not model.layers[0].mixer._forward_hooks and "forward_packed" not in vars(model.layers[0].mixer)
     with torch.inference_mode():
         assert model(torch.randint(0, 256, (1, 5))).shape == (1, 5, 256)
+
+
+def test_family_members_are_named_like_recipes():
+    from hybrid.eval.profile_prefill import _config
+
+    assert _config("family:tiny:0:4").pattern == recipes.attention_family("tiny", 0.0, 4).pattern
+    assert _config("family:tiny:1:2").pattern == "*-*-"
+    assert _config("mamba2-tiny") == recipes.get("mamba2-tiny")
+    with pytest.raises(ValueError, match="family:SIZE:SHARE:BLOCKS"):
+        _config("family:tiny:0")
+    with pytest.raises(ValueError, match="SHARE must be a number"):
+        _config("family:tiny:half:4")
