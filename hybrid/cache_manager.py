@@ -162,10 +162,7 @@ class CacheManager:
         if match is not None:
             node = match.node
             if self.kv.enabled and len(node.tokens) % self.block_size:  # partial block: copy, then append
-                dst = blocks[len(shared)]
-                for k_pool, v_pool in self.kv.pools.values():
-                    k_pool[dst].copy_(k_pool[node.block])
-                    v_pool[dst].copy_(v_pool[node.block])
+                self.kv.copy_block(node.block, blocks[len(shared)])
             if node.checkpoint is not None:
                 self.prefix.checkpoints.load(node.checkpoint, slot)
             seq.cursor = node if len(node.tokens) == self.block_size or node is self.prefix.root else node.parent
@@ -256,9 +253,7 @@ class CacheManager:
                 self.kv.allocator.share(b)
         if partial:
             (fresh,) = self.kv.allocator.allocate(1)
-            for k_pool, v_pool in self.kv.pools.values():
-                k_pool[fresh].copy_(k_pool[blocks[-1]])
-                v_pool[fresh].copy_(v_pool[blocks[-1]])
+            self.kv.copy_block(blocks[-1], fresh)
             blocks[-1] = fresh
         slot = self.ssm.allocate()
         self.ssm.copy(src.slot, slot)

@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import kernels
 from ..config import HybridConfig, Mamba1Config
-from ..specs import CacheDtypes, MambaStateSpec
+from ..specs import CacheDtypes, MambaStateSpec, state_scale_groups
 from .mamba2 import init_dt_bias
 from .norm import RMSNorm
 
@@ -24,8 +24,10 @@ class Mamba1(nn.Module):
     @staticmethod
     def cache_spec(cfg: HybridConfig, dtypes: CacheDtypes) -> MambaStateSpec:
         m = cfg.mamba1
+        # no heads: one scale per 16 channels (a Mamba-2 head's worth of rows, in elements, is far more)
+        groups = state_scale_groups(m.d_inner, m.d_inner // 16)
         return MambaStateSpec(conv_shape=(m.d_inner, m.d_conv - 1), ssm_shape=(m.d_inner, m.d_state),
-                              conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm)
+                              conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm, conv_groups=groups, ssm_groups=groups)
 
     def __init__(self, d_model: int, cfg: Mamba1Config, norm_eps: float = 1e-5):
         super().__init__()
@@ -77,7 +79,7 @@ class Mamba1(nn.Module):
         y, _ = kernels.selective_scan(x, dt, self.A(), B, C, D=self.D)
         return self.out_proj(y * F.silu(z))
 
-    def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
+    def forward_packed(self, u: torch.Tensor, batch, conv_pool, ssm_pool) -> torch.Tensor:
         """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model];
         states in the sequences' rows of the pools (step ops for ``batch.decode``, varlen scans for
         ``batch.prefill``), as in :meth:`Mamba2.forward_packed`."""
@@ -86,18 +88,18 @@ class Mamba1(nn.Module):
         ys = []
         if (d := batch.decode) is not None:
             slots = d.state_slots
-            xd = kernels.causal_conv1d_step(conv_pool, x[d.tokens], w, bias, activation="silu", slots=slots)
+            xd = conv_pool.step(kernels.causal_conv1d_step, x[d.tokens], w, bias, activation="silu", slots=slots)
             dt, B, C = self.dt_B_C(xd)
-            ys.append(kernels.selective_step(ssm_pool, xd, dt, self.A(), B, C, D=self.D, slots=slots))
+            ys.append(ssm_pool.step(kernels.selective_step, xd, dt, self.A(), B, C, D=self.D, slots=slots))
         if (p := batch.prefill) is not None:
             slots, cu = p.state_slots, p.cu_seqlens
-            xp, conv_final = kernels.causal_conv1d_varlen(x[p.tokens], w, bias, cu, initial_states=conv_pool[slots],
-                                                          activation="silu")
-            conv_pool[slots] = conv_final.to(conv_pool.dtype)
+            xp, conv_final = kernels.causal_conv1d_varlen(x[p.tokens], w, bias, cu,
+                                                          initial_states=conv_pool.read(slots), activation="silu")
+            conv_pool.write(slots, conv_final)
             dt, B, C = self.dt_B_C(xp)
             y, ssm_final = kernels.selective_varlen_scan(xp, dt, self.A(), B, C, cu, D=self.D,
-                                                         initial_states=ssm_pool[slots])
-            ssm_pool[slots] = ssm_final.to(ssm_pool.dtype)
+                                                         initial_states=ssm_pool.read(slots))
+            ssm_pool.write(slots, ssm_final)
             ys.append(y)
         y = torch.cat(ys) if len(ys) > 1 else ys[0]
         return self.out_proj(y * F.silu(z))

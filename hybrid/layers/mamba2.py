@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import kernels
 from ..config import HybridConfig, Mamba2Config
-from ..specs import CacheDtypes, MambaStateSpec
+from ..specs import CacheDtypes, MambaStateSpec, state_scale_groups
 from .norm import GatedRMSNorm
 
 
@@ -35,7 +35,8 @@ class Mamba2(nn.Module):
     def cache_spec(cfg: HybridConfig, dtypes: CacheDtypes) -> MambaStateSpec:
         m = cfg.mamba2
         return MambaStateSpec(conv_shape=(m.conv_dim, m.d_conv - 1), ssm_shape=(m.n_heads, m.head_dim, m.d_state),
-                              conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm)
+                              conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm,
+                              conv_groups=state_scale_groups(m.conv_dim, m.n_heads), ssm_groups=m.n_heads)
 
     def __init__(self, d_model: int, cfg: Mamba2Config, norm_eps: float = 1e-5):
         super().__init__()
@@ -93,32 +94,34 @@ class Mamba2(nn.Module):
         y = self.norm(y.reshape(Bsz, L, self.d_inner), z)
         return self.out_proj(y)
 
-    def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
+    def forward_packed(self, u: torch.Tensor, batch, conv_pool, ssm_pool) -> torch.Tensor:
         """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
 
         Each sequence starts from and leaves its state in its rows (``state_slots``) of the pools: the
         one-token sequences (``batch.decode``) take the O(1) step ops, the rest (``batch.prefill``) run
-        the varlen conv and SSD scan from their slot's state (zero for a fresh sequence).
+        the varlen conv and SSD scan from their slot's state (zero for a fresh sequence). The pools are
+        :class:`hybrid.cache.StatePool` objects: rows are read, written and stepped through them (int8 /
+        bf16 state is dequantised / quantised there).
         """
         z, xBC, dt_raw = self.split_projection(self.in_proj(u))
         w, bias = self.conv1d.weight[:, 0], self.conv1d.bias
         ys = []
         if (d := batch.decode) is not None:
             slots = d.state_slots
-            xBC_d = kernels.causal_conv1d_step(conv_pool, xBC[d.tokens], w, bias, activation="silu", slots=slots)
+            xBC_d = conv_pool.step(kernels.causal_conv1d_step, xBC[d.tokens], w, bias, activation="silu", slots=slots)
             x, B, C = self.split_xBC(xBC_d)
             dt, A = self.dt_A(dt_raw[d.tokens])
-            ys.append(kernels.ssd_step(ssm_pool, x, dt, A, B, C, D=self.D, slots=slots))
+            ys.append(ssm_pool.step(kernels.ssd_step, x, dt, A, B, C, D=self.D, slots=slots))
         if (p := batch.prefill) is not None:
             slots, cu = p.state_slots, p.cu_seqlens
             xBC_p, conv_final = kernels.causal_conv1d_varlen(xBC[p.tokens], w, bias, cu,
-                                                             initial_states=conv_pool[slots], activation="silu")
-            conv_pool[slots] = conv_final.to(conv_pool.dtype)
+                                                             initial_states=conv_pool.read(slots), activation="silu")
+            conv_pool.write(slots, conv_final)
             x, B, C = self.split_xBC(xBC_p)
             dt, A = self.dt_A(dt_raw[p.tokens])
             y, ssm_final = kernels.ssd_varlen_scan(x, dt, A, B, C, cu, chunk_size=self.cfg.chunk_size, D=self.D,
-                                                   initial_states=ssm_pool[slots])
-            ssm_pool[slots] = ssm_final.to(ssm_pool.dtype)
+                                                   initial_states=ssm_pool.read(slots))
+            ssm_pool.write(slots, ssm_final)
             ys.append(y)
         y = torch.cat(ys) if len(ys) > 1 else ys[0]
         return self.out_proj(self.norm(y.reshape(u.shape[0], self.d_inner), z))
