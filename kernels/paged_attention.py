@@ -42,13 +42,15 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: tor
 
 def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, n: int, scale: torch.Tensor | None = None,
               dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The first ``n`` cached tokens of one sequence, contiguous: [n, Hkv, D] (a copy of n tokens); a
-    quantised pool's pages are dequantised with their block ``scale`` into ``dtype`` (default fp32)."""
+    """The first ``n`` cached tokens of one sequence, contiguous: [n, Hkv, D] (a copy of n tokens), in
+    ``dtype`` when given; a quantised pool's pages are dequantised with their block ``scale`` (default fp32)."""
     bs = pool.shape[1]
     blocks = block_table[: (n + bs - 1) // bs].long()
     pages = pool[blocks]
     if scale is not None:
         pages = kv_quant.dequantize_pages(pages, scale[blocks], dtype or torch.float32)
+    elif dtype is not None:
+        pages = pages.to(dtype)  # a float pool in another dtype than the queries (bf16 K/V, fp32 model)
     return pages.reshape(-1, *pool.shape[2:])[:n]
 
 
