@@ -98,6 +98,8 @@ class PagedKVCache:
         self.layer_indices = sorted(layers)
         self.block_size = block_size
         self.window = spec.window
+        self.sinks = 0  # StreamingLLM pruning (set_pruning): the first `sinks` tokens stay beside the window
+        self.pruning = None
         self.num_blocks = num_blocks if layers else 0
         physical = self.num_blocks + 1 if layers else 0  # + the null block
         self.pools = {i: tuple(torch.zeros(s.pool_shape(physical, block_size), dtype=s.dtype, device=device)
@@ -115,9 +117,19 @@ class PagedKVCache:
     def quantized(self) -> bool:
         return bool(self.scales)
 
-    def layer_pools(self, i: int) -> tuple[torch.Tensor, ...]:
-        """What attention layer ``i``'s ``forward_packed`` takes: (k_pool, v_pool[, k_scale, v_scale])."""
-        return (*self.pools[i], *self.scales.get(i, ()))
+    def layer_pools(self, i: int) -> tuple:
+        """What attention layer ``i``'s ``forward_packed`` takes: (k_pool, v_pool[, k_scale, v_scale]), and with
+        a pruning policy the scales (or None) and the visible span ``(window, sinks)``."""
+        if self.pruning is None:
+            return (*self.pools[i], *self.scales.get(i, ()))
+        return (*self.pools[i], *self.scales.get(i, (None, None)), (self.window, self.sinks))
+
+    def set_pruning(self, policy) -> None:
+        """Attend only to ``policy.sinks`` first tokens and the last ``policy.window`` (a
+        :class:`hybrid.kv_pruning.StreamingLLM`): blocks between go back to the pool as sequences grow."""
+        self.pruning = policy
+        self.window = policy.window if self.window is None else min(self.window, policy.window)
+        self.sinks = policy.sinks
 
     def _reset_scales(self, blocks: list[int]) -> None:
         # a block handed out afresh starts with scale 0 (its first write sets it), not its last owner's
@@ -152,8 +164,8 @@ class PagedKVCache:
         full = self.blocks_for(n_tokens)
         if self.window is None:
             return full
-        # window - 1 visible earlier tokens + the chunk, over at most one partial block at each end
-        return min(full, self.blocks_for(self.window - 1 + min(chunk, n_tokens)) + 1)
+        # window - 1 visible earlier tokens + the chunk, over at most one partial block at each end (+ the sinks')
+        return min(full, self.blocks_for(self.window - 1 + min(chunk, n_tokens)) + 1 + self.blocks_for(self.sinks))
 
     @property
     def bytes_total(self) -> int:

@@ -210,7 +210,8 @@ class CacheManager:
         if window is None:
             return
         table = self.seqs[seq_id].blocks
-        dead = [j for j in range(min(len(table), max(0, next_pos - window + 1) // self.block_size))
+        sink_blocks = self.kv.blocks_for(self.kv.sinks)  # StreamingLLM: the sinks' blocks stay (0 otherwise)
+        dead = [j for j in range(sink_blocks, min(len(table), max(0, next_pos - window + 1) // self.block_size))
                 if table[j] != NULL_BLOCK]
         self.kv.allocator.release([table[j] for j in dead])
         for j in dead:

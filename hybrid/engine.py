@@ -106,7 +106,8 @@ class Engine:
     (``"float32"``, ``"bfloat16"``, ``"int8"``) compress the cache the engine builds (None: K/V in the
     model's dtype, SSM state fp32; see :func:`hybrid.cache.cache_dtypes`); the state set aside for
     ``max_seqs`` sequences is paid first from the one byte budget, the KV pool gets the rest.
-    ``stochastic_state`` rounds int8 / bf16 state writes stochastically.
+    ``stochastic_state`` rounds int8 / bf16 state writes stochastically. ``kv_pruning`` (a
+    :class:`hybrid.kv_pruning.StreamingLLM`) keeps only attention sinks + a recent window per sequence.
     """
 
     def __init__(self, model, *, cache: HybridCache | None = None, num_blocks: int | None = None,
@@ -115,7 +116,7 @@ class Engine:
                  compile_backend: str = "inductor", prefix_caching: bool = False,
                  prefix_state_bytes: int | None = None, prefix_checkpoint_interval: int | None = None,
                  prefix_flop_weight: float = 1.0, kv_dtype: str | torch.dtype | None = None,
-                 state_dtype: str | torch.dtype | None = None, stochastic_state: bool = False):
+                 state_dtype: str | torch.dtype | None = None, stochastic_state: bool = False, kv_pruning=None):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.model = model.eval()
@@ -129,6 +130,12 @@ class Engine:
         elif kv_dtype is not None or state_dtype is not None or stochastic_state:
             raise ValueError("kv_dtype / state_dtype / stochastic_state shape the cache the engine builds; with "
                              "cache= pass them to that HybridCache instead")
+        if kv_pruning is not None:
+            if prefix_caching:
+                raise ValueError("kv_pruning with prefix_caching is not supported: a pruned sequence's blocks are "
+                                 "not the prompt's whole prefix; turn one of them off")
+            cache.kv.set_pruning(kv_pruning)
+            cache.layer_pools.update({i: cache.kv.layer_pools(i) for i in cache.kv.pools})
         self.cache = cache
         prefix = None
         if prefix_caching:

@@ -15,12 +15,13 @@ gather, the Triton kernels load codes and scales and dequantise in registers.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from . import cuda_backend, dispatch, kv_quant, triton_support
-from .attention import _LOG2E, causal_attention, causal_attention_ref, flash_attention_triton
+from .attention import _LOG2E, causal_attention, causal_attention_ref, causal_mask, flash_attention_triton
 from .packing import check_cu_seqlens, host_values, sequences, with_host_values
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl
 
@@ -54,8 +55,26 @@ def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, n: int, scale: torc
     return pages.reshape(-1, *pool.shape[2:])[:n]
 
 
+def sink_attention(q, k, v, *, window=None, scale=None, sinks=0):
+    """Causal attention where each query sees its last ``window`` keys and the first ``sinks`` keys of the
+    sequence (StreamingLLM's attention sinks): q [1, Lq, Hq, D], k, v [1, Lk, Hkv, D], the queries the last Lq
+    positions. Naive fp32 softmax; the reference and the torch path of the pruned cache."""
+    _, Lq, Hq, D = q.shape
+    Lk = k.shape[1]
+    rep = Hq // k.shape[2]
+    mask = causal_mask(Lq, Lk, window, q.device)
+    kpos = torch.arange(Lk, device=q.device)[None, :]
+    mask |= (kpos < sinks) & (kpos <= torch.arange(Lk - Lq, Lk, device=q.device)[:, None])
+    s = torch.einsum("blhd,bshd->bhls", q.float(), k.float().repeat_interleave(rep, dim=2))
+    s = (s * (D ** -0.5 if scale is None else scale)).masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("bhls,bshd->blhd", p, v.float().repeat_interleave(rep, dim=2)).to(q.dtype)
+
+
 def _per_sequence(attend, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window, scale,
-                  k_scale=None, v_scale=None):
+                  k_scale=None, v_scale=None, sinks=0):
+    if sinks:
+        attend = functools.partial(sink_attention, sinks=sinks)
     out = torch.empty_like(q)
     cu = host_values(cu_seqlens_q)
     for b, n in enumerate(host_values(seq_lens)):
@@ -66,16 +85,16 @@ def _per_sequence(attend, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_table
 
 
 def paged_prefill_attention_ref(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, *, window=None,
-                                scale=None, k_scale=None, v_scale=None):
+                                scale=None, k_scale=None, v_scale=None, sinks=0):
     """Naive reference: gather each sequence's history (dequantised), softmax(QK^T)V with the causal mask."""
     return _per_sequence(causal_attention_ref, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables,
-                         window, scale, k_scale, v_scale)
+                         window, scale, k_scale, v_scale, sinks)
 
 
 def _paged_prefill_attention_torch(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, *, window=None,
-                                   scale=None, k_scale=None, v_scale=None):
+                                   scale=None, k_scale=None, v_scale=None, sinks=0):
     return _per_sequence(causal_attention, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables,
-                         window, scale, k_scale, v_scale)
+                         window, scale, k_scale, v_scale, sinks)
 
 
 def _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale=None, v_scale=None):
@@ -98,15 +117,21 @@ def _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale=None, v_scal
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, *,
                             window: int | None = None, scale: float | None = None,
-                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                            sinks: int = 0) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged history.
 
     q: [T, Hq, D]; pools [NB, BS, Hkv, D]; cu_seqlens_q: [B+1]; seq_lens: [B] (history + new);
     block_tables: [B, MB] -> [T, Hq, D]. The new tokens of sequence b are its last
     ``cu_seqlens_q[b+1] - cu_seqlens_q[b]`` positions, so this serves whole prompts, chunks of a
     prompt on top of earlier chunks, and (one token each) decode. Quantised pools pass their block scales.
+    ``sinks``: the first ``sinks`` tokens stay visible beside the window (StreamingLLM, :mod:`hybrid.kv_pruning`;
+    the torch path only: the Triton and flash-attn kernels have no sinks).
     """
     _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale, v_scale)
+    if sinks:
+        return _paged_prefill_attention_torch(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window=window,
+                                              scale=scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     if k_scale is None:
         _, fn = dispatch.choose("paged_prefill_attention", q.device.type)
         return fn(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window=window, scale=scale)
@@ -125,15 +150,15 @@ def _quantized_impl(op: str, device_type: str):
 
 
 def paged_decode_attention_ref(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
-                               k_scale=None, v_scale=None):
+                               k_scale=None, v_scale=None, sinks=0):
     """Reference: decode is a prefill of one new token per sequence."""
     cu = torch.arange(q.shape[0] + 1, device=q.device, dtype=torch.int32)
     return paged_prefill_attention_ref(q, k_pool, v_pool, cu, seq_lens, block_tables, window=window, scale=scale,
-                                       k_scale=k_scale, v_scale=v_scale)
+                                       k_scale=k_scale, v_scale=v_scale, sinks=sinks)
 
 
 def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
-                                  k_scale=None, v_scale=None):
+                                  k_scale=None, v_scale=None, sinks=0):
     # Batched over sequences: walk the block tables a group of columns at a time with an online
     # softmax, so K/V are read through the tables and at most `group_tokens` positions per
     # sequence are gathered at once (never a padded copy of every whole history), and there is
@@ -147,7 +172,7 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
     if B < per_sequence_below and not compiling:
         cu = with_host_values(torch.arange(B + 1, device=q.device, dtype=torch.int32), tuple(range(B + 1)))
         return _paged_prefill_attention_torch(q, k_pool, v_pool, cu, seq_lens, block_tables, window=window,
-                                              scale=scale, k_scale=k_scale, v_scale=v_scale)
+                                              scale=scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     BS, Hkv = k_pool.shape[1], k_pool.shape[2]
     rep = Hq // Hkv
     qf = q.float().view(B, Hkv, rep, D) * (D ** -0.5 if scale is None else scale)
@@ -157,21 +182,25 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
     l = torch.zeros(B, Hkv, rep, device=q.device)
     acc = torch.zeros(B, Hkv, rep, D, device=q.device)
     cols = max(1, group_tokens // BS)
+    sink_cols = -(-sinks // BS)  # the sink blocks, then the window's: the freed blocks between are never read
     if compiling:
-        col_range = range(0, block_tables.shape[1], cols)
+        spans = [(c0, min(c0 + cols, block_tables.shape[1])) for c0 in range(0, block_tables.shape[1], cols)]
     else:
         lens_host = host_values(seq_lens)
         lo = min(max(0, n - window) for n in lens_host) if window is not None else 0
-        col_range = range(lo // BS, -(-max(lens_host) // BS), cols)
-    for c0 in col_range:
-        blocks = block_tables[:, c0:c0 + cols].long()
+        hi = -(-max(lens_host) // BS)
+        start = max(lo // BS, sink_cols) if sinks else lo // BS
+        spans = ([(c0, min(c0 + cols, sink_cols, hi)) for c0 in range(0, min(sink_cols, hi), cols)]
+                 + [(c0, min(c0 + cols, hi)) for c0 in range(start, hi, cols)])
+    for c0, c1 in spans:
+        blocks = block_tables[:, c0:c1].long()
         g = blocks.shape[1]
         k = kv_quant.dequantize_pages(k_pool[blocks], None if k_scale is None else k_scale[blocks],
                                       torch.float32).view(B, g * BS, Hkv, D)
         v = kv_quant.dequantize_pages(v_pool[blocks], None if v_scale is None else v_scale[blocks],
                                       torch.float32).view(B, g * BS, Hkv, D)
         pos = torch.arange(c0 * BS, (c0 + g) * BS, device=q.device)
-        visible = (pos[None] < lens[:, None]) & (pos[None] >= first[:, None])  # [B, t]
+        visible = (pos[None] < lens[:, None]) & ((pos[None] >= first[:, None]) | (pos[None] < sinks))  # [B, t]
         s = torch.einsum("bhrd,bthd->bhrt", qf, k).masked_fill(~visible[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet
@@ -186,10 +215,13 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, *, window: int | None = None,
                            scale: float | None = None, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, sinks: int = 0) -> torch.Tensor:
     """One new token per sequence over its paged history. q: [B, Hq, D] -> [B, Hq, D]. Quantised pools
-    pass their block scales."""
+    pass their block scales; ``sinks`` as in :func:`paged_prefill_attention` (torch path)."""
     _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale, v_scale)
+    if sinks:
+        return _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale,
+                                             k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     if k_scale is None:
         _, fn = dispatch.choose("paged_decode_attention", q.device.type)
         return fn(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale)
