@@ -79,7 +79,7 @@ class Mamba1(nn.Module):
         y, _ = kernels.selective_scan(x, dt, self.A(), B, C, D=self.D)
         return self.out_proj(y * F.silu(z))
 
-    def forward_packed(self, u: torch.Tensor, batch, conv_pool, ssm_pool) -> torch.Tensor:
+    def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
         """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model];
         states in the sequences' rows of the pools (step ops for ``batch.decode``, varlen scans for
         ``batch.prefill``), as in :meth:`Mamba2.forward_packed`."""

@@ -94,14 +94,12 @@ class Mamba2(nn.Module):
         y = self.norm(y.reshape(Bsz, L, self.d_inner), z)
         return self.out_proj(y)
 
-    def forward_packed(self, u: torch.Tensor, batch, conv_pool, ssm_pool) -> torch.Tensor:
+    def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
         """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
 
         Each sequence starts from and leaves its state in its rows (``state_slots``) of the pools: the
         one-token sequences (``batch.decode``) take the O(1) step ops, the rest (``batch.prefill``) run
-        the varlen conv and SSD scan from their slot's state (zero for a fresh sequence). The pools are
-        :class:`hybrid.cache.StatePool` objects: rows are read, written and stepped through them (int8 /
-        bf16 state is dequantised / quantised there).
+        the varlen conv and SSD scan from their slot's state (zero for a fresh sequence).
         """
         z, xBC, dt_raw = self.split_projection(self.in_proj(u))
         w, bias = self.conv1d.weight[:, 0], self.conv1d.bias
