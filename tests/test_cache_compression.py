@@ -295,3 +295,14 @@ def test_prefix_cache_checkpoints_keep_codes_and_scales(kv, state):
     assert r.prefix_state_bytes == r.prefix_checkpoints * r.state_bytes_per_sequence
     saved = next(iter(e.cache.prefix.checkpoints.saved.values()))
     assert saved[0][1][0].dtype == (torch.int8 if state == "int8" else torch.bfloat16)
+
+
+def test_hybrid_info_reports_bytes_at_the_cache_dtypes(capsys):
+    from hybrid.cli import main
+
+    main(["info", "--recipe", "jamba-tiny", "--kv-dtype", "int8", "--state-dtype", "int8", "--seq-len", "100"])
+    out = capsys.readouterr().out
+    cfg = recipes.get("jamba-tiny")
+    spec = HybridCache(cfg, num_blocks=0, kv_dtype="int8", conv_dtype="int8", ssm_dtype="int8", device="meta").spec
+    assert "KV_bytes/token(int8/int8)" in out and f"| {spec.state_bytes_per_sequence} " in out
+    assert str(round(spec.kv_bytes_per_token_with_scales(16), 2)) in out
