@@ -92,6 +92,43 @@ def decode_rows(batch: int, context: int, steps: int, dtype: torch.dtype) -> lis
     return rows
 
 
+def layer_decode_rows(batch: int, context: int, repeats: int, dtype: torch.dtype) -> list[dict]:
+    """One attention layer and one Mamba-2 layer of ``hybrid-1to7-small`` taking a decode step of ``batch``
+    sequences at ``context`` tokens, per cache dtype: the minimum of ``repeats`` runs (the least disturbed
+    by other work on a shared machine), the layer alone (no weights-bound MLP or head around it)."""
+    cfg = recipes.get("hybrid-1to7-small")
+    torch.manual_seed(0)
+    model = HybridLM(cfg).to(dtype).eval()
+    attn_i = next(i for i, k in enumerate(cfg.layer_kinds) if k == "attention")
+    mamba_i = next(i for i, k in enumerate(cfg.layer_kinds) if k == "mamba2")
+    rows = []
+    for kv, state in PAIRS:
+        d = cache_dtypes(dtype, kv, state)
+        cache = HybridCache.for_model(model, num_blocks=batch * -(-(context + 1) // 16) + 1, block_size=16,
+                                      max_seqs=batch, kv_dtype=d.kv, conv_dtype=d.conv, ssm_dtype=d.ssm)
+        manager = CacheManager(cache)
+        for b in range(batch):
+            manager.admit(b, context + 1)
+        chunks = [SeqChunk(b, [1], context) for b in range(batch)]
+        pb = build_batch(manager, chunks)
+        x = torch.randn(batch, cfg.d_model, dtype=dtype)
+        row = {"kv": kv, "state": state, "batch": batch, "context": context}
+        for name, i in (("attention", attn_i), ("mamba2", mamba_i)):
+            mixer = model.layers[i].mixer
+            times = []
+            with torch.inference_mode():
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    mixer.forward_packed(x, pb.with_rope(None), *cache.layer_pools[i])
+                    times.append(time.perf_counter() - t0)
+            row[f"{name}_ms_min"] = round(1e3 * min(times[1:]), 2)
+        rows.append(row)
+    for r in rows:
+        r["attention_vs_bf16"] = round(rows[0]["attention_ms_min"] / r["attention_ms_min"], 3)
+        r["mamba2_vs_fp32"] = round(rows[0]["mamba2_ms_min"] / r["mamba2_ms_min"], 3)
+    return rows
+
+
 # ---- accuracy --------------------------------------------------------------------------------------
 
 def train_models(directory: Path, progress: bool = True) -> dict[str, HybridLM]:
@@ -199,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-ctx", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--decode-dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--skip", nargs="*", default=[], choices=["capacity", "decode", "accuracy"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["capacity", "decode", "accuracy", "engine_decode"])
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.output)
@@ -222,11 +259,16 @@ def main(argv: list[str] | None = None) -> None:
         print("\n# state rounding (K/V fp32)\n")
         print(format_table(rounding))
     if "decode" not in args.skip:
-        result["decode"] = decode_rows(args.decode_batch, args.decode_ctx, args.decode_steps,
-                                       getattr(torch, args.decode_dtype))
+        result["decode"] = [] if "engine_decode" in args.skip else decode_rows(
+            args.decode_batch, args.decode_ctx, args.decode_steps, getattr(torch, args.decode_dtype))
         print(f"\n# decode at batch {args.decode_batch}, context {args.decode_ctx}, model {args.decode_dtype}, "
               f"{args.threads} threads (ms per step: min / median / max)\n")
         print(format_table(result["decode"]))
+        result["layer_decode"] = layer_decode_rows(args.decode_batch, 4 * args.decode_ctx, 20,
+                                                   getattr(torch, args.decode_dtype))
+        print(f"\n# one layer's decode step (min of 20), batch {args.decode_batch}, context {4 * args.decode_ctx}; "
+              "vs = speed relative to (bf16 KV, fp32 state)\n")
+        print(format_table(result["layer_decode"]))
     (out / "compression.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"\nwrote {out / 'compression.json'}")
 
