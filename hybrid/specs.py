@@ -76,8 +76,9 @@ class MambaStateSpec:
     ssm_shape: tuple[int, ...]
     conv_dtype: torch.dtype
     ssm_dtype: torch.dtype
-    # int8 rows carry one fp32 scale per group: equal slices of the row along its leading dimension
-    # (Mamba-2: the heads; see state_scale_groups); unused for float dtypes
+    # int8 rows carry one fp32 scale per group: equal slices of the row along its leading dimensions
+    # (Mamba-2: SSM state per head and head_dim row, conv state per head; see state_scale_groups); unused
+    # for float dtypes
     conv_groups: int = 1
     ssm_groups: int = 1
 

@@ -36,7 +36,9 @@ class Mamba2(nn.Module):
         m = cfg.mamba2
         return MambaStateSpec(conv_shape=(m.conv_dim, m.d_conv - 1), ssm_shape=(m.n_heads, m.head_dim, m.d_state),
                               conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm,
-                              conv_groups=state_scale_groups(m.conv_dim, m.n_heads), ssm_groups=m.n_heads)
+                              # int8: one scale per head and head_dim row of the SSM state (per head alone
+                              # measured 3x the logit KL, eval/compression_bench.py), per head of the conv state
+                              conv_groups=state_scale_groups(m.conv_dim, m.n_heads), ssm_groups=m.n_heads * m.head_dim)
 
     def __init__(self, d_model: int, cfg: Mamba2Config, norm_eps: float = 1e-5):
         super().__init__()
