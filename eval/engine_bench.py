@@ -95,13 +95,14 @@ def prefill_speed(model: HybridLM, context: int, repeats: int) -> dict:
     return {"context": context, **s, "prefill_tok/s": round(context / (s["ms_med"] / 1e3), 1)}
 
 
-def decode_engine(model: HybridLM, batch: int, context: int, *, steps: int, compile: bool, warmup: int) -> Engine:
+def decode_engine(model: HybridLM, batch: int, context: int, *, steps: int, compile: bool, warmup: int,
+                  kv_dtype: str | None = None, state_dtype: str | None = None) -> Engine:
     """An engine holding ``batch`` sequences of ``context`` tokens, all decoding (compiled steps warmed up),
-    with room for ``steps`` more timed steps."""
+    with room for ``steps`` more timed steps; cache dtypes as ``Engine`` takes them (None: the defaults)."""
     new = warmup + steps + 2
     blocks = -(-(context + new) // BLOCK) + (batch - 1) * (-(-new // BLOCK) + 1)  # shared prompt + own tails
     engine = Engine(model, num_blocks=blocks, block_size=BLOCK, max_seqs=batch, max_batch_tokens=max(context, 1),
-                    compile=compile)
+                    compile=compile, kv_dtype=kv_dtype, state_dtype=state_dtype)
     rid = engine.add_request(_prompt(model, context, 0), SamplingParams(max_new_tokens=new, ignore_eos=True))
     while not engine.requests[rid].output:
         engine.step()  # the prompt, prefilled once

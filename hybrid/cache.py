@@ -9,6 +9,12 @@
   state of every Mamba layer, plus one scratch row (index ``num_slots``) for padded batch rows.
 - :class:`HybridCache` owns both, sized from a byte budget or an explicit block count.
 
+Compressed caches (:mod:`hybrid.kernels.kv_quant`): an int8 / fp8 KV pool keeps ``scales[layer] =
+(k_scale, v_scale)``, ``[num_blocks + 1, Hkv]`` fp32, beside its pages (a block's scales are zeroed when it
+is handed out, and copied with it); an int8 state pool one fp32 scale per head (group) of each row. The
+layers reach their state rows only through :class:`StatePool` (``read`` / ``write`` / ``step``), so a
+compressed state costs each layer no code of its own.
+
 This module only stores and allocates; which sequence holds which blocks and slot is the business of
 :class:`hybrid.cache_manager.CacheManager`, the one place that hands them out.
 """
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import HybridConfig
+from .kernels import kv_quant
 from .specs import CacheDtypes, ModelCacheSpec, cache_specs
 
 NULL_BLOCK = 0
@@ -34,12 +41,13 @@ class CacheFullError(RuntimeError):
 class BlockAllocator:
     """Block ids ``1..num_blocks`` (0 is the null block) with a free list and per-block reference counts."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_allocate=None):
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * (num_blocks + 1)
         self._free: deque[int] = deque(range(1, num_blocks + 1))
+        self.on_allocate = on_allocate  # called with each batch of fresh blocks (a quantised pool resets scales)
 
     @property
     def num_free(self) -> int:
@@ -55,6 +63,8 @@ class BlockAllocator:
         blocks = [self._free.popleft() for _ in range(n)]
         for b in blocks:
             self.ref_counts[b] = 1
+        if blocks and self.on_allocate is not None:
+            self.on_allocate(blocks)
         return blocks
 
     def share(self, block: int) -> None:
@@ -88,14 +98,54 @@ class PagedKVCache:
         self.layer_indices = sorted(layers)
         self.block_size = block_size
         self.window = spec.window
+        self.sinks = 0  # StreamingLLM pruning (set_pruning): the first `sinks` tokens stay beside the window
+        self.pruning = None
         self.num_blocks = num_blocks if layers else 0
         physical = self.num_blocks + 1 if layers else 0  # + the null block
         self.pools = {i: tuple(torch.zeros(s.pool_shape(physical, block_size), dtype=s.dtype, device=device)
                                for _ in "kv") for i, s in layers.items()}
-        self.allocator = BlockAllocator(self.num_blocks)
+        # quantised layers: fp32 scales per block and KV head, [physical, Hkv] for K and for V
+        self.scales = {i: tuple(torch.zeros(physical, s.n_kv_heads, dtype=torch.float32, device=device) for _ in "kv")
+                       for i, s in layers.items() if kv_quant.is_quantized(s.dtype)}
+        self.allocator = BlockAllocator(self.num_blocks, self._reset_scales if self.scales else None)
         self.bytes_per_token = spec.kv_bytes_per_token
-        self.bytes_per_block = self.bytes_per_token * block_size
+        self.bytes_per_block = spec.kv_bytes_per_block(block_size)
         self.physical_blocks = physical
+        self.dtype = next(iter(layers.values())).dtype if layers else None
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.scales)
+
+    def layer_pools(self, i: int) -> tuple:
+        """What attention layer ``i``'s ``forward_packed`` takes: (k_pool, v_pool[, k_scale, v_scale]), and with
+        a pruning policy the scales (or None) and the visible span ``(window, sinks)``."""
+        if self.pruning is None:
+            return (*self.pools[i], *self.scales.get(i, ()))
+        return (*self.pools[i], *self.scales.get(i, (None, None)), (self.window, self.sinks))
+
+    def set_pruning(self, policy) -> None:
+        """Attend only to ``policy.sinks`` first tokens and the last ``policy.window`` (a
+        :class:`hybrid.kv_pruning.StreamingLLM`): blocks between go back to the pool as sequences grow."""
+        self.pruning = policy
+        self.window = policy.window if self.window is None else min(self.window, policy.window)
+        self.sinks = policy.sinks
+
+    def _reset_scales(self, blocks: list[int]) -> None:
+        # a block handed out afresh starts with scale 0 (its first write sets it), not its last owner's
+        idx = torch.tensor(blocks, device=next(iter(self.scales.values()))[0].device)
+        for k_scale, v_scale in self.scales.values():
+            k_scale.index_fill_(0, idx, 0.0)
+            v_scale.index_fill_(0, idx, 0.0)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s K/V (and scales) of every layer into ``dst`` (copy on write of a partial block)."""
+        for k_pool, v_pool in self.pools.values():
+            k_pool[dst].copy_(k_pool[src])
+            v_pool[dst].copy_(v_pool[src])
+        for k_scale, v_scale in self.scales.values():
+            k_scale[dst].copy_(k_scale[src])
+            v_scale[dst].copy_(v_scale[src])
 
     @property
     def enabled(self) -> bool:
@@ -114,8 +164,8 @@ class PagedKVCache:
         full = self.blocks_for(n_tokens)
         if self.window is None:
             return full
-        # window - 1 visible earlier tokens + the chunk, over at most one partial block at each end
-        return min(full, self.blocks_for(self.window - 1 + min(chunk, n_tokens)) + 1)
+        # window - 1 visible earlier tokens + the chunk, over at most one partial block at each end (+ the sinks')
+        return min(full, self.blocks_for(self.window - 1 + min(chunk, n_tokens)) + 1 + self.blocks_for(self.sinks))
 
     @property
     def bytes_total(self) -> int:
@@ -127,22 +177,105 @@ class PagedKVCache:
         return (self.num_blocks - self.allocator.num_free) * self.bytes_per_block
 
 
+class StatePool:
+    """One state pool of one Mamba layer (conv or SSM): rows ``[S + 1, *shape]`` in the storage dtype, and for
+    int8 one fp32 scale per group of each row (``scale [S + 1, groups]``). The layers read and write rows
+    through it, always in fp32 or the storage float dtype:
+
+    - ``read(slots)`` -> the rows (dequantised); ``write(slots, value)`` stores them (quantised);
+    - ``step(op, *args, slots=slots, **kw)`` runs an in-place one-token kernel (``ssd_step``, ...) on the
+      rows: on the pool itself for float storage (exactly the kernel call of an uncompressed cache), on a
+      dequantised copy that is written back for int8.
+
+    ``pool[slots]`` / ``pool[slots] = value`` are ``read`` / ``write``. ``stochastic`` rounds writes of
+    int8 and bf16 rows stochastically (unbiased) instead of to nearest.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, num_rows: int, groups: int, *,
+                 stochastic: bool = False, device: str | torch.device = "cpu"):
+        self.data = torch.zeros(num_rows, *shape, dtype=dtype, device=device)
+        self.quantized = kv_quant.is_quantized(dtype)
+        self.groups = groups
+        self.scale = torch.zeros(num_rows, groups, device=device) if self.quantized else None
+        self.stochastic = stochastic
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype ``read`` returns (what a layer computes in): fp32 for int8 storage."""
+        return torch.float32 if self.quantized else self.data.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        if not self.quantized:
+            return self.data[slots]
+        return kv_quant.dequantize_rows(self.data[slots], self.scale[slots])
+
+    def write(self, slots: torch.Tensor, value: torch.Tensor) -> None:
+        if self.quantized:
+            q, s = kv_quant.quantize_rows(value, self.groups, stochastic=self.stochastic)
+            self.data[slots] = q
+            self.scale[slots] = s
+        elif self.stochastic and self.data.dtype == torch.bfloat16:
+            self.data[slots] = kv_quant.bf16_stochastic(value)
+        else:
+            self.data[slots] = value.to(self.data.dtype)
+
+    __getitem__ = read
+    __setitem__ = write
+
+    def step(self, op, *args, slots: torch.Tensor, **kw) -> torch.Tensor:
+        if not self.quantized and not self.stochastic:
+            return op(self.data, *args, slots=slots, **kw)
+        rows = self.read(slots).float()
+        y = op(rows, *args, **kw)
+        self.write(slots, rows)
+        return y
+
+    def zero_(self, slot: int) -> None:
+        self.data[slot].zero_()
+        if self.scale is not None:
+            self.scale[slot].zero_()
+
+    def copy_row(self, src: int, dst: int) -> None:
+        self.data[dst].copy_(self.data[src])
+        if self.scale is not None:
+            self.scale[dst].copy_(self.scale[src])
+
+    def save_row(self, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A copy of row ``slot`` as stored (codes and scales): a prefix-cache checkpoint."""
+        return self.data[slot].clone(), None if self.scale is None else self.scale[slot].clone()
+
+    def load_row(self, slot: int, saved: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        self.data[slot].copy_(saved[0])
+        if self.scale is not None:
+            self.scale[slot].copy_(saved[1])
+
+
 class SSMStateCache:
     """Conv and SSM states of the Mamba layers: ``pools[layer_index] = (conv_pool [S+1, ...], ssm_pool [S+1, ...])``
     for ``S = num_slots`` sequence slots and one scratch row (index ``S``) that padded batch rows update.
 
     A slot is zeroed when handed out, which is the state of an empty sequence, so a fresh prefill and a
-    continued one run the same code.
+    continued one run the same code. ``state_pools`` holds the :class:`StatePool` objects the layers use;
+    ``pools`` their storage tensors.
     """
 
-    def __init__(self, spec: ModelCacheSpec, num_slots: int, *, device: str | torch.device = "cpu"):
+    def __init__(self, spec: ModelCacheSpec, num_slots: int, *, stochastic: bool = False,
+                 device: str | torch.device = "cpu"):
         if num_slots < 1:
             raise ValueError(f"num_slots (the most sequences in flight) must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self.scratch_slot = num_slots
-        self.pools = {i: (torch.zeros(num_slots + 1, *s.conv_shape, dtype=s.conv_dtype, device=device),
-                          torch.zeros(num_slots + 1, *s.ssm_shape, dtype=s.ssm_dtype, device=device))
-                      for i, s in spec.mamba.items()}
+        rows = num_slots + 1
+        self.state_pools = {i: (StatePool(s.conv_shape, s.conv_dtype, rows, s.conv_groups, stochastic=stochastic,
+                                          device=device),
+                                StatePool(s.ssm_shape, s.ssm_dtype, rows, s.ssm_groups, stochastic=stochastic,
+                                          device=device))
+                            for i, s in spec.mamba.items()}
+        self.pools = {i: (conv.data, ssm.data) for i, (conv, ssm) in self.state_pools.items()}
         self.bytes_per_sequence = spec.state_bytes_per_sequence
         self._free: deque[int] = deque(range(num_slots))
 
@@ -155,15 +288,15 @@ class SSMStateCache:
         if not self._free:
             raise CacheFullError(f"all {self.num_slots} state slots are in use")
         slot = self._free.popleft()
-        for conv, ssm in self.pools.values():
-            conv[slot].zero_()
-            ssm[slot].zero_()
+        for conv, ssm in self.state_pools.values():
+            conv.zero_(slot)
+            ssm.zero_(slot)
         return slot
 
     def copy(self, src: int, dst: int) -> None:
-        for conv, ssm in self.pools.values():
-            conv[dst].copy_(conv[src])
-            ssm[dst].copy_(ssm[src])
+        for conv, ssm in self.state_pools.values():
+            conv.copy_row(src, dst)
+            ssm.copy_row(src, dst)
 
     def free(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.num_slots:
@@ -182,8 +315,8 @@ class SSMStateCache:
 
 @dataclass(frozen=True)
 class CacheReport:
-    kv_bytes_per_token: int
-    state_bytes_per_sequence: int
+    kv_bytes_per_token: int  # K/V element bytes (a quantised pool's block scales: in kv_bytes_per_block)
+    state_bytes_per_sequence: int  # conv + SSM state, scales included
     bytes_total: int
     bytes_in_use: int
     bytes_free: int
@@ -201,6 +334,16 @@ class CacheReport:
     prefix_checkpoints: int = 0
     prefix_checkpoint_capacity: int = 0
     prefix_state_bytes: int = 0
+    kv_dtype: str = ""  # storage dtypes (int8 / fp8 / bfloat16 ...)
+    conv_dtype: str = ""
+    ssm_dtype: str = ""
+    kv_bytes_per_block: int = 0  # one block across all attention layers, scales included
+    block_size: int = 0
+
+    def bytes_per_sequence(self, seq_len: int) -> int:
+        """Bytes one sequence of ``seq_len`` tokens holds in this cache (whole blocks, scales, its state)."""
+        blocks = -(-seq_len // self.block_size) if self.kv_blocks_total else 0
+        return blocks * self.kv_bytes_per_block + self.state_bytes_per_sequence
 
 
 class HybridCache:
@@ -209,21 +352,25 @@ class HybridCache:
     With ``cache_bytes`` the state slots of ``max_seqs`` sequences (and the scratch row) are set aside
     first and the rest becomes KV blocks (the null block included), so a model with few attention layers
     gets many more tokens. Storage dtypes: ``kv_dtype`` for K/V, ``conv_dtype`` (default ``kv_dtype``) for
-    the conv state, ``ssm_dtype`` (default fp32) for the SSM state.
+    the conv state, ``ssm_dtype`` (default fp32) for the SSM state; K/V may be ``int8`` / ``fp8`` (e4m3)
+    and the states ``int8`` / ``bfloat16`` (names or torch dtypes; see :func:`cache_dtypes`), so the
+    state set aside shrinks and the KV pool of the same budget grows. ``stochastic_state`` rounds int8 /
+    bf16 state writes stochastically.
     """
 
     def __init__(self, config: HybridConfig, *, num_blocks: int | None = None, cache_bytes: int | None = None,
-                 max_seqs: int = 16, block_size: int = 16, kv_dtype: torch.dtype = torch.float32,
-                 ssm_dtype: torch.dtype = torch.float32, conv_dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu"):
+                 max_seqs: int = 16, block_size: int = 16, kv_dtype: torch.dtype | str = torch.float32,
+                 ssm_dtype: torch.dtype | str = torch.float32, conv_dtype: torch.dtype | str | None = None,
+                 stochastic_state: bool = False, device: str | torch.device = "cpu"):
         if (num_blocks is None) == (cache_bytes is None):
             raise ValueError("size the cache with exactly one of num_blocks= or cache_bytes=")
         self.config, self.device = config, torch.device(device)
-        self.spec = cache_specs(config, CacheDtypes(kv=kv_dtype, conv=conv_dtype or kv_dtype, ssm=ssm_dtype))
-        self.ssm = SSMStateCache(self.spec, max_seqs, device=device)
+        self.dtypes = _storage_dtypes(kv_dtype, conv_dtype, ssm_dtype)
+        self.spec = cache_specs(config, self.dtypes)
+        self.ssm = SSMStateCache(self.spec, max_seqs, stochastic=stochastic_state, device=device)
         if num_blocks is None:
             kv_budget = cache_bytes - self.ssm.bytes_total
-            per_block = self.spec.kv_bytes_per_token * block_size
+            per_block = self.spec.kv_bytes_per_block(block_size)
             has_kv = bool(self.spec.attention)
             if kv_budget < 0 or (has_kv and kv_budget < 2 * per_block):
                 raise ValueError(
@@ -232,14 +379,23 @@ class HybridCache:
                     "and the null block); raise cache_bytes or lower max_seqs")
             num_blocks = kv_budget // per_block - 1 if has_kv else 0
         self.kv = PagedKVCache(self.spec, num_blocks, block_size=block_size, device=device)
-        self.layer_pools = {**self.kv.pools, **self.ssm.pools}  # layer index -> that layer's pools
+        # layer index -> what that layer's forward_packed takes: (k_pool, v_pool[, k_scale, v_scale]) for
+        # attention, (conv StatePool, ssm StatePool) for Mamba
+        self.layer_pools = {**{i: self.kv.layer_pools(i) for i in self.kv.pools}, **self.ssm.state_pools}
         self.prefix = None  # the engine's PrefixCache (hybrid.prefix_cache), when prefix caching is on
 
     @classmethod
     def for_model(cls, model, **kw) -> HybridCache:
-        """A cache on the model's device, K/V and conv state in the model's dtype (SSM state fp32)."""
+        """A cache on the model's device, K/V and conv state in the model's dtype (SSM state fp32) unless
+        the dtypes are given."""
         p = next(model.parameters())
-        kw.setdefault("kv_dtype", p.dtype)
+        if kw.get("kv_dtype") is None:
+            kw["kv_dtype"] = p.dtype
+        if kw.get("conv_dtype") is None and kv_quant.is_quantized(
+                kv_quant.parse_dtype(kw["kv_dtype"], kv_quant.KV_DTYPES, "kv_dtype")):
+            kw["conv_dtype"] = p.dtype  # int8 / fp8 K/V: the conv state stays in the model's dtype unless asked
+        if kw.get("ssm_dtype") is None:
+            kw["ssm_dtype"] = torch.float32
         return cls(model.config, device=p.device, **kw)
 
     @property
@@ -257,7 +413,10 @@ class HybridCache:
                           prefix_checkpoints=len(p.checkpoints.saved),
                           prefix_checkpoint_capacity=p.checkpoints.capacity,
                           prefix_state_bytes=p.checkpoints.bytes_in_use)
-        return CacheReport(**prefix, kv_bytes_per_token=self.kv.bytes_per_token,
+        d = self.dtypes
+        return CacheReport(**prefix, kv_dtype=kv_quant.dtype_name(d.kv), conv_dtype=kv_quant.dtype_name(d.conv),
+                           ssm_dtype=kv_quant.dtype_name(d.ssm), kv_bytes_per_block=self.kv.bytes_per_block,
+                           block_size=self.kv.block_size, kv_bytes_per_token=self.kv.bytes_per_token,
                            state_bytes_per_sequence=self.ssm.bytes_per_sequence, bytes_total=self.bytes_total,
                            bytes_in_use=used, bytes_free=self.bytes_total - used,
                            token_capacity=self.kv.capacity_tokens, max_sequences=self.ssm.num_slots,
@@ -266,14 +425,39 @@ class HybridCache:
                            state_slots_in_use=self.ssm.num_slots - self.ssm.num_free)
 
 
+def _storage_dtypes(kv_dtype, conv_dtype, ssm_dtype) -> CacheDtypes:
+    """Parsed storage dtypes; the conv state defaults to a float ``kv_dtype``, else (int8 / fp8 K/V) fp32."""
+    kv = kv_quant.parse_dtype(kv_dtype, kv_quant.KV_DTYPES, "kv_dtype")
+    conv = kv_quant.parse_dtype(conv_dtype, kv_quant.KV_DTYPES, "conv_dtype")
+    if conv is None:
+        conv = torch.float32 if kv_quant.is_quantized(kv) else kv
+    if conv == kv_quant.FP8:
+        raise ValueError("conv_dtype fp8 is not supported: the conv state takes float32, bfloat16, float16 or int8")
+    return CacheDtypes(kv=kv, conv=conv, ssm=kv_quant.parse_dtype(ssm_dtype, kv_quant.STATE_DTYPES, "ssm_dtype"))
+
+
+def cache_dtypes(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None = None,
+                 state_dtype: torch.dtype | str | None = None) -> CacheDtypes:
+    """The storage dtypes of an engine's cache from its ``kv_dtype`` / ``state_dtype`` choices (names or
+    torch dtypes; None: today's defaults, K/V in the model's dtype, SSM state fp32, conv state in the
+    model's dtype). ``state_dtype`` sets the SSM state and the conv state, except ``float32``, which keeps the
+    conv state (raw recent inputs, exact in the model's dtype) in the model's dtype."""
+    kv = kv_quant.parse_dtype(kv_dtype, kv_quant.KV_DTYPES, "kv_dtype") or model_dtype
+    state = kv_quant.parse_dtype(state_dtype, kv_quant.STATE_DTYPES, "state_dtype")
+    conv = model_dtype if state in (None, torch.float32) else state
+    if state is None and kv_dtype is not None and not kv_quant.is_quantized(kv):
+        conv = kv  # as HybridCache's conv_dtype default: the conv state follows a float K/V dtype
+    return CacheDtypes(kv=kv, conv=conv, ssm=state or torch.float32)
+
+
 def sequences_that_fit(config: HybridConfig, cache_bytes: int, seq_len: int, *, block_size: int = 16,
-                       kv_dtype: torch.dtype = torch.bfloat16, ssm_dtype: torch.dtype = torch.float32,
-                       conv_dtype: torch.dtype | None = None, chunk: int | None = None) -> int:
+                       kv_dtype: torch.dtype | str = torch.bfloat16, ssm_dtype: torch.dtype | str = torch.float32,
+                       conv_dtype: torch.dtype | str | None = None, chunk: int | None = None) -> int:
     """How many sequences of ``seq_len`` tokens a cache of ``cache_bytes`` holds at once (each needs its
     KV blocks and one state slot; the cache's null block and scratch row are paid for first). With ``chunk``
     (the engine's token budget per step) a sliding-window model is counted with only the blocks its
-    window keeps."""
-    spec = cache_specs(config, CacheDtypes(kv=kv_dtype, conv=conv_dtype or kv_dtype, ssm=ssm_dtype))
+    window keeps. Dtypes as :class:`HybridCache` takes them (block and state scales counted)."""
+    spec = cache_specs(config, _storage_dtypes(kv_dtype, conv_dtype, ssm_dtype))
     kv = PagedKVCache(spec, 0, block_size=block_size, device="meta")
     blocks = kv.blocks_for(seq_len) if chunk is None else kv.blocks_held_at_most(seq_len, chunk)
     per_seq = blocks * kv.bytes_per_block + spec.state_bytes_per_sequence

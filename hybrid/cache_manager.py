@@ -165,10 +165,7 @@ class CacheManager:
         if match is not None:
             node = match.node
             if self.kv.enabled and len(node.tokens) % self.block_size:  # partial block: copy, then append
-                dst = blocks[len(shared)]
-                for k_pool, v_pool in self.kv.pools.values():
-                    k_pool[dst].copy_(k_pool[node.block])
-                    v_pool[dst].copy_(v_pool[node.block])
+                self.kv.copy_block(node.block, blocks[len(shared)])
             if node.checkpoint is not None:
                 self.prefix.checkpoints.load(node.checkpoint, slot)
             seq.cursor = node if len(node.tokens) == self.block_size or node is self.prefix.root else node.parent
@@ -216,7 +213,8 @@ class CacheManager:
         if window is None:
             return
         table = self.seqs[seq_id].blocks
-        dead = [j for j in range(min(len(table), max(0, next_pos - window + 1) // self.block_size))
+        sink_blocks = self.kv.blocks_for(self.kv.sinks)  # StreamingLLM: the sinks' blocks stay (0 otherwise)
+        dead = [j for j in range(sink_blocks, min(len(table), max(0, next_pos - window + 1) // self.block_size))
                 if table[j] != NULL_BLOCK]
         self.kv.allocator.release([table[j] for j in dead])
         for j in dead:
@@ -249,17 +247,18 @@ class CacheManager:
     def save_states(self, seq_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the Mamba states (conv, SSM per layer) of ``seq_ids``' slots, to roll back to later."""
         slots = [self.seqs[s].slot for s in seq_ids]
-        return [(conv[slots], ssm[slots]) for conv, ssm in self.ssm.pools.values()]
+        # through the StatePools: rows come back dequantised and go back re-quantised with their scales
+        return [(conv[slots], ssm[slots]) for conv, ssm in self.ssm.state_pools.values()]
 
     def load_states(self, seq_ids: list[int], saved: list[list[tuple[torch.Tensor, torch.Tensor]]],
                     which: list[int]) -> None:
         """Roll ``seq_ids[i]``'s Mamba states back to ``saved[which[i]]`` (a :meth:`save_states` list taken
         with the same ``seq_ids``)."""
         for i, (seq_id, w) in enumerate(zip(seq_ids, which, strict=True)):
-            slot = self.seqs[seq_id].slot
-            for (conv, ssm), (conv_saved, ssm_saved) in zip(self.ssm.pools.values(), saved[w], strict=True):
-                conv[slot] = conv_saved[i]
-                ssm[slot] = ssm_saved[i]
+            slot = [self.seqs[seq_id].slot]
+            for (conv, ssm), (conv_saved, ssm_saved) in zip(self.ssm.state_pools.values(), saved[w], strict=True):
+                conv[slot] = conv_saved[i:i + 1]
+                ssm[slot] = ssm_saved[i:i + 1]
 
     def free(self, seq_id: int, tokens: list[int] | None = None, n_computed: int = 0) -> None:
         """Take back everything ``seq_id`` holds. With a prefix cache and the sequence's ``tokens`` (of
@@ -298,9 +297,7 @@ class CacheManager:
                 self.kv.allocator.share(b)
         if partial:
             (fresh,) = self.kv.allocator.allocate(1)
-            for k_pool, v_pool in self.kv.pools.values():
-                k_pool[fresh].copy_(k_pool[blocks[-1]])
-                v_pool[fresh].copy_(v_pool[blocks[-1]])
+            self.kv.copy_block(blocks[-1], fresh)
             blocks[-1] = fresh
         slot = self.ssm.allocate()
         self.ssm.copy(src.slot, slot)

@@ -42,7 +42,34 @@ def cmd_info(args) -> None:
         print("\n".join(recipes.names()))
         return
     models = _models_from_args(args)
-    print(format_table([model_facts(n, m, args.seq_len) for n, m in models.items()]))
+    rows = [model_facts(n, m, args.seq_len) for n, m in models.items()]
+    if args.kv_dtype or args.state_dtype:
+        for row, model in zip(rows, models.values(), strict=True):
+            row.update(_compressed_facts(model, args.kv_dtype, args.state_dtype, args.seq_len))
+    print(format_table(rows))
+
+
+def _compressed_facts(model, kv_dtype, state_dtype, seq_len: int) -> dict:
+    """Cache bytes per token and per sequence of ``model`` at the given cache dtypes (block and state scales
+    included), from the layers' cache specs, as the engine would allocate them (blocks of 16)."""
+    from .cache import cache_dtypes
+    from .kernels.kv_quant import dtype_name
+
+    d = cache_dtypes(next(model.parameters()).dtype, kv_dtype, state_dtype)
+    spec = model.cache_spec(kv_dtype=d.kv, conv_dtype=d.conv, ssm_dtype=d.ssm)
+    tag = f"{dtype_name(d.kv)}/{dtype_name(d.ssm)}"
+    return {f"KV_bytes/token({tag})": round(spec.kv_bytes_per_token_with_scales(16), 2),
+            f"state_bytes/seq({tag})": spec.state_bytes_per_sequence,
+            f"cache_MiB/seq@{seq_len}({tag})": round(spec.bytes_per_sequence(seq_len, block_size=16) / 2**20, 3)}
+
+
+def _add_cache_dtype_args(p: argparse.ArgumentParser) -> None:
+    from .kernels.kv_quant import KV_DTYPES, STATE_DTYPES
+
+    p.add_argument("--kv-dtype", choices=sorted(KV_DTYPES),
+                   help="K/V cache storage (int8 / fp8: per-block, per-KV-head scales; default: the model's dtype)")
+    p.add_argument("--state-dtype", choices=sorted(STATE_DTYPES),
+                   help="Mamba SSM + conv state storage (int8: per-head scales; default: fp32 SSM state)")
 
 
 def cmd_bench(args) -> None:
@@ -69,10 +96,12 @@ def cmd_bench(args) -> None:
     for name, model in models.items() if args.decode_tokens else ():
         # one engine per model: compiled shapes compile in the warm-up steps, never inside the timed ones
         engine = decode_engine(model, args.batch, args.decode_ctx, steps=args.decode_tokens, compile=args.compile,
-                               warmup=max(args.warmup, 1))
+                               warmup=max(args.warmup, 1), kv_dtype=args.kv_dtype, state_dtype=args.state_dtype)
         row, _ = decode_speed(engine, args.decode_tokens)
+        r = engine.cache.report()
         decode.append({"model": name, "decode_ctx": args.decode_ctx, "mode": "compiled" if args.compile else "eager",
-                       **row, "compile_s": round(engine.stats.compile_seconds, 1)})
+                       "kv_dtype": r.kv_dtype, "state_dtype": r.ssm_dtype, **row,
+                       "compile_s": round(engine.stats.compile_seconds, 1)})
     header = {"device": args.device, "threads": threads, "dtype": args.dtype, "repeats": args.repeats,
               "max_spread": args.max_spread, "matmul_peak_GFLOP/s": round(peak / 1e9, 2) if peak else None}
     print(f"# prefill (plain forward) on {args.device}, {threads} threads, dtype {args.dtype}; min / median / max "
@@ -216,7 +245,8 @@ def cmd_generate(args) -> None:
         engine = Engine(model, num_blocks=-(-(len(prompt) + args.max_new_tokens) // block_size),
                         block_size=block_size, max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer,
                         compile=args.compile, prefix_caching=args.prefix_caching,
-                        speculative=_speculative(args, model))
+                        speculative=_speculative(args, model), kv_dtype=args.kv_dtype,
+                        state_dtype=args.state_dtype)
     except ValueError as e:
         raise SystemExit(f"hybrid generate: {e}") from e
     engine.add_request(prompt, params)
@@ -306,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--seq-len", type=int, default=2048, help="context length for FLOPs/token")
     p.add_argument("--list", action="store_true", help="list recipe names")
+    _add_cache_dtype_args(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("bench", help="prefill latency and tokens/s at a sweep of context lengths")
@@ -328,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-caching", action="store_true",
                    help="run the prefix-cache benchmark instead (shared system prompt of --lengths[-1] tokens, "
                         "a chat; cache off vs on; see hybrid.eval.prefix_bench)")
+    _add_cache_dtype_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", help="lm-eval tasks (e.g. mmlu_local, offline MMLU) on a checkpoint or recipe")
@@ -420,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per step)")
     p.add_argument("--compile", action="store_true", help="compile the decode step (torch.compile)")
     p.add_argument("--prefix-caching", action="store_true", help="engine with the prefix cache on (reports its hits)")
+    _add_cache_dtype_args(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

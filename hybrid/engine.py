@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import HybridCache
+from .cache import HybridCache, cache_dtypes
 from .cache_manager import CacheManager
 from .model_runner import ModelRunner
 from .output_processor import eos_ids, process_token
@@ -133,6 +133,13 @@ class Engine:
     ``speculative``: a :class:`~hybrid.speculative.SpeculativeConfig` (draft model or n-gram drafting; see
     :mod:`hybrid.speculative`). Requests with a repetition penalty, scoring requests and the last token of a
     request are never speculated (plain decodes).
+
+    ``kv_dtype`` (``"bfloat16"``, ``"float16"``, ``"float32"``, ``"int8"``, ``"fp8"``) and ``state_dtype``
+    (``"float32"``, ``"bfloat16"``, ``"int8"``) compress the cache the engine builds (None: K/V in the
+    model's dtype, SSM state fp32; see :func:`hybrid.cache.cache_dtypes`); the state set aside for
+    ``max_seqs`` sequences is paid first from the one byte budget, the KV pool gets the rest.
+    ``stochastic_state`` rounds int8 / bf16 state writes stochastically. ``kv_pruning`` (a
+    :class:`hybrid.kv_pruning.StreamingLLM`) keeps only attention sinks + a recent window per sequence.
     """
 
     def __init__(self, model, *, cache: HybridCache | None = None, num_blocks: int | None = None,
@@ -140,15 +147,28 @@ class Engine:
                  max_batch_tokens: int = 512, tokenizer=None, compile: bool = False,
                  compile_backend: str = "inductor", prefix_caching: bool = False,
                  prefix_state_bytes: int | None = None, prefix_checkpoint_interval: int | None = None,
-                 prefix_flop_weight: float = 1.0, speculative: SpeculativeConfig | None = None):
+                 prefix_flop_weight: float = 1.0, speculative: SpeculativeConfig | None = None,
+                 kv_dtype: str | torch.dtype | None = None, state_dtype: str | torch.dtype | None = None,
+                 stochastic_state: bool = False, kv_pruning=None):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.model = model.eval()
         if cache is None:
             if num_blocks is None and cache_bytes is None:
                 cache_bytes = DEFAULT_CACHE_BYTES
+            d = cache_dtypes(next(model.parameters()).dtype, kv_dtype, state_dtype)
             cache = HybridCache.for_model(model, num_blocks=num_blocks, cache_bytes=cache_bytes,
-                                          block_size=block_size, max_seqs=max_seqs)
+                                          block_size=block_size, max_seqs=max_seqs, kv_dtype=d.kv,
+                                          conv_dtype=d.conv, ssm_dtype=d.ssm, stochastic_state=stochastic_state)
+        elif kv_dtype is not None or state_dtype is not None or stochastic_state:
+            raise ValueError("kv_dtype / state_dtype / stochastic_state shape the cache the engine builds; with "
+                             "cache= pass them to that HybridCache instead")
+        if kv_pruning is not None:
+            if prefix_caching:
+                raise ValueError("kv_pruning with prefix_caching is not supported: a pruned sequence's blocks are "
+                                 "not the prompt's whole prefix; turn one of them off")
+            cache.kv.set_pruning(kv_pruning)
+            cache.layer_pools.update({i: cache.kv.layer_pools(i) for i in cache.kv.pools})
         self.cache = cache
         prefix = None
         if prefix_caching:

@@ -43,8 +43,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from .cache import NULL_BLOCK, PagedKVCache, SSMStateCache
 
 
@@ -85,7 +83,7 @@ class StateCheckpoints:
         self.bytes_per_checkpoint = ssm.bytes_per_sequence
         self.capacity = budget_bytes // self.bytes_per_checkpoint if self.bytes_per_checkpoint else 0
         self.budget_bytes = budget_bytes
-        self.saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.saved: dict[int, list[tuple]] = {}
         self._next = 0
 
     @property
@@ -100,13 +98,14 @@ class StateCheckpoints:
         if self.num_free <= 0:
             raise RuntimeError("state checkpoint pool is full; evict first")
         cid, self._next = self._next, self._next + 1
-        self.saved[cid] = [(conv[slot].clone(), ssm[slot].clone()) for conv, ssm in self.ssm.pools.values()]
+        # rows as stored (an int8 state's codes with its scales), so a checkpoint costs what a slot costs
+        self.saved[cid] = [(conv.save_row(slot), ssm.save_row(slot)) for conv, ssm in self.ssm.state_pools.values()]
         return cid
 
     def load(self, cid: int, slot: int) -> None:
-        for (conv, ssm), (c, s) in zip(self.ssm.pools.values(), self.saved[cid], strict=True):
-            conv[slot].copy_(c)
-            ssm[slot].copy_(s)
+        for (conv, ssm), (c, s) in zip(self.ssm.state_pools.values(), self.saved[cid], strict=True):
+            conv.load_row(slot, c)
+            ssm.load_row(slot, s)
 
     def release(self, cid: int) -> None:
         del self.saved[cid]
@@ -276,9 +275,7 @@ class PrefixCache:
                     if cursor.dead:
                         return
                     (block,) = self.kv.allocator.allocate(1)
-                    for k_pool, v_pool in self.kv.pools.values():
-                        k_pool[block].copy_(k_pool[src])
-                        v_pool[block].copy_(v_pool[src])
+                    self.kv.copy_block(src, block)  # with its scales, for an int8 / fp8 pool
             node = Node(cursor, key, cursor.end, block)
             cursor.partials[key] = node
             self.num_nodes += 1

@@ -5,8 +5,9 @@ Each mixer class declares its cache with ``cache_spec(config, dtypes)``: attenti
 (conv + SSM state per sequence, constant). :func:`cache_specs` collects them for a model; the caches
 allocate their pools from these specs, and ``HybridLM.kv_bytes_per_token``, ``hybrid info``, ``hybrid bench``,
 the engine benchmark and the tradeoff report read their byte counts from the same objects, so they agree
-with what the cache really holds by construction. A later cache dtype (int8/fp8 KV, bf16 state) is a
-dtype on the spec.
+with what the cache really holds by construction. A compressed cache is a dtype on the spec: int8 / fp8
+K/V pages carry one fp32 scale per block and KV head, int8 Mamba state one fp32 scale per head (group) of
+each row, and the byte counts include those scales (:mod:`hybrid.kernels.kv_quant`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from .config import HybridConfig
+from .kernels.kv_quant import is_quantized
+
+SCALE_BYTES = 4  # one fp32 scale
+DEFAULT_BLOCK_SIZE = 16  # the engine's KV block size, used to count block scales where no block size is given
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,16 @@ class AttentionSpec:
 
     @property
     def bytes_per_token(self) -> int:
+        """K and V element bytes of one token (the block scales of a quantised pool come on top)."""
         return 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize
 
+    @property
+    def scale_bytes_per_block(self) -> int:
+        """The fp32 K and V scales per KV head of one block of a quantised (int8 / fp8) pool; 0 otherwise."""
+        return 2 * self.n_kv_heads * SCALE_BYTES if is_quantized(self.dtype) else 0
+
     def bytes_per_block(self, block_size: int) -> int:
-        return self.bytes_per_token * block_size
+        return self.bytes_per_token * block_size + self.scale_bytes_per_block
 
     def pool_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of the K pool (and of the V pool) of this layer."""
@@ -65,11 +76,32 @@ class MambaStateSpec:
     ssm_shape: tuple[int, ...]
     conv_dtype: torch.dtype
     ssm_dtype: torch.dtype
+    # int8 rows carry one fp32 scale per group: equal slices of the row along its leading dimensions
+    # (Mamba-2: SSM state per head and head_dim row, conv state per head; see state_scale_groups); unused
+    # for float dtypes
+    conv_groups: int = 1
+    ssm_groups: int = 1
+
+    @property
+    def conv_scales(self) -> int:
+        """fp32 scales per sequence of the conv state (0 unless it is quantised)."""
+        return self.conv_groups if is_quantized(self.conv_dtype) else 0
+
+    @property
+    def ssm_scales(self) -> int:
+        return self.ssm_groups if is_quantized(self.ssm_dtype) else 0
 
     @property
     def bytes_per_sequence(self) -> int:
         return (math.prod(self.conv_shape) * self.conv_dtype.itemsize
-                + math.prod(self.ssm_shape) * self.ssm_dtype.itemsize)
+                + math.prod(self.ssm_shape) * self.ssm_dtype.itemsize
+                + (self.conv_scales + self.ssm_scales) * SCALE_BYTES)
+
+
+def state_scale_groups(rows: int, target: int) -> int:
+    """Scale groups along a state's leading dimension of ``rows``: ``target`` (the heads) when it divides
+    ``rows``, else the largest divisor of ``rows`` below it (every group the same size)."""
+    return math.gcd(rows, max(1, target))
 
 
 LayerCacheSpec = AttentionSpec | MambaStateSpec
@@ -91,8 +123,17 @@ class ModelCacheSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K/V bytes one token costs across all attention layers."""
+        """K/V element bytes one token costs across all attention layers (block scales not included: see
+        :meth:`kv_bytes_per_block`)."""
         return sum(s.bytes_per_token for s in self.attention.values())
+
+    def kv_bytes_per_block(self, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+        """Bytes of one KV block across all attention layers, block scales included: what the pool allocates."""
+        return sum(s.bytes_per_block(block_size) for s in self.attention.values())
+
+    def kv_bytes_per_token_with_scales(self, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+        """K/V bytes per token with the block scales spread over the block's tokens."""
+        return self.kv_bytes_per_block(block_size) / block_size
 
     @property
     def state_bytes_per_sequence(self) -> int:
@@ -110,11 +151,14 @@ class ModelCacheSpec:
     def bytes_per_sequence(self, seq_len: int, block_size: int | None = None) -> int:
         """Cache bytes one sequence of ``seq_len`` tokens holds: its K/V (whole blocks of ``block_size``
         when given, as the paged cache allocates them; a sliding window keeps at most ``window`` tokens)
-        plus its Mamba state."""
+        plus its Mamba state. A quantised pool's block scales count per block (of ``block_size``, else of
+        the default 16 spread over the tokens)."""
         held = seq_len if self.window is None else min(seq_len, self.window)
+        scales = sum(s.scale_bytes_per_block for s in self.attention.values())
         if block_size is not None:
-            held = -(-held // block_size) * block_size
-        return held * self.kv_bytes_per_token + self.state_bytes_per_sequence
+            blocks = -(-held // block_size)
+            return blocks * (block_size * self.kv_bytes_per_token + scales) + self.state_bytes_per_sequence
+        return held * self.kv_bytes_per_token + (held * scales) // DEFAULT_BLOCK_SIZE + self.state_bytes_per_sequence
 
 
 def cache_specs(config: HybridConfig, dtypes: CacheDtypes) -> ModelCacheSpec:

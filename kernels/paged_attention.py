@@ -7,58 +7,103 @@ Paged pool: ``k_pool, v_pool: [num_blocks, block_size, Hkv, D]``; ``block_tables
 (int32) lists each sequence's blocks in order; ``seq_lens: [B]`` counts each sequence's tokens
 in the cache *including* the new ones (written with :func:`write_kv` before attending). Token
 ``p`` of sequence ``b`` lives at slot ``block_tables[b, p // block_size] * block_size + p % block_size``.
+
+Quantised pools (int8 / fp8, :mod:`.kv_quant`) come with ``k_scale, v_scale: [num_blocks, Hkv]`` (fp32,
+one per block and KV head): :func:`write_kv` quantises into them, the torch ops dequantise the pages they
+gather, the Triton kernels load codes and scales and dequantise in registers.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from . import cuda_backend, dispatch, triton_support
-from .attention import _LOG2E, causal_attention, causal_attention_ref, flash_attention_triton
+from . import cuda_backend, dispatch, kv_quant, triton_support
+from .attention import _LOG2E, causal_attention, causal_attention_ref, causal_mask, flash_attention_triton
 from .packing import check_cu_seqlens, host_values, sequences, with_host_values
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter new keys/values into the pool. k, v: [T, Hkv, D]; slot_mapping: [T] int64 slots."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Scatter new keys/values into the pool. k, v: [T, Hkv, D]; slot_mapping: [T] int64 slots. A quantised
+    pool (with its block scales) gets codes, its scales grown where needed (:func:`.kv_quant.write_kv_quantized`)."""
+    if k_scale is not None:
+        kv_quant.write_kv_quantized(k_pool, k_scale, k, slot_mapping)
+        kv_quant.write_kv_quantized(v_pool, v_scale, v, slot_mapping)
+        return
+    if kv_quant.is_quantized(k_pool.dtype):
+        raise ValueError(f"write_kv: a {k_pool.dtype} pool needs its k_scale / v_scale")
     k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slot_mapping, k.to(k_pool.dtype))
     v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slot_mapping, v.to(v_pool.dtype))
 
 
-def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` cached tokens of one sequence, contiguous: [n, Hkv, D] (a copy of n tokens)."""
+def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, n: int, scale: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The first ``n`` cached tokens of one sequence, contiguous: [n, Hkv, D] (a copy of n tokens), in
+    ``dtype`` when given; a quantised pool's pages are dequantised with their block ``scale`` (default fp32)."""
     bs = pool.shape[1]
     blocks = block_table[: (n + bs - 1) // bs].long()
-    return pool[blocks].reshape(-1, *pool.shape[2:])[:n]
+    pages = pool[blocks]
+    if scale is not None:
+        pages = kv_quant.dequantize_pages(pages, scale[blocks], dtype or torch.float32)
+    elif dtype is not None:
+        pages = pages.to(dtype)  # a float pool in another dtype than the queries (bf16 K/V, fp32 model)
+    return pages.reshape(-1, *pool.shape[2:])[:n]
 
 
-def _per_sequence(attend, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window, scale):
+def sink_attention(q, k, v, *, window=None, scale=None, sinks=0):
+    """Causal attention where each query sees its last ``window`` keys and the first ``sinks`` keys of the
+    sequence (StreamingLLM's attention sinks): q [1, Lq, Hq, D], k, v [1, Lk, Hkv, D], the queries the last Lq
+    positions. Naive fp32 softmax; the reference and the torch path of the pruned cache."""
+    _, Lq, Hq, D = q.shape
+    Lk = k.shape[1]
+    rep = Hq // k.shape[2]
+    mask = causal_mask(Lq, Lk, window, q.device)
+    kpos = torch.arange(Lk, device=q.device)[None, :]
+    mask |= (kpos < sinks) & (kpos <= torch.arange(Lk - Lq, Lk, device=q.device)[:, None])
+    s = torch.einsum("blhd,bshd->bhls", q.float(), k.float().repeat_interleave(rep, dim=2))
+    s = (s * (D ** -0.5 if scale is None else scale)).masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("bhls,bshd->blhd", p, v.float().repeat_interleave(rep, dim=2)).to(q.dtype)
+
+
+def _per_sequence(attend, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window, scale,
+                  k_scale=None, v_scale=None, sinks=0):
+    if sinks:
+        attend = functools.partial(sink_attention, sinks=sinks)
     out = torch.empty_like(q)
     cu = host_values(cu_seqlens_q)
     for b, n in enumerate(host_values(seq_lens)):
-        k = gather_kv(k_pool, block_tables[b], n)[None]
-        v = gather_kv(v_pool, block_tables[b], n)[None]
+        k = gather_kv(k_pool, block_tables[b], n, k_scale, q.dtype)[None]
+        v = gather_kv(v_pool, block_tables[b], n, v_scale, q.dtype)[None]
         out[cu[b]:cu[b + 1]] = attend(q[None, cu[b]:cu[b + 1]], k, v, window=window, scale=scale)[0]
     return out
 
 
 def paged_prefill_attention_ref(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, *, window=None,
-                                scale=None):
-    """Naive reference: gather each sequence's history, softmax(QK^T)V with the causal mask."""
+                                scale=None, k_scale=None, v_scale=None, sinks=0):
+    """Naive reference: gather each sequence's history (dequantised), softmax(QK^T)V with the causal mask."""
     return _per_sequence(causal_attention_ref, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables,
-                         window, scale)
+                         window, scale, k_scale, v_scale, sinks)
 
 
 def _paged_prefill_attention_torch(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, *, window=None,
-                                   scale=None):
+                                   scale=None, k_scale=None, v_scale=None, sinks=0):
     return _per_sequence(causal_attention, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables,
-                         window, scale)
+                         window, scale, k_scale, v_scale, sinks)
 
 
-def _check_paged(q, k_pool, v_pool, seq_lens, block_tables):
+def _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale=None, v_scale=None):
+    if kv_quant.is_quantized(k_pool.dtype) != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError(f"paged attention: a quantised (int8/fp8) pool needs k_scale and v_scale, a {k_pool.dtype} "
+                         f"pool takes none (got k_scale {k_scale is not None}, v_scale {v_scale is not None})")
+    if k_scale is not None and (k_scale.shape != (k_pool.shape[0], k_pool.shape[2]) or v_scale.shape != k_scale.shape):
+        raise ValueError(f"paged attention: scales must be [blocks, Hkv] = {(k_pool.shape[0], k_pool.shape[2])}, "
+                         f"got {tuple(k_scale.shape)}, {tuple(v_scale.shape)}")
     if k_pool.shape != v_pool.shape or k_pool.dim() != 4 or q.shape[-1] != k_pool.shape[-1]:
         raise ValueError(f"paged attention: pools must be [blocks, block_size, Hkv, D] with D = {q.shape[-1]}, "
                          f"got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
@@ -71,26 +116,49 @@ def _check_paged(q, k_pool, v_pool, seq_lens, block_tables):
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, *,
-                            window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                            window: int | None = None, scale: float | None = None,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                            sinks: int = 0) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged history.
 
     q: [T, Hq, D]; pools [NB, BS, Hkv, D]; cu_seqlens_q: [B+1]; seq_lens: [B] (history + new);
     block_tables: [B, MB] -> [T, Hq, D]. The new tokens of sequence b are its last
     ``cu_seqlens_q[b+1] - cu_seqlens_q[b]`` positions, so this serves whole prompts, chunks of a
-    prompt on top of earlier chunks, and (one token each) decode.
+    prompt on top of earlier chunks, and (one token each) decode. Quantised pools pass their block scales.
+    ``sinks``: the first ``sinks`` tokens stay visible beside the window (StreamingLLM, :mod:`hybrid.kv_pruning`;
+    the torch path only: the Triton and flash-attn kernels have no sinks).
     """
-    _check_paged(q, k_pool, v_pool, seq_lens, block_tables)
-    _, fn = dispatch.choose("paged_prefill_attention", q.device.type)
-    return fn(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window=window, scale=scale)
+    _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale, v_scale)
+    if sinks:
+        return _paged_prefill_attention_torch(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window=window,
+                                              scale=scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+    if k_scale is None:
+        _, fn = dispatch.choose("paged_prefill_attention", q.device.type)
+        return fn(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window=window, scale=scale)
+    fn = _quantized_impl("paged_prefill_attention", q.device.type)
+    return fn(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window=window, scale=scale,
+              k_scale=k_scale, v_scale=v_scale)
 
 
-def paged_decode_attention_ref(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None):
+def _quantized_impl(op: str, device_type: str):
+    """The backend for quantised pages: the dispatch's choice unless it cannot read them (flash-attn's
+    paged ops take bf16/fp16 pages only), then Triton where it runs, else torch."""
+    name, fn = dispatch.choose(op, device_type)
+    if name != "cuda":
+        return fn
+    return _QUANTIZED_FALLBACK[op][0 if triton_support.probe() is None else 1]
+
+
+def paged_decode_attention_ref(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
+                               k_scale=None, v_scale=None, sinks=0):
     """Reference: decode is a prefill of one new token per sequence."""
     cu = torch.arange(q.shape[0] + 1, device=q.device, dtype=torch.int32)
-    return paged_prefill_attention_ref(q, k_pool, v_pool, cu, seq_lens, block_tables, window=window, scale=scale)
+    return paged_prefill_attention_ref(q, k_pool, v_pool, cu, seq_lens, block_tables, window=window, scale=scale,
+                                       k_scale=k_scale, v_scale=v_scale, sinks=sinks)
 
 
-def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None):
+def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
+                                  k_scale=None, v_scale=None, sinks=0):
     # Batched over sequences: walk the block tables a group of columns at a time with an online
     # softmax, so K/V are read through the tables and at most `group_tokens` positions per
     # sequence are gathered at once (never a padded copy of every whole history), and there is
@@ -104,7 +172,7 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
     if B < per_sequence_below and not compiling:
         cu = with_host_values(torch.arange(B + 1, device=q.device, dtype=torch.int32), tuple(range(B + 1)))
         return _paged_prefill_attention_torch(q, k_pool, v_pool, cu, seq_lens, block_tables, window=window,
-                                              scale=scale)
+                                              scale=scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     BS, Hkv = k_pool.shape[1], k_pool.shape[2]
     rep = Hq // Hkv
     qf = q.float().view(B, Hkv, rep, D) * (D ** -0.5 if scale is None else scale)
@@ -114,19 +182,25 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
     l = torch.zeros(B, Hkv, rep, device=q.device)
     acc = torch.zeros(B, Hkv, rep, D, device=q.device)
     cols = max(1, group_tokens // BS)
+    sink_cols = -(-sinks // BS)  # the sink blocks, then the window's: the freed blocks between are never read
     if compiling:
-        col_range = range(0, block_tables.shape[1], cols)
+        spans = [(c0, min(c0 + cols, block_tables.shape[1])) for c0 in range(0, block_tables.shape[1], cols)]
     else:
         lens_host = host_values(seq_lens)
         lo = min(max(0, n - window) for n in lens_host) if window is not None else 0
-        col_range = range(lo // BS, -(-max(lens_host) // BS), cols)
-    for c0 in col_range:
-        blocks = block_tables[:, c0:c0 + cols].long()
+        hi = -(-max(lens_host) // BS)
+        start = max(lo // BS, sink_cols) if sinks else lo // BS
+        spans = ([(c0, min(c0 + cols, sink_cols, hi)) for c0 in range(0, min(sink_cols, hi), cols)]
+                 + [(c0, min(c0 + cols, hi)) for c0 in range(start, hi, cols)])
+    for c0, c1 in spans:
+        blocks = block_tables[:, c0:c1].long()
         g = blocks.shape[1]
-        k = k_pool[blocks].view(B, g * BS, Hkv, D).float()
-        v = v_pool[blocks].view(B, g * BS, Hkv, D).float()
+        k = kv_quant.dequantize_pages(k_pool[blocks], None if k_scale is None else k_scale[blocks],
+                                      torch.float32).view(B, g * BS, Hkv, D)
+        v = kv_quant.dequantize_pages(v_pool[blocks], None if v_scale is None else v_scale[blocks],
+                                      torch.float32).view(B, g * BS, Hkv, D)
         pos = torch.arange(c0 * BS, (c0 + g) * BS, device=q.device)
-        visible = (pos[None] < lens[:, None]) & (pos[None] >= first[:, None])  # [B, t]
+        visible = (pos[None] < lens[:, None]) & ((pos[None] >= first[:, None]) | (pos[None] < sinks))  # [B, t]
         s = torch.einsum("bhrd,bthd->bhrt", qf, k).masked_fill(~visible[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet
@@ -140,11 +214,20 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, *, window: int | None = None,
-                           scale: float | None = None) -> torch.Tensor:
-    """One new token per sequence over its paged history. q: [B, Hq, D] -> [B, Hq, D]."""
-    _check_paged(q, k_pool, v_pool, seq_lens, block_tables)
-    _, fn = dispatch.choose("paged_decode_attention", q.device.type)
-    return fn(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale)
+                           scale: float | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None, sinks: int = 0) -> torch.Tensor:
+    """One new token per sequence over its paged history. q: [B, Hq, D] -> [B, Hq, D]. Quantised pools
+    pass their block scales; ``sinks`` as in :func:`paged_prefill_attention` (torch path)."""
+    _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale, v_scale)
+    if sinks:
+        return _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale,
+                                             k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+    if k_scale is None:
+        _, fn = dispatch.choose("paged_decode_attention", q.device.type)
+        return fn(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale)
+    fn = _quantized_impl("paged_decode_attention", q.device.type)
+    return fn(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale, k_scale=k_scale,
+              v_scale=v_scale)
 
 
 def _each_sequence(attend, q, k, v, cu_seqlens, window, scale):
@@ -192,12 +275,13 @@ def _varlen_attention_triton(q, k, v, cu_seqlens, *, window=None, scale=None):
 
 
 def _paged_prefill_attention_triton(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, *, window=None,
-                                    scale=None):
+                                    scale=None, k_scale=None, v_scale=None):
     if needs_grad(q, k_pool, v_pool):
         return _paged_prefill_attention_torch(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables,
-                                              window=window, scale=scale)
+                                              window=window, scale=scale, k_scale=k_scale, v_scale=v_scale)
     return flash_attention_triton(q, k_pool, v_pool, cu_seqlens_q.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
-                                  block_tables=block_tables.to(torch.int32), window=window, scale=scale)
+                                  block_tables=block_tables.to(torch.int32), window=window, scale=scale,
+                                  k_scale=k_scale, v_scale=v_scale)
 
 
 # Decode: one query per sequence. Grid (sequences, KV heads, splits): a program loads the GROUP query
@@ -208,11 +292,12 @@ def _paged_prefill_attention_triton(q, k_pool, v_pool, cu_seqlens_q, seq_lens, b
 
 @jit
 def _paged_decode_split_kernel(
-    Q, K, V, O_part, LSE_part, seq_lens, block_tables,
+    Q, K, V, O_part, LSE_part, seq_lens, block_tables, K_scale, V_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_bt, scale_log2, window, split_len,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_bt, stride_sb, scale_log2, window, split_len,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -241,6 +326,9 @@ def _paged_decode_split_kernel(
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(K + (blk * stride_kb + (offs_n % PAGE) * stride_kt)[:, None] + kvh * stride_kh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
+        if QUANT:  # int8 / fp8 codes times their block's scale, dequantised in registers
+            ks = tl.load(K_scale + blk * stride_sb + kvh, mask=n_valid, other=0.0)
+            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(n_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -250,6 +338,9 @@ def _paged_decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + (blk * stride_vb + (offs_n % PAGE) * stride_vt)[:, None] + kvh * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
+        if QUANT:
+            vs = tl.load(V_scale + blk * stride_sb + kvh, mask=n_valid, other=0.0)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     empty = l_i == 0.0  # a split past the end of a short sequence
@@ -289,8 +380,9 @@ def decode_splits(batch: int, kv_heads: int, max_context: int) -> int:
 
 
 def paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
-                                  num_splits=None):
-    """The split decode launch. q: [B, Hq, D] -> [B, Hq, D]; ``num_splits`` None picks by shape."""
+                                  num_splits=None, k_scale=None, v_scale=None):
+    """The split decode launch. q: [B, Hq, D] -> [B, Hq, D]; ``num_splits`` None picks by shape; quantised
+    pools with their block scales ``k_scale, v_scale [NB, Hkv]``."""
     B, Hq, D = q.shape
     page, Hkv = k_pool.shape[1], k_pool.shape[2]
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -306,13 +398,16 @@ def paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, *, 
     lse_part = torch.empty(B, Hq, splits, device=q.device, dtype=torch.float32)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     block_tables = block_tables.to(torch.int32)
+    quant = k_scale is not None
+    k_scale, v_scale = (k_scale.contiguous(), v_scale.contiguous()) if quant else (o_part, o_part)
     _paged_decode_split_kernel[(B, Hkv, splits)](
-        q, k_pool, v_pool, o_part, lse_part, seq_lens.to(torch.int32), block_tables,
+        q, k_pool, v_pool, o_part, lse_part, seq_lens.to(torch.int32), block_tables, k_scale, v_scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), block_tables.stride(0), scale * _LOG2E, window or 0, split_len,
+        lse_part.stride(0), lse_part.stride(1), block_tables.stride(0), k_scale.stride(0) if quant else 0,
+        scale * _LOG2E, window or 0, split_len,
         GROUP=Hq // Hkv, BLOCK_G=next_pow2(Hq // Hkv, 16), HEAD_DIM=D, BLOCK_D=next_pow2(D, 16), BLOCK_N=block_n,
-        PAGE=page, HAS_WINDOW=window is not None, PRECISION=dot_precision(q.dtype),
+        PAGE=page, HAS_WINDOW=window is not None, PRECISION=dot_precision(q.dtype), QUANT=quant,
     )
     out = torch.empty_like(q)
     _paged_decode_merge_kernel[(B, Hq)](
@@ -323,11 +418,18 @@ def paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, *, 
     return out
 
 
-def _paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None):
+def _paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
+                                   k_scale=None, v_scale=None):
     if needs_grad(q, k_pool, v_pool):
-        return _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale)
-    return paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale)
+        return _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale,
+                                             k_scale=k_scale, v_scale=v_scale)
+    return paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale,
+                                         k_scale=k_scale, v_scale=v_scale)
 
+
+# quantised pages on a device whose dispatch picks flash-attn: (Triton, torch)
+_QUANTIZED_FALLBACK = {"paged_prefill_attention": (_paged_prefill_attention_triton, _paged_prefill_attention_torch),
+                       "paged_decode_attention": (_paged_decode_attention_triton, _paged_decode_attention_torch)}
 
 dispatch.register("varlen_attention", "triton", _varlen_attention_triton, triton_support.probe)
 dispatch.register("paged_prefill_attention", "triton", _paged_prefill_attention_triton, triton_support.probe)

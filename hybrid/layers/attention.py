@@ -52,21 +52,27 @@ class Attention(nn.Module):
         out = kernels.causal_attention(q, k, v, window=self.cfg.sliding_window)
         return self.o_proj(out.reshape(B, L, -1))
 
-    def forward_packed(self, x: torch.Tensor, batch, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+    def forward_packed(self, x: torch.Tensor, batch, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                       visible: tuple[int | None, int] | None = None) -> torch.Tensor:
         """Packed inference: x [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
 
         Writes the new K/V into the paged pools, then attends over each sequence's cached history
         through its block table; the batch's one-token sequences (``batch.decode``) take the decode op,
-        the rest (``batch.prefill``: prompts and prompt chunks) the prefill op.
+        the rest (``batch.prefill``: prompts and prompt chunks) the prefill op. An int8 / fp8 pool comes
+        with its block scales (``k_scale``, ``v_scale``): the write quantises, the ops dequantise. A KV pruning
+        policy (:mod:`hybrid.kv_pruning`) gives ``visible = (window, sinks)`` in place of the layer's window.
         """
         q, k, v = self.qkv(x, batch.positions, batch.rope)
-        kernels.write_kv(k_pool, v_pool, k, v, batch.slot_mapping)
-        w, parts = self.cfg.sliding_window, []
+        kernels.write_kv(k_pool, v_pool, k, v, batch.slot_mapping, k_scale, v_scale)
+        w, parts, sc = self.cfg.sliding_window, [], dict(k_scale=k_scale, v_scale=v_scale)
+        if visible is not None:
+            w, sc["sinks"] = visible
         if (d := batch.decode) is not None:
             parts.append(kernels.paged_decode_attention(q[d.tokens], k_pool, v_pool, d.seq_lens, d.block_tables,
-                                                        window=w))
+                                                        window=w, **sc))
         if (p := batch.prefill) is not None:
             parts.append(kernels.paged_prefill_attention(q[p.tokens], k_pool, v_pool, p.cu_seqlens, p.seq_lens,
-                                                         p.block_tables, window=w))
+                                                         p.block_tables, window=w, **sc))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         return self.o_proj(out.reshape(x.shape[0], -1))

@@ -9,7 +9,8 @@ from torch import nn
 
 from .. import kernels
 from ..config import HybridConfig, Mamba1Config
-from ..specs import CacheDtypes, MambaStateSpec
+from ..kernels.kv_quant import state_step
+from ..specs import CacheDtypes, MambaStateSpec, state_scale_groups
 from .mamba2 import init_dt_bias
 from .norm import RMSNorm
 
@@ -24,8 +25,10 @@ class Mamba1(nn.Module):
     @staticmethod
     def cache_spec(cfg: HybridConfig, dtypes: CacheDtypes) -> MambaStateSpec:
         m = cfg.mamba1
+        # no heads: one scale per 16 channels (a Mamba-2 head's worth of rows, in elements, is far more)
+        groups = state_scale_groups(m.d_inner, m.d_inner // 16)
         return MambaStateSpec(conv_shape=(m.d_inner, m.d_conv - 1), ssm_shape=(m.d_inner, m.d_state),
-                              conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm)
+                              conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm, conv_groups=groups, ssm_groups=groups)
 
     def __init__(self, d_model: int, cfg: Mamba1Config, norm_eps: float = 1e-5):
         super().__init__()
@@ -77,14 +80,14 @@ class Mamba1(nn.Module):
         y, _ = kernels.selective_scan(x, dt, self.A(), B, C, D=self.D)
         return self.out_proj(y * F.silu(z))
 
-    def step(self, conv_state: torch.Tensor, ssm_state: torch.Tensor, x: torch.Tensor,
+    def step(self, conv_state, ssm_state, x: torch.Tensor,
              slots: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence through the conv and selective-scan step ops, updating the states in
         place (rows ``slots`` of the pools, or the given state tensors): x [n, d_inner] -> y [n, d_inner]."""
-        x = kernels.causal_conv1d_step(conv_state, x, self.conv1d.weight[:, 0], self.conv1d.bias, activation="silu",
-                                       slots=slots)
+        x = state_step(conv_state, kernels.causal_conv1d_step, x, self.conv1d.weight[:, 0], self.conv1d.bias,
+                       activation="silu", slots=slots)
         dt, B, C = self.dt_B_C(x)
-        return kernels.selective_step(ssm_state, x, dt, self.A(), B, C, D=self.D, slots=slots)
+        return state_step(ssm_state, kernels.selective_step, x, dt, self.A(), B, C, D=self.D, slots=slots)
 
     def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
         """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model];
@@ -99,13 +102,13 @@ class Mamba1(nn.Module):
             ys.append(batch.verify_states.run(conv_pool, ssm_pool, (x[v.tokens],), self.step))
         if (p := batch.scan) is not None:
             slots, cu = p.state_slots, p.cu_seqlens
-            xp, conv_final = kernels.causal_conv1d_varlen(x[p.tokens], w, bias, cu, initial_states=conv_pool[slots],
-                                                          activation="silu")
-            conv_pool[slots] = conv_final.to(conv_pool.dtype)
+            xp, conv_final = kernels.causal_conv1d_varlen(x[p.tokens], w, bias, cu,
+                                                          initial_states=conv_pool.read(slots), activation="silu")
+            conv_pool.write(slots, conv_final)
             dt, B, C = self.dt_B_C(xp)
             y, ssm_final = kernels.selective_varlen_scan(xp, dt, self.A(), B, C, cu, D=self.D,
-                                                         initial_states=ssm_pool[slots])
-            ssm_pool[slots] = ssm_final.to(ssm_pool.dtype)
+                                                         initial_states=ssm_pool.read(slots))
+            ssm_pool.write(slots, ssm_final)
             ys.append(y)
         y = torch.cat(ys) if len(ys) > 1 else ys[0]
         return self.out_proj(y * F.silu(z))

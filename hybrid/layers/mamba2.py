@@ -14,7 +14,8 @@ from torch import nn
 
 from .. import kernels
 from ..config import HybridConfig, Mamba2Config
-from ..specs import CacheDtypes, MambaStateSpec
+from ..kernels.kv_quant import state_step
+from ..specs import CacheDtypes, MambaStateSpec, state_scale_groups
 from ..speculative import mamba2_verify
 from .norm import GatedRMSNorm
 
@@ -36,7 +37,10 @@ class Mamba2(nn.Module):
     def cache_spec(cfg: HybridConfig, dtypes: CacheDtypes) -> MambaStateSpec:
         m = cfg.mamba2
         return MambaStateSpec(conv_shape=(m.conv_dim, m.d_conv - 1), ssm_shape=(m.n_heads, m.head_dim, m.d_state),
-                              conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm)
+                              conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm,
+                              # int8: one scale per head and head_dim row of the SSM state (per head alone
+                              # measured 3x the logit KL, eval/compression_bench.py), per head of the conv state
+                              conv_groups=state_scale_groups(m.conv_dim, m.n_heads), ssm_groups=m.n_heads * m.head_dim)
 
     def __init__(self, d_model: int, cfg: Mamba2Config, norm_eps: float = 1e-5):
         super().__init__()
@@ -94,15 +98,16 @@ class Mamba2(nn.Module):
         y = self.norm(y.reshape(Bsz, L, self.d_inner), z)
         return self.out_proj(y)
 
-    def step(self, conv_state: torch.Tensor, ssm_state: torch.Tensor, xBC: torch.Tensor, dt_raw: torch.Tensor,
+    def step(self, conv_state, ssm_state, xBC: torch.Tensor, dt_raw: torch.Tensor,
              slots: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence through the conv and SSD step ops, updating the states in place (rows
-        ``slots`` of the pools, or the given state tensors): xBC [n, conv_dim], dt_raw [n, H] -> y [n, H, P]."""
-        xBC = kernels.causal_conv1d_step(conv_state, xBC, self.conv1d.weight[:, 0], self.conv1d.bias,
-                                         activation="silu", slots=slots)
+        ``slots`` of the cache's state pools, or the given state tensors): xBC [n, conv_dim], dt_raw [n, H]
+        -> y [n, H, P]."""
+        xBC = state_step(conv_state, kernels.causal_conv1d_step, xBC, self.conv1d.weight[:, 0], self.conv1d.bias,
+                         activation="silu", slots=slots)
         x, B, C = self.split_xBC(xBC)
         dt, A = self.dt_A(dt_raw)
-        return kernels.ssd_step(ssm_state, x, dt, A, B, C, D=self.D, slots=slots)
+        return state_step(ssm_state, kernels.ssd_step, x, dt, A, B, C, D=self.D, slots=slots)
 
     def verify_chunk(self, conv0: torch.Tensor, ssm0: torch.Tensor, xBC: torch.Tensor, dt_raw: torch.Tensor):
         """Speculative verify chunks, padded to one length, in closed form from their states conv0 [n, C, K-1],
@@ -134,13 +139,13 @@ class Mamba2(nn.Module):
         if (p := batch.scan) is not None:
             slots, cu = p.state_slots, p.cu_seqlens
             xBC_p, conv_final = kernels.causal_conv1d_varlen(xBC[p.tokens], w, bias, cu,
-                                                             initial_states=conv_pool[slots], activation="silu")
-            conv_pool[slots] = conv_final.to(conv_pool.dtype)
+                                                             initial_states=conv_pool.read(slots), activation="silu")
+            conv_pool.write(slots, conv_final)
             x, B, C = self.split_xBC(xBC_p)
             dt, A = self.dt_A(dt_raw[p.tokens])
             y, ssm_final = kernels.ssd_varlen_scan(x, dt, A, B, C, cu, chunk_size=self.cfg.chunk_size, D=self.D,
-                                                   initial_states=ssm_pool[slots])
-            ssm_pool[slots] = ssm_final.to(ssm_pool.dtype)
+                                                   initial_states=ssm_pool.read(slots))
+            ssm_pool.write(slots, ssm_final)
             ys.append(y)
         y = torch.cat(ys) if len(ys) > 1 else ys[0]
         return self.out_proj(self.norm(y.reshape(u.shape[0], self.d_inner), z))

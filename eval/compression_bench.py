@@ -1,0 +1,280 @@
+"""Cache compression benchmark: capacity, decode speed and accuracy per (KV dtype, state dtype).
+
+    python -m hybrid.eval.compression_bench --threads 2 --output out/compression
+
+Four tables (markdown on stdout, all rows in ``OUTPUT/compression.json``):
+
+- ``capacity``: sequences of 4K and 32K tokens that fit in 4 GiB for ``llama-small``, ``hybrid-1to7-small``,
+  ``jamba-small``, ``mamba2-small`` at each dtype pair, from the layers' cache specs (block and state scales
+  included; what :class:`hybrid.cache.HybridCache` allocates, tested in tests/test_cache_compression.py),
+  and the gain over (bf16 KV, fp32 state).
+- ``decode``: decode tokens/s at batch 32 through the engine per recipe and dtype pair (median of the timed
+  steps, min and max beside it; run it under ``flock /tmp/bench.lock``, the CPU is shared).
+- ``accuracy``: small MQAR models trained here (``hybrid.eval.mqar.train`` with the explicit
+  :data:`TRAIN` settings; 1:7 hybrid, pure Mamba-2, attention only) run teacher-forced through the paged
+  cache with *every* token a decode step (the harshest case: each K/V token written alone into its block,
+  the state quantised after every token). Per dtype pair: mean logit KL(uncompressed || compressed) and
+  top-1 agreement over all positions, and MQAR accuracy next to the uncompressed cache's.
+- ``kv_scale`` / ``state_rounding``: the measurements behind two choices: the block-scale policy of
+  int8/fp8 K/V (headroom 1, 1.25, 2 with re-quantise on overflow, against per-token scales = blocks of
+  one token), and nearest vs stochastic rounding of int8 / bf16 state.
+
+The uncompressed reference is the same model in fp32 with fp32 K/V and state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .. import recipes
+from ..cache import HybridCache, cache_dtypes, sequences_that_fit
+from ..cache_manager import CacheManager
+from ..kernels import kv_quant
+from ..model import HybridLM
+from ..packed_batch import SeqChunk, build_batch
+from ..report import format_table
+from . import mqar
+
+PAIRS = [("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("int8", "int8"), ("fp8", "bfloat16")]
+EXTRA_PAIRS = [("int8", "float32"), ("float32", "int8"), ("fp8", "float32")]  # one part compressed at a time
+RECIPES = ["llama-small", "hybrid-1to7-small", "jamba-small", "mamba2-small"]
+# the accuracy models: (name, attention share of the 8 mixers) of recipes.attention_family("tiny", ...)
+FAMILY = [("hybrid-1to7", 0.125)]
+# about a quarter of an hour on one shared CPU core
+TRAIN = dict(steps=600, tokens_per_step=2048, train_kv_pairs=(2, 4, 8, 16), eval_kv_pairs=(4, 8),
+             eval_sequences=128, lr=3e-3, seed=0)
+EVAL_PAIRS = 8  # key-value pairs of the accuracy sequences (4 * 8 = 32 tokens, every one a decode step)
+
+
+def capacity_rows(cache_gib: float = 4.0, lengths=(4096, 32768)) -> list[dict]:
+    rows = []
+    for name in RECIPES:
+        cfg = recipes.get(name)
+        base = {}
+        for kv, state in PAIRS:
+            d = cache_dtypes(torch.bfloat16, kv, state)
+            row = {"model": name, "kv": kv, "state": state}
+            for L in lengths:
+                n = sequences_that_fit(cfg, int(cache_gib * 2**30), L, kv_dtype=d.kv, conv_dtype=d.conv,
+                                       ssm_dtype=d.ssm)
+                base.setdefault(L, n)
+                row[f"seqs@{L // 1024}K"] = n
+                row[f"x@{L // 1024}K"] = round(n / base[L], 2) if base[L] else math.inf
+            rows.append(row)
+    return rows
+
+
+def decode_rows(batch: int, context: int, steps: int, dtype: torch.dtype) -> list[dict]:
+    from .engine_bench import decode_engine, decode_speed
+
+    rows = []
+    for name in tqdm(RECIPES, desc="decode", unit="model"):
+        torch.manual_seed(0)
+        model = HybridLM(recipes.get(name)).to(dtype).eval()
+        base = None
+        for kv, state in PAIRS:
+            engine = decode_engine(model, batch, context, steps=steps, compile=False, warmup=1, kv_dtype=kv,
+                                   state_dtype=state)
+            row, _ = decode_speed(engine, steps)
+            base = base or row["decode_tok/s"]
+            rows.append({"model": name, "kv": kv, "state": state, "batch": row["batch"], "context": context,
+                         "ms_min": row["ms_min"], "ms_med": row["ms_med"], "ms_max": row["ms_max"],
+                         "decode_tok/s": row["decode_tok/s"], "vs_bf16": round(row["decode_tok/s"] / base, 3)})
+            del engine
+    return rows
+
+
+def layer_decode_rows(batch: int, context: int, repeats: int, dtype: torch.dtype) -> list[dict]:
+    """One attention layer and one Mamba-2 layer of ``hybrid-1to7-small`` taking a decode step of ``batch``
+    sequences at ``context`` tokens, per cache dtype: the minimum of ``repeats`` runs (the least disturbed
+    by other work on a shared machine), the layer alone (no weights-bound MLP or head around it)."""
+    cfg = recipes.get("hybrid-1to7-small")
+    torch.manual_seed(0)
+    model = HybridLM(cfg).to(dtype).eval()
+    attn_i = next(i for i, k in enumerate(cfg.layer_kinds) if k == "attention")
+    mamba_i = next(i for i, k in enumerate(cfg.layer_kinds) if k == "mamba2")
+    rows = []
+    for kv, state in PAIRS:
+        d = cache_dtypes(dtype, kv, state)
+        cache = HybridCache.for_model(model, num_blocks=batch * -(-(context + 1) // 16) + 1, block_size=16,
+                                      max_seqs=batch, kv_dtype=d.kv, conv_dtype=d.conv, ssm_dtype=d.ssm)
+        manager = CacheManager(cache)
+        for b in range(batch):
+            manager.admit(b, context + 1)
+        chunks = [SeqChunk(b, [1], context) for b in range(batch)]
+        pb = build_batch(manager, chunks)
+        x = torch.randn(batch, cfg.d_model, dtype=dtype)
+        row = {"kv": kv, "state": state, "batch": batch, "context": context}
+        for name, i in (("attention", attn_i), ("mamba2", mamba_i)):
+            mixer = model.layers[i].mixer
+            times = []
+            with torch.inference_mode():
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    mixer.forward_packed(x, pb.with_rope(None), *cache.layer_pools[i])
+                    times.append(time.perf_counter() - t0)
+            row[f"{name}_ms_min"] = round(1e3 * min(times[1:]), 2)
+        rows.append(row)
+    for r in rows:
+        r["attention_vs_bf16"] = round(rows[0]["attention_ms_min"] / r["attention_ms_min"], 3)
+        r["mamba2_vs_fp32"] = round(rows[0]["mamba2_ms_min"] / r["mamba2_ms_min"], 3)
+    return rows
+
+
+# ---- accuracy --------------------------------------------------------------------------------------
+
+def train_models(directory: Path, progress: bool = True) -> dict[str, HybridLM]:
+    """The MQAR models of :data:`FAMILY`, trained once and kept in ``directory`` (safetensors)."""
+    from ..pretrained import from_pretrained, save_pretrained
+
+    cfg = mqar.TrainConfig(**TRAIN)
+    models = {}
+    for name, share in FAMILY:
+        path = directory / name
+        if not (path / "config.json").exists():
+            torch.manual_seed(cfg.seed)
+            model = HybridLM(mqar.family_config("tiny", share, 8, cfg.vocab_size, cfg.init_std))
+            mqar.train(model, cfg, desc=f"train {name}", progress=progress)
+            save_pretrained(model, path)
+        models[name] = from_pretrained(path).float().eval()
+    return models
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model: HybridLM, inputs: torch.Tensor, kv: str | None, state: str | None, *,
+                          stochastic: bool = False, block_size: int = 16, prefill: int = 1) -> torch.Tensor:
+    """Logits [B, L, V] of every position of ``inputs [B, L]`` through the paged cache at the given dtypes: the
+    first ``prefill`` tokens of every sequence in one packed prefill, then each further token as a decode
+    step of all B sequences."""
+    B, L = inputs.shape
+    d = cache_dtypes(next(model.parameters()).dtype, kv, state)
+    cache = HybridCache.for_model(model, num_blocks=B * -(-L // block_size) + 1, block_size=block_size, max_seqs=B,
+                                  kv_dtype=d.kv, conv_dtype=d.conv, ssm_dtype=d.ssm, stochastic_state=stochastic)
+    manager = CacheManager(cache)
+    rows = inputs.tolist()
+    for b in range(B):
+        manager.admit(b, prefill)
+    out = torch.empty(B, L, model.config.vocab_size)
+    first = model.forward_packed(build_batch(manager, [SeqChunk(b, rows[b][:prefill], 0) for b in range(B)]), cache,
+                                 all_logits=True)
+    out[:, :prefill] = first.float().view(B, prefill, -1)
+    for t in range(prefill, L):
+        for b in range(B):
+            manager.grow(b, t + 1)
+        out[:, t] = model.forward_packed(build_batch(manager, [SeqChunk(b, [rows[b][t]], t) for b in range(B)]),
+                                         cache).float()
+    return out
+
+
+def compare(ref: torch.Tensor, out: torch.Tensor, batch: mqar.MQARBatch) -> dict:
+    """KL(ref || out) and top-1 agreement over all positions; MQAR accuracy of ``out``."""
+    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(out, -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    target = batch.labels[:, 1:]
+    asked = target != mqar.IGNORE
+    acc = (out[:, :-1].argmax(-1)[asked] == target[asked]).float().mean()
+    agree = ref.argmax(-1) == out.argmax(-1)
+    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "top1_agree_%": round(100 * float(agree.float().mean()), 2),
+            # at the positions that answer a query (the rest predict random context tokens, near-uniform)
+            "top1_agree_queries_%": round(100 * float(agree[:, :-1][asked].float().mean()), 2),
+            "mqar_acc_%": round(100 * float(acc), 2)}
+
+
+def accuracy_rows(models: dict[str, HybridLM], sequences: int) -> tuple[list[dict], list[dict], list[dict]]:
+    g = torch.Generator().manual_seed(12345)
+    batch = mqar.make_batch(sequences, EVAL_PAIRS, TRAIN.get("vocab_size", 256), generator=g)
+    acc, scale, rounding = [], [], []
+    for name, model in tqdm(models.items(), desc="accuracy", unit="model"):
+        ref = teacher_forced_logits(model, batch.inputs, "float32", "float32")
+        base = compare(ref, ref, batch)["mqar_acc_%"]
+        has_kv, has_state = bool(model.cache_spec().attention), bool(model.cache_spec().mamba)
+        seen = set()
+        for kv, state in PAIRS + EXTRA_PAIRS:
+            effective = (kv if has_kv else "-", state if has_state else "-")
+            if effective in seen:
+                continue  # the dtype of a part the model does not have changes nothing
+            seen.add(effective)
+            kv, state = kv if has_kv else "float32", state if has_state else "float32"
+            m = compare(ref, teacher_forced_logits(model, batch.inputs, kv, state), batch)
+            acc.append({"model": name, "kv": kv, "state": state, **m, "mqar_ref_%": base,
+                        "mqar_loss_pts": round(base - m["mqar_acc_%"], 2)})
+        if has_kv:
+            for kv in ("int8", "fp8"):
+                for label, headroom, bs in [("block16 headroom 1.0", 1.0, 16), ("block16 headroom 1.25", 1.25, 16),
+                                            ("block16 headroom 2.0", 2.0, 16), ("per-token (block 1)", 1.0, 1)]:
+                    old, kv_quant.KV_SCALE_HEADROOM = kv_quant.KV_SCALE_HEADROOM, headroom
+                    try:
+                        m = compare(ref, teacher_forced_logits(model, batch.inputs, kv, "float32", block_size=bs),
+                                    batch)
+                    finally:
+                        kv_quant.KV_SCALE_HEADROOM = old
+                    per_token = model.cache_spec(kv_dtype=kv_quant.KV_DTYPES[kv]).kv_bytes_per_token_with_scales(bs)
+                    scale.append({"model": name, "kv": kv, "scales": label, "kv_bytes/token": per_token, **m})
+        if has_state:
+            for state in ("int8", "bfloat16"):
+                for stochastic in (False, True):
+                    m = compare(ref, teacher_forced_logits(model, batch.inputs, "float32", state,
+                                                           stochastic=stochastic), batch)
+                    rounding.append({"model": name, "state": state,
+                                     "rounding": "stochastic" if stochastic else "nearest", **m})
+    return acc, scale, rounding
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", default="out/compression", help="folder for compression.json")
+    p.add_argument("--models", default="out/compression/models", help="where the trained MQAR models are kept")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sequences", type=int, default=128, help="MQAR sequences in the accuracy table")
+    p.add_argument("--decode-batch", type=int, default=32)
+    p.add_argument("--decode-ctx", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--decode-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["capacity", "decode", "accuracy", "engine_decode"])
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"settings": {**vars(args), "train": {k: list(v) if isinstance(v, tuple) else v for k, v in TRAIN.items()},
+                           "eval_pairs": EVAL_PAIRS, "host_cpus": os.cpu_count(), "time": time.ctime()}}
+    if "capacity" not in args.skip:
+        result["capacity"] = capacity_rows()
+        print("# sequences that fit in 4 GiB (from the specs; x = vs bf16 KV + fp32 state)\n")
+        print(format_table(result["capacity"]))
+    if "accuracy" not in args.skip:
+        models = train_models(Path(args.models))
+        acc, scale, rounding = accuracy_rows(models, args.sequences)
+        result.update(accuracy=acc, kv_scale=scale, state_rounding=rounding)
+        print(f"\n# accuracy vs the fp32 cache, {args.sequences} MQAR sequences of {EVAL_PAIRS} pairs, every token a "
+              "decode step\n")
+        print(format_table(acc))
+        print("\n# K/V block-scale policy (state fp32)\n")
+        print(format_table(scale))
+        print("\n# state rounding (K/V fp32)\n")
+        print(format_table(rounding))
+    if "decode" not in args.skip:
+        result["decode"] = [] if "engine_decode" in args.skip else decode_rows(
+            args.decode_batch, args.decode_ctx, args.decode_steps, getattr(torch, args.decode_dtype))
+        print(f"\n# decode at batch {args.decode_batch}, context {args.decode_ctx}, model {args.decode_dtype}, "
+              f"{args.threads} threads (ms per step: min / median / max)\n")
+        print(format_table(result["decode"]))
+        result["layer_decode"] = layer_decode_rows(args.decode_batch, 4 * args.decode_ctx, 20,
+                                                   getattr(torch, args.decode_dtype))
+        print(f"\n# one layer's decode step (min of 20), batch {args.decode_batch}, context {4 * args.decode_ctx}; "
+              "vs = speed relative to (bf16 KV, fp32 state)\n")
+        print(format_table(result["layer_decode"]))
+    (out / "compression.json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"\nwrote {out / 'compression.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Low-precision cache storage: int8 and fp8 (e4m3) K/V pages with per-block, per-KV-head scales, and
+int8 / bf16 Mamba state rows with per-head (per head-row) scales.
+
+**KV pages.** A quantised layer keeps beside its pools ``k_scale, v_scale: [num_blocks, Hkv]`` (fp32):
+token ``p`` of block ``b``, head ``h`` dequantises as ``q[b, p, h, :] * scale[b, h]``. A block fills one
+token at a time during decode, so its scale cannot be known when its first token is written. The write
+op (:func:`write_kv_quantized`) keeps each block's scale as *the largest |value| written so far, times
+``headroom``, over the format's largest value* and, when a new token exceeds what the scale covers,
+re-quantises the tokens already in the block to the new, larger scale (a scale only grows, by at least
+``headroom`` each time, so a block is re-quantised a handful of times at most). A block handed out afresh
+has scale 0 (:meth:`hybrid.cache.PagedKVCache` zeroes it), so its first write sets it. The choice
+(headroom, re-quantise on overflow, rather than per-token scales) is measured in
+``eval/compression_bench.py`` (the ``kv_scale`` table, a trained MQAR hybrid): per-token scales (blocks of
+one token) halve the logit KL of int8 / fp8 K/V but cost 4 bytes per token and head (+25% at head_dim 16,
++6% at 64), and both errors are far below the int8 state's; more headroom (1.25, 2) is worse for int8
+and within noise for fp8, so the headroom is 1.
+
+**Mamba state.** :func:`quantize_rows` / :func:`dequantize_rows` turn state rows ``[n, *shape]`` into
+int8 with one fp32 scale per equal slice of the row (Mamba-2's SSM state: per head and head_dim row, its
+``d_state`` values), or into bf16; ``stochastic=True`` rounds stochastically (unbiased) instead of to
+nearest (measured: no better here, so off by default).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+
+# name -> storage dtype; the names the engine, the CLI and the benchmarks accept (plus the aliases below)
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
+             "fp8": FP8}
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32",
+            "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8"}
+QUANTIZED = (torch.int8, FP8)
+_QMAX = {torch.int8: 127.0, FP8: 448.0}
+KV_SCALE_HEADROOM = 1.0  # measured best (eval/compression_bench.py, kv_scale table): see write_kv_quantized
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name of a cache dtype (``int8``, ``fp8``, ``bfloat16``...)."""
+    for name, d in KV_DTYPES.items():
+        if d == dtype:
+            return name
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(value: str | torch.dtype | None, allowed: dict[str, torch.dtype], what: str) -> torch.dtype | None:
+    """A cache dtype from a name (``"int8"``, ``"fp8"``, ``"bf16"``...) or a torch dtype; None stays None.
+    Anything else is a ValueError listing what is accepted."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        if value in allowed.values():
+            return value
+        raise ValueError(f"{what} {value} is not supported; choose one of {sorted(allowed)}")
+    name = _ALIASES.get(str(value).lower(), str(value).lower())
+    if name not in allowed:
+        raise ValueError(f"{what} {value!r} is not supported; choose one of {sorted(allowed)}")
+    return allowed[name]
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` stores scaled codes (int8, fp8) that need a scale to mean anything."""
+    return dtype in QUANTIZED
+
+
+def qmax(dtype: torch.dtype) -> float:
+    """The largest magnitude the format stores (127 for int8, 448 for e4m3)."""
+    return _QMAX[dtype]
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` in ``dtype`` (round to nearest; saturating). ``scale`` broadcasts against ``x``; a zero
+    scale (nothing written yet, or an all-zero group) gives zero codes."""
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = x.float() / safe
+    m = _QMAX[dtype]
+    if dtype == torch.int8:
+        return y.round_().clamp_(-m, m).to(torch.int8)
+    return y.clamp_(-m, m).to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Codes times their scale (broadcast), in ``dtype``."""
+    return (q.float() * scale).to(dtype)
+
+
+def dequantize_pages(pages: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered pages ``[..., BS, Hkv, D]`` with their block scales ``[..., Hkv]`` -> values in ``dtype``
+    (pages that are not quantised, ``scale`` None, are only cast)."""
+    if scale is None:
+        return pages.to(dtype)
+    return dequantize(pages, scale[..., None, :, None], dtype)
+
+
+def write_kv_quantized(pool: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor,
+                       headroom: float | None = None) -> None:
+    """Quantise new keys (or values) ``x [T, Hkv, D]`` into their slots of ``pool [NB, BS, Hkv, D]``,
+    growing the block scales ``scale [NB, Hkv]`` where a new token needs it.
+
+    The tokens of one block are adjacent in a packed batch (a sequence's new tokens are contiguous and in
+    order; two sequences never write the same block, except padded rows into the null block), so a block's
+    new maximum is a segment maximum over runs of equal block ids: static shapes, no sync, fine under
+    torch.compile. Every touched block is rewritten at ``old / new`` of its scale first (a no-op where the
+    scale did not change: codes times 1 are exact; zeros where it was 0, i.e. a fresh block), then the new
+    tokens go in at the new scale.
+    """
+    dtype, m = pool.dtype, _QMAX[pool.dtype]
+    headroom = KV_SCALE_HEADROOM if headroom is None else headroom  # read per call: the benchmark varies it
+    T = x.shape[0]
+    if T == 0:
+        return
+    bs = pool.shape[1]
+    blk = slot_mapping // bs
+    amax = x.float().abs().amax(-1)  # [T, Hkv]
+    run = torch.cat([blk.new_zeros(1), (blk[1:] != blk[:-1]).long()]).cumsum(0)  # run index of each token
+    run_max = torch.zeros_like(amax).scatter_reduce_(0, run[:, None].expand_as(amax), amax, "amax")[run]
+    old = scale[blk]  # [T, Hkv]
+    new = torch.where(run_max > old * m, run_max * (headroom / m), old)
+    # re-quantise the blocks whose scale grows (in place of the codes they hold)
+    pages = pool[blk]  # [T, BS, Hkv, D]
+    ratio = torch.where(new > 0, old / torch.where(new > 0, new, torch.ones_like(new)), torch.zeros_like(new))
+    requant = quantize(pages.float() * ratio[:, None, :, None], torch.ones((), device=x.device), dtype)
+    _bits(pool).index_copy_(0, blk, _bits(requant))
+    scale.index_copy_(0, blk, new)
+    _bits(pool).view(-1, *pool.shape[2:]).index_copy_(0, slot_mapping, _bits(quantize(x, new[..., None], dtype)))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors seen as bytes (index_copy_ has no fp8 kernel on CPU; a copy of the bits is the same)."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+# ---- Mamba state rows ----------------------------------------------------------------------------
+
+def _round_stochastic(y: torch.Tensor) -> torch.Tensor:
+    return torch.floor(y + torch.rand_like(y))
+
+
+def bf16_stochastic(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounded stochastically: add uniform random low 16 bits, then truncate (exact cast)."""
+    bits = x.float().contiguous().view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def quantize_rows(x: torch.Tensor, groups: int, *, stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """State rows ``x [n, *shape]`` -> int8 codes ``[n, *shape]`` and fp32 scales ``[n, groups]`` (one per
+    equal slice of the flattened row: per head when the leading dimension is the heads)."""
+    n = x.shape[0]
+    g = x.float().reshape(n, groups, -1)
+    scale = g.abs().amax(-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    y = g / safe
+    y = _round_stochastic(y) if stochastic else y.round()
+    return y.clamp_(-127, 127).to(torch.int8).view(x.shape), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows`: fp32 rows ``[n, *shape]``."""
+    n, groups = scale.shape
+    return (q.float().reshape(n, groups, -1) * scale[..., None]).view(q.shape)
+
+
+def state_step(state, op, *args, slots: torch.Tensor | None = None, **kw) -> torch.Tensor:
+    """Run a one-token in-place state op (``ssd_step``, ``causal_conv1d_step``, ...) on ``state``: a cache
+    :class:`~hybrid.cache.StatePool` (which dequantises / re-quantises around the op when its rows are
+    compressed) or a plain state tensor (speculative decoding's working copies)."""
+    if hasattr(state, "step"):
+        return state.step(op, *args, slots=slots, **kw)
+    return op(state, *args, slots=slots, **kw)
