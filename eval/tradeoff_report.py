@@ -125,6 +125,8 @@ def flat_row(member: dict, ref: dict) -> dict:
             row[f"{metric}@{n}kv_seed_min"] = round(member["per_kv_min"][n], 4)
             row[f"{metric}@{n}kv_seed_max"] = round(member["per_kv_max"][n], 4)
         row["accuracy_params"] = member["params"]
+        row["accuracy_pattern"] = member.get("acc_pattern", "")
+        row["accuracy_state_bytes"] = member.get("acc_state_bytes", "")
     if member.get("stderr") is not None:
         row[f"{metric}_stderr"] = round(member["stderr"], 4)
     for task, value in member.get("per_task", {}).items():
@@ -175,7 +177,11 @@ def summary_table(members: list[dict], settings: dict) -> list[dict]:
     rows = []
     for m in members:
         t, mem, c = timed(m), memory(m), cuts(m, ref)
-        row = {"member": m["model"], "pattern": m["speed_model"]["pattern"], acc_col: _acc_cell(m)}
+        # MQAR: the accuracy models are the mixers alone, the timed ones the same mixers with MLPs
+        pattern = m["speed_model"]["pattern"] if "acc_pattern" not in m else \
+            f"{m['acc_pattern']} / {m['speed_model']['pattern']}"
+        row = {"member": m["model"], "pattern" if "acc_pattern" not in m else "pattern (accuracy / speed)": pattern,
+               acc_col: _acc_cell(m)}
         if "per_kv" in m:
             top = max(m["per_kv"])
             row[f"acc @{top} pairs"] = f"{m['per_kv'][top]:.3f}"
