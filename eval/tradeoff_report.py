@@ -249,7 +249,9 @@ def header_lines(s: dict) -> list[str]:
         t = s["train"]
         per_step = f"{t['batch_size']} sequences" if t["batch_size"] else f"{t['tokens_per_step']} tokens"
         lines += [f"Accuracy columns: {s['accuracy_model']}; {t['steps']} steps of {per_step}, "
-                  f"lr {t['lr']}, vocab {t['vocab_size']}, trained on {t['train_kv_pairs']} key-value pairs, "
+                  f"lr {t['lr']}, vocab {t['vocab_size']}, trained on {t['train_kv_pairs']} key-value pairs"
+                  + (f" (added one at a time over the first {t['curriculum']:.0%} of the steps)" if t.get("curriculum")
+                     else "") + ", "
                   f"scored on {t['eval_sequences']} held-out sequences at each of {t['eval_kv_pairs']} pairs; seeds "
                   f"{s['seeds']}.", "",
                   f"Prefill and memory columns: {s['speed_model']}.", ""]
