@@ -84,6 +84,12 @@ class TrainConfig:
     batch_size: int | None = None  # sequences per step; None: tokens_per_step // sequence length
     vocab_size: int = 256  # MQAR tokens = the accuracy models' vocabulary: keys 1..127, values 128..254
     lr: float = 3e-3
+    # lr of the Mamba-2 mixers' parameters relative to ``lr``. Their out_proj reads the gated RMSNorm's
+    # unit-RMS output (attention's o_proj reads values ~0.5 RMS, of half the width), so under Adam a
+    # Mamba-2 branch grows ~4x faster than an attention branch: at the full lr it swamped the
+    # embedding within ~50 steps and every hybrid stayed on the copy plateau (M*** 0.12 at 8 pairs
+    # after 150 steps, 0.88 with its Mamba branch frozen at zero, 0.95 with this at 0.1; README, Evaluate)
+    mamba_lr_scale: float = 0.1
     weight_decay: float = 0.1
     warmup: int = 20
     init_std: float = 0.06  # weight init of the accuracy models (the library's 0.02 leaves attention flat for long)
@@ -106,8 +112,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (or None), got {self.batch_size}")
-        if not self.lr > 0 or not self.init_std > 0:
-            raise ValueError(f"lr and init_std must be > 0, got {self.lr}, {self.init_std}")
+        if not self.lr > 0 or not self.init_std > 0 or not self.mamba_lr_scale > 0:
+            raise ValueError(f"lr, init_std and mamba_lr_scale must be > 0, got {self.lr}, {self.init_std}, "
+                             f"{self.mamba_lr_scale}")
         if not 0.0 <= self.curriculum <= 1.0:
             raise ValueError(f"curriculum must be in [0, 1] (share of the steps over which the pair counts "
                              f"grow; 0 is off), got {self.curriculum}")
@@ -176,6 +183,20 @@ def evaluate(model: HybridLM, cfg: TrainConfig) -> dict[int, float]:
     return out
 
 
+def param_groups(model: HybridLM, cfg: TrainConfig) -> list[dict]:
+    """AdamW groups: weight decay on matrices only (never on A_log, dt_bias, D, norms, biases), and the
+    Mamba-2 mixers' parameters at ``cfg.mamba_lr_scale`` times the lr (see ``TrainConfig``)."""
+    mamba = {id(p) for block in model.layers if block.kind == "mamba2" for p in block.mixer.parameters()}
+    groups = []
+    for is_mamba in (False, True):
+        for decays in (True, False):
+            params = [p for p in model.parameters() if (id(p) in mamba) == is_mamba and (p.dim() >= 2) == decays]
+            if params:
+                groups.append({"params": params, "weight_decay": cfg.weight_decay if decays else 0.0,
+                               "lr": cfg.lr * (cfg.mamba_lr_scale if is_mamba else 1.0)})
+    return groups
+
+
 def train(model: HybridLM, cfg: TrainConfig, *, desc: str = "mqar", progress: bool = True,
           on_steps: Callable[[int], None] | None = None) -> list[float]:
     """AdamW with linear warm-up and cosine decay on freshly drawn MQAR batches (pair counts from
@@ -184,10 +205,7 @@ def train(model: HybridLM, cfg: TrainConfig, *, desc: str = "mqar", progress: bo
     if cfg.vocab_size > model.config.vocab_size:
         raise ValueError(f"MQAR vocab_size {cfg.vocab_size} exceeds the model's vocab_size {model.config.vocab_size}")
     g = torch.Generator().manual_seed(cfg.seed)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(0.9, 0.98))
 
     def lr_at(step: int) -> float:
         if step < cfg.warmup:

@@ -103,3 +103,26 @@ def test_all_attention_member_learns_the_default_task_above_chance():
     after = mqar.evaluate(model, cfg)
     assert all(b < 2 * chance for b in before.values()), before
     assert after[4] > 2 / 4 and after[8] > 2 / 8 and after[16] > 5 * chance, (before, after)
+
+
+def test_mamba_mixers_train_at_their_own_lr_and_ssm_parameters_never_decay():
+    """The Mamba-2 mixers' parameters (and only they) get ``mamba_lr_scale`` times the lr; weight decay
+    touches matrices only, never A_log, dt_bias, D, norms or biases; every parameter is in one group."""
+    torch.manual_seed(0)
+    cfg = mqar.TrainConfig(lr=1e-3, mamba_lr_scale=0.25, weight_decay=0.1)
+    model = mqar.build_model("tiny", 0.75, 4, cfg)
+    assert model.config.pattern == "M***"
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen = {}
+    for g in mqar.param_groups(model, cfg):
+        for p in g["params"]:
+            assert id(p) not in seen
+            seen[id(p)] = (g["lr"], g["weight_decay"])
+    assert len(seen) == len(names)
+    for pid, (lr, wd) in seen.items():
+        name = names[pid]
+        assert lr == pytest.approx(2.5e-4 if name.startswith("layers.0.mixer.") else 1e-3), name
+        no_decay = name.rsplit(".", 1)[-1] in ("A_log", "dt_bias", "D", "bias") or "norm" in name
+        assert wd == (0.0 if no_decay else 0.1), name
+    with pytest.raises(ValueError, match="mamba_lr_scale"):
+        mqar.TrainConfig(mamba_lr_scale=0.0)
