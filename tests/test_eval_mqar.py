@@ -106,7 +106,7 @@ def test_all_attention_member_learns_the_default_task_above_chance():
 
 
 def test_mamba_mixers_train_at_their_own_lr_and_ssm_parameters_never_decay():
-    """The Mamba-2 mixers' parameters (and only they) get ``mamba_lr_scale`` times the lr; weight decay
+    """In a hybrid the Mamba-2 mixers' parameters (and only they) get ``mamba_lr_scale`` times the lr; weight decay
     touches matrices only, never A_log, dt_bias, D, norms or biases; every parameter is in one group."""
     torch.manual_seed(0)
     cfg = mqar.TrainConfig(lr=1e-3, mamba_lr_scale=0.25, weight_decay=0.1)
@@ -124,5 +124,7 @@ def test_mamba_mixers_train_at_their_own_lr_and_ssm_parameters_never_decay():
         assert lr == pytest.approx(2.5e-4 if name.startswith("layers.0.mixer.") else 1e-3), name
         no_decay = name.rsplit(".", 1)[-1] in ("A_log", "dt_bias", "D", "bias") or "norm" in name
         assert wd == (0.0 if no_decay else 0.1), name
+    pure = mqar.build_model("tiny", 0.0, 2, cfg)  # no attention: every parameter at the full lr
+    assert {g["lr"] for g in mqar.param_groups(pure, cfg)} == {1e-3}
     with pytest.raises(ValueError, match="mamba_lr_scale"):
         mqar.TrainConfig(mamba_lr_scale=0.0)
