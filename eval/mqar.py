@@ -85,8 +85,8 @@ class TrainConfig:
     vocab_size: int = 256  # MQAR tokens = the accuracy models' vocabulary: keys 1..127, values 128..254
     lr: float = 3e-3
     # lr of the Mamba-2 mixers' parameters relative to ``lr``. Their out_proj reads the gated RMSNorm's
-    # unit-RMS output (attention's o_proj reads values ~0.5 RMS, of half the width), so under Adam a
-    # Mamba-2 branch grows ~4x faster than an attention branch: at the full lr it swamped the
+    # unit-RMS output (attention's o_proj reads averaged values, 0.19 RMS at init, of half the width), so under
+    # Adam a Mamba-2 branch grows several times faster than an attention branch: at the full lr it swamped the
     # embedding within ~50 steps and every hybrid stayed on the copy plateau (M*** 0.12 at 8 pairs
     # after 150 steps, 0.88 with its Mamba branch frozen at zero, 0.95 with this at 0.1; README, Evaluate).
     # Only in models that have attention: a pure Mamba-2 stack has no branch to balance against and
