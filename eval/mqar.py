@@ -86,8 +86,8 @@ class TrainConfig:
     lr: float = 3e-3
     # lr of the Mamba-2 mixers' parameters relative to ``lr``. Their out_proj reads the gated RMSNorm's
     # unit-RMS output (attention's o_proj reads averaged values, 0.19 RMS at init, of half the width), so under
-    # Adam a Mamba-2 branch grows several times faster than an attention branch: at the full lr it swamped the
-    # embedding within ~50 steps and every hybrid stayed on the copy plateau (M*** 0.12 at 8 pairs
+    # Adam a Mamba-2 branch grows several times faster than an attention branch: at the full lr it added 0.25 RMS to
+    # a 0.07-RMS embedding by step 150 and every hybrid stayed on the copy plateau (M*** 0.12 at 8 pairs
     # after 150 steps, 0.88 with its Mamba branch frozen at zero, 0.95 with this at 0.1; README, Evaluate).
     # Only in models that have attention: a pure Mamba-2 stack has no branch to balance against and
     # trains at the full lr (it learned less at 0.1: 0.02 against 0.05 in the same 150 steps)
