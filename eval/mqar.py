@@ -69,21 +69,35 @@ def make_batch(batch_size: int, num_kv_pairs: int, vocab_size: int, *, num_queri
 
 @dataclass
 class TrainConfig:
-    """Defaults: ``hybrid tradeoff``'s. Each step draws one pair count from ``train_kv_pairs`` and as
-    many sequences of it as fit in ``tokens_per_step`` (a step of 2-pair sequences holds 16 times
-    more of them than one of 32 pairs: short sequences are where a model first learns to look a key
-    up, and on a CPU a step costs about its tokens), unless ``batch_size`` fixes the sequences."""
+    """Defaults: ``hybrid tradeoff``'s. Each step draws one pair count and as many sequences of it as
+    fit in ``tokens_per_step`` (a step of 2-pair sequences holds 32 times more of them than one of 64
+    pairs; on a CPU a step costs about its tokens), unless ``batch_size`` fixes the sequences.
 
-    steps: int = 600
+    ``curriculum``: over the first ``curriculum`` share of the steps the pair counts a step may draw
+    from grow one at a time from the smallest of ``train_kv_pairs`` to all of them (0: all from the
+    start). A lookup is learned first where it is easy to see (2 pairs: a value's key is one of two),
+    then carries over to more pairs; drawn from all counts at once, the models sit for hundreds of
+    steps on the plateau of copying some value from the context (README, Evaluate)."""
+
+    steps: int = 300
     tokens_per_step: int = 2048
     batch_size: int | None = None  # sequences per step; None: tokens_per_step // sequence length
     vocab_size: int = 256  # MQAR tokens = the accuracy models' vocabulary: keys 1..127, values 128..254
     lr: float = 3e-3
+    # lr of the Mamba-2 mixers' parameters relative to ``lr``. Their out_proj reads the gated RMSNorm's
+    # unit-RMS output (attention's o_proj reads averaged values, 0.19 RMS at init, of half the width), so under
+    # Adam a Mamba-2 branch grows several times faster than an attention branch: at the full lr it added 0.25 RMS to
+    # a 0.07-RMS embedding by step 150 and every hybrid stayed on the copy plateau (M*** 0.12 at 8 pairs
+    # after 150 steps, 0.88 with its Mamba branch frozen at zero, 0.95 with this at 0.1; README, Evaluate).
+    # Only in models that have attention: a pure Mamba-2 stack has no branch to balance against and
+    # trains at the full lr (it learned less at 0.1: 0.02 against 0.05 in the same 150 steps)
+    mamba_lr_scale: float = 0.1
     weight_decay: float = 0.1
     warmup: int = 20
     init_std: float = 0.06  # weight init of the accuracy models (the library's 0.02 leaves attention flat for long)
-    train_kv_pairs: tuple[int, ...] = (2, 4, 8, 16, 32)
-    eval_kv_pairs: tuple[int, ...] = (8, 16, 32)
+    train_kv_pairs: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
+    eval_kv_pairs: tuple[int, ...] = (16, 32, 64)
+    curriculum: float = 0.5
     eval_sequences: int = 256
     seed: int = 0
 
@@ -100,23 +114,56 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (or None), got {self.batch_size}")
-        if not self.lr > 0 or not self.init_std > 0:
-            raise ValueError(f"lr and init_std must be > 0, got {self.lr}, {self.init_std}")
+        if not self.lr > 0 or not self.init_std > 0 or not self.mamba_lr_scale > 0:
+            raise ValueError(f"lr, init_std and mamba_lr_scale must be > 0, got {self.lr}, {self.init_std}, "
+                             f"{self.mamba_lr_scale}")
+        if not 0.0 <= self.curriculum <= 1.0:
+            raise ValueError(f"curriculum must be in [0, 1] (share of the steps over which the pair counts "
+                             f"grow; 0 is off), got {self.curriculum}")
 
     def batch_for(self, num_kv_pairs: int) -> int:
         """Sequences in a step of ``num_kv_pairs``-pair sequences (each ``4 * num_kv_pairs`` tokens)."""
         return self.batch_size or max(1, self.tokens_per_step // (4 * num_kv_pairs))
 
+    def pairs_at(self, step: int) -> tuple[int, ...]:
+        """The pair counts step ``step`` draws from: the smallest first, one more every
+        ``curriculum * steps / len(train_kv_pairs)`` steps, all of them from ``curriculum * steps`` on."""
+        pairs = tuple(sorted(self.train_kv_pairs))
+        ramp = int(self.curriculum * self.steps)
+        if ramp < 1:
+            return pairs
+        return pairs[:min(len(pairs), 1 + step * len(pairs) // ramp)]
 
-def family_config(size: str, share: float, n_blocks: int, vocab_size: int,
+
+def family_config(size: str, share: float, n_mixers: int, vocab_size: int,
                   init_std: float | None = None) -> HybridConfig:
-    """The accuracy model of one family member: ``recipes.attention_family(size, share, n_blocks)``
-    with its vocabulary cut to the MQAR tokens (an MQAR model never sees any other id) and, if
-    given, ``init_std`` as its initializer range."""
+    """The accuracy model of one family member: ``recipes.attention_family(size, share, n_mixers,
+    mlp=False)`` -- ``n_mixers`` Mamba-2/attention mixers with no MLPs between them, as Zoology
+    compares sequence mixers -- with its vocabulary cut to the MQAR tokens (an MQAR model never sees
+    any other id) and, if given, ``init_std`` as its initializer range."""
     from ..recipes import attention_family
 
-    cfg = dataclasses.replace(attention_family(size, share, n_blocks), vocab_size=vocab_size)
+    cfg = dataclasses.replace(attention_family(size, share, n_mixers, mlp=False), vocab_size=vocab_size)
     return cfg if init_std is None else dataclasses.replace(cfg, initializer_range=init_std)
+
+
+def zero_residual_outputs(model: HybridLM) -> HybridLM:
+    """Start every residual branch at zero: the last projection of each block (attention ``o_proj``,
+    Mamba ``out_proj``, MLP ``down_proj``) is zeroed, so at step 0 each block is the identity and the
+    token embedding reaches every layer unmixed (as in Fixup/T-Fixup and many GPT training recipes).
+    With normal-drawn outputs the random sums of 4 layers swamp the embedding: a 4-mixer attention
+    stack then stayed on the copy plateau for 400+ steps where this one learns the lookup in ~100."""
+    for block in model.layers:
+        for name in ("o_proj", "out_proj", "down_proj"):
+            proj = getattr(block.mixer, name, None)
+            if isinstance(proj, torch.nn.Linear):
+                torch.nn.init.zeros_(proj.weight)
+    return model
+
+
+def build_model(size: str, share: float, n_mixers: int, cfg: TrainConfig) -> HybridLM:
+    """A freshly initialised accuracy model of one member (seed it first with ``torch.manual_seed``)."""
+    return zero_residual_outputs(HybridLM(family_config(size, share, n_mixers, cfg.vocab_size, cfg.init_std)))
 
 
 def accuracy(model: HybridLM, batch: MQARBatch) -> float:
@@ -138,17 +185,32 @@ def evaluate(model: HybridLM, cfg: TrainConfig) -> dict[int, float]:
     return out
 
 
+def param_groups(model: HybridLM, cfg: TrainConfig) -> list[dict]:
+    """AdamW groups: weight decay on matrices only (never on A_log, dt_bias, D, norms, biases), and the
+    Mamba-2 mixers' parameters at ``cfg.mamba_lr_scale`` times the lr if the model also has attention
+    (see ``TrainConfig``)."""
+    mamba = {id(p) for block in model.layers if block.kind == "mamba2" for p in block.mixer.parameters()}
+    if not any(block.kind == "attention" for block in model.layers):
+        mamba = set()  # nothing to balance the Mamba branches against: all at the full lr
+    groups = []
+    for is_mamba in (False, True):
+        for decays in (True, False):
+            params = [p for p in model.parameters() if (id(p) in mamba) == is_mamba and (p.dim() >= 2) == decays]
+            if params:
+                groups.append({"params": params, "weight_decay": cfg.weight_decay if decays else 0.0,
+                               "lr": cfg.lr * (cfg.mamba_lr_scale if is_mamba else 1.0)})
+    return groups
+
+
 def train(model: HybridLM, cfg: TrainConfig, *, desc: str = "mqar", progress: bool = True,
           on_steps: Callable[[int], None] | None = None) -> list[float]:
-    """AdamW with linear warm-up and cosine decay on freshly drawn MQAR batches; returns the losses.
+    """AdamW with linear warm-up and cosine decay on freshly drawn MQAR batches (pair counts from
+    ``cfg.pairs_at(step)``: the curriculum); returns the losses.
     ``on_steps(k)`` is told every few steps that ``k`` more are done (a parent's progress bar)."""
     if cfg.vocab_size > model.config.vocab_size:
         raise ValueError(f"MQAR vocab_size {cfg.vocab_size} exceeds the model's vocab_size {model.config.vocab_size}")
     g = torch.Generator().manual_seed(cfg.seed)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(0.9, 0.98))
 
     def lr_at(step: int) -> float:
         if step < cfg.warmup:
@@ -160,7 +222,8 @@ def train(model: HybridLM, cfg: TrainConfig, *, desc: str = "mqar", progress: bo
     losses = []
     bar = tqdm(range(cfg.steps), desc=desc, unit="step", disable=not progress, leave=False)
     for step in bar:
-        n = cfg.train_kv_pairs[int(torch.randint(len(cfg.train_kv_pairs), (1,), generator=g))]
+        pairs = cfg.pairs_at(step)
+        n = pairs[int(torch.randint(len(pairs), (1,), generator=g))]
         batch = make_batch(cfg.batch_for(n), n, cfg.vocab_size, generator=g)
         loss = model.loss(batch.inputs, batch.labels, ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)

@@ -1,10 +1,10 @@
 """Prefill speed versus accuracy across a family of models that differ in their attention share.
 
 Two sources of accuracy:
-- **MQAR** (default, nothing to download): for each attention share the pattern
-  ``recipes.attention_family(size, share, n_blocks)`` is built at a small width, trained from scratch on
-  multi-query associative recall on this machine once per seed, and scored at several numbers of
-  key-value pairs (``eval/mqar.py``);
+- **MQAR** (default, nothing to download): for each attention share the mixer pattern
+  ``recipes.attention_family(size, share, n_blocks, mlp=False)`` (the mixers alone, as Zoology compares
+  them) is built at a small width, trained from scratch on multi-query associative recall on this
+  machine once per seed, and scored at several numbers of key-value pairs (``eval/mqar.py``);
 - **lm-eval** (``checkpoints`` + ``tasks``): each checkpoint is scored on the tasks (e.g.
   ``mmlu_local``: every subject, the four category groups and the overall average) through the
   ``hybrid`` lm-eval model.
@@ -90,13 +90,14 @@ def _train_member(size: str, share: float, n_blocks: int, cfg: mqar.TrainConfig,
     two-thread training). ``steps_done``: a queue told how many steps are done, for the parent's bar."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
-    model = HybridLM(mqar.family_config(size, share, n_blocks, cfg.vocab_size, cfg.init_std))
+    model = mqar.build_model(size, share, n_blocks, cfg)
     t0 = time.perf_counter()
     losses = mqar.train(model, cfg, progress=False, on_steps=steps_done.put if steps_done is not None else None)
     acc = mqar.evaluate(model, cfg)
     return {"seed": cfg.seed, "accuracy": statistics.fmean(acc.values()), "per_kv": acc,
             "final_loss": statistics.fmean(losses[-20:]), "train_s": round(time.perf_counter() - t0, 1),
-            "params": model.num_parameters()}
+            "params": model.num_parameters(), "pattern": model.config.pattern,
+            "state_bytes": model.cache_spec().state_bytes_per_sequence}
 
 
 def _train_all(jobs: list[tuple], workers: int, total_steps: int, progress: bool) -> list[dict]:
@@ -160,7 +161,8 @@ def mqar_accuracy(shares: tuple[float, ...], n_blocks: int, cfg: mqar.TrainConfi
             "per_kv": {n: statistics.fmean(r["per_kv"][n] for r in runs) for n in ns},
             "per_kv_min": {n: min(r["per_kv"][n] for r in runs) for n in ns},
             "per_kv_max": {n: max(r["per_kv"][n] for r in runs) for n in ns},
-            "seeds": runs, "params": runs[0]["params"]}
+            "seeds": runs, "params": runs[0]["params"], "acc_pattern": runs[0]["pattern"],
+            "acc_state_bytes": runs[0]["state_bytes"]}
     return out
 
 
@@ -338,13 +340,16 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
                     torch_dtype).eval()
         long_members = {share_label(s) for s in long_shares}
         acc_cfg = mqar.family_config(size, 0.0, n_blocks, train.vocab_size, train.init_std)
+        acc_state = HybridLM(acc_cfg).cache_spec().state_bytes_per_sequence  # its conv + SSM state, fp32
         speed_cfg = attention_family(speed_size, 0.0, n_blocks)
         settings.update(source="mqar", size=size, speed_size=speed_size, n_blocks=n_blocks, seeds=list(seeds),
                         train=asdict(train), long_shares=list(long_shares),
-                        accuracy_model=f"attention_family('{size}', share, {n_blocks}) with vocab {train.vocab_size}: "
-                                       f"d_model {acc_cfg.d_model}, init std {train.init_std}, trained here on MQAR "
-                                       f"({len(seeds)} seeds, {min(threads, len(shares) * len(seeds))} at a time, "
-                                       "one thread each)",
+                        accuracy_model=f"attention_family('{size}', share, {n_blocks}, mlp=False) with vocab "
+                                       f"{train.vocab_size}: {n_blocks} mixers and no MLPs, d_model {acc_cfg.d_model}, "
+                                       f"init std {train.init_std} with every block's output projection zeroed, "
+                                       f"trained here on MQAR ({len(seeds)} seeds, "
+                                       f"{min(threads, len(shares) * len(seeds))} at a time, one thread each); the "
+                                       f"pure Mamba-2 member holds {acc_state} bytes of state per sequence",
                         speed_model=f"attention_family('{speed_size}', share, {n_blocks}): d_model "
                                     f"{speed_cfg.d_model}, untrained weights (prefill time does not depend on them)")
     with timing_lock(lock, settings, progress):

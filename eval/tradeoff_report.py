@@ -125,6 +125,8 @@ def flat_row(member: dict, ref: dict) -> dict:
             row[f"{metric}@{n}kv_seed_min"] = round(member["per_kv_min"][n], 4)
             row[f"{metric}@{n}kv_seed_max"] = round(member["per_kv_max"][n], 4)
         row["accuracy_params"] = member["params"]
+        row["accuracy_pattern"] = member.get("acc_pattern", "")
+        row["accuracy_state_bytes"] = member.get("acc_state_bytes", "")
     if member.get("stderr") is not None:
         row[f"{metric}_stderr"] = round(member["stderr"], 4)
     for task, value in member.get("per_task", {}).items():
@@ -175,7 +177,11 @@ def summary_table(members: list[dict], settings: dict) -> list[dict]:
     rows = []
     for m in members:
         t, mem, c = timed(m), memory(m), cuts(m, ref)
-        row = {"member": m["model"], "pattern": m["speed_model"]["pattern"], acc_col: _acc_cell(m)}
+        # MQAR: the accuracy models are the mixers alone, the timed ones the same mixers with MLPs
+        pattern = m["speed_model"]["pattern"] if "acc_pattern" not in m else \
+            f"{m['acc_pattern']} / {m['speed_model']['pattern']}"
+        row = {"member": m["model"], "pattern" if "acc_pattern" not in m else "pattern (accuracy / speed)": pattern,
+               acc_col: _acc_cell(m)}
         if "per_kv" in m:
             top = max(m["per_kv"])
             row[f"acc @{top} pairs"] = f"{m['per_kv'][top]:.3f}"
@@ -243,7 +249,9 @@ def header_lines(s: dict) -> list[str]:
         t = s["train"]
         per_step = f"{t['batch_size']} sequences" if t["batch_size"] else f"{t['tokens_per_step']} tokens"
         lines += [f"Accuracy columns: {s['accuracy_model']}; {t['steps']} steps of {per_step}, "
-                  f"lr {t['lr']}, vocab {t['vocab_size']}, trained on {t['train_kv_pairs']} key-value pairs, "
+                  f"lr {t['lr']}, vocab {t['vocab_size']}, trained on {t['train_kv_pairs']} key-value pairs"
+                  + (f" (added one at a time over the first {t['curriculum']:.0%} of the steps)" if t.get("curriculum")
+                     else "") + ", "
                   f"scored on {t['eval_sequences']} held-out sequences at each of {t['eval_kv_pairs']} pairs; seeds "
                   f"{s['seeds']}.", "",
                   f"Prefill and memory columns: {s['speed_model']}.", ""]

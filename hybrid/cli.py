@@ -145,7 +145,8 @@ def cmd_tradeoff(args) -> None:
     given = {"steps": args.steps, "tokens_per_step": args.train_tokens, "batch_size": args.train_batch, "lr": args.lr,
              "vocab_size": args.mqar_vocab, "init_std": args.init_std,
              "train_kv_pairs": tuple(args.train_kv_pairs) if args.train_kv_pairs else None,
-             "eval_kv_pairs": tuple(args.kv_pairs) if args.kv_pairs else None, "eval_sequences": args.eval_sequences}
+             "eval_kv_pairs": tuple(args.kv_pairs) if args.kv_pairs else None, "eval_sequences": args.eval_sequences,
+             "curriculum": args.curriculum}
     try:
         train = mqar.TrainConfig(**{k: v for k, v in given.items() if v is not None})
         result, paths = run(checkpoints=args.checkpoints, tasks=args.tasks, num_fewshot=args.num_fewshot,
@@ -391,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="tiny", help="width of the MQAR models (recipes.attention_family size)")
     p.add_argument("--speed-size", default="small",
                    help="width the same patterns are timed and sized at (recipes.attention_family size)")
-    p.add_argument("--n-blocks", type=int, default=4, help="blocks (mixer + MLP) per family member")
+    p.add_argument("--n-blocks", type=int, default=4,
+                   help="mixers per family member (timed models: blocks of mixer + MLP; MQAR models: mixers only)")
     p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="attention shares of the family members")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="MQAR training seeds per member")
@@ -404,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-kv-pairs", type=int, nargs="+", help="key-value pair counts to train on")
     p.add_argument("--kv-pairs", type=int, nargs="+", help="key-value pair counts to score")
     p.add_argument("--eval-sequences", type=int, help="held-out MQAR sequences per pair count")
+    p.add_argument("--curriculum", type=float,
+                   help="share of the MQAR steps over which the trained pair counts grow from the smallest to all "
+                        "(0: all from the start; default: TrainConfig's)")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192],
                    help="prefill context lengths timed for every member")
     p.add_argument("--long-lengths", type=int, nargs="*", default=[32768],

@@ -120,9 +120,11 @@ def get(name: str) -> HybridConfig:
     return _FAMILIES[fam](size)
 
 
-def attention_family(size: str, share: float, n_blocks: int = 8) -> HybridConfig:
+def attention_family(size: str, share: float, n_blocks: int = 8, *, mlp: bool = True) -> HybridConfig:
     """One member of a same-width family whose attention share of mixers is ``share`` (0..1):
-    ``n_blocks`` blocks of (mixer, MLP), Mamba-2 mixers, attention spread evenly."""
+    ``n_blocks`` blocks of (mixer, MLP), Mamba-2 mixers, attention spread evenly; ``mlp=False``:
+    the mixers alone (``MMM*`` instead of ``M-M-M-*-``), the pure sequence-mixer stacks of the
+    MQAR accuracy family."""
     if size not in _SIZES:
         raise KeyError(f"unknown size {size!r}; known sizes: {list(_SIZES)}")
-    return _make(size, ratio_pattern(n_blocks, share, "M"))
+    return _make(size, ratio_pattern(n_blocks, share, "M", mlp=mlp))
