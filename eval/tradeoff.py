@@ -214,24 +214,31 @@ def time_member(model: HybridLM, lengths: list[int], *, chunk: int, warmup: int,
     return rows
 
 
-def memory_rows(model: HybridLM, lengths: list[int], cache_budget: int, block_size: int = 16) -> list[dict]:
+def memory_rows(model: HybridLM, lengths: list[int], cache_budget: int, block_size: int = 16, *,
+                kv_dtype: str | None = None, state_dtype: str | None = None) -> list[dict]:
     """Bytes one sequence holds at each length (KV blocks + Mamba state, from the cache specs, as the
-    engine stores them in the model's dtype with fp32 SSM state) and how many fit in ``cache_budget``."""
-    from ..cache import sequences_that_fit
+    engine stores them: ``kv_dtype`` / ``state_dtype`` as ``hybrid.Engine`` takes them, None: K/V and conv
+    state in the model's dtype, SSM state fp32; block and state scales counted) and how many fit in
+    ``cache_budget``."""
+    from ..cache import cache_dtypes, sequences_that_fit
 
-    dtype = next(model.parameters()).dtype
-    spec = model.cache_spec()
+    d = cache_dtypes(next(model.parameters()).dtype, kv_dtype, state_dtype)
+    spec = model.cache_spec(kv_dtype=d.kv, conv_dtype=d.conv, ssm_dtype=d.ssm)
     return [{"seq_len": L, "cache_bytes": spec.bytes_per_sequence(L, block_size=block_size),
              "seqs_in_budget": sequences_that_fit(model.config, cache_budget, L, block_size=block_size,
-                                                  kv_dtype=dtype, conv_dtype=dtype)}
+                                                  kv_dtype=d.kv, conv_dtype=d.conv, ssm_dtype=d.ssm)}
             for L in lengths]
 
 
 def speed_and_memory(models: dict[str, HybridLM], *, lengths: tuple[int, ...], long_lengths: tuple[int, ...],
                      long_members: set[str], chunk: int, warmup: int, repeats: int, long_repeats: int,
-                     max_spread: float, cache_budget: int, progress: bool = True) -> dict[str, dict]:
+                     max_spread: float, cache_budget: int, kv_dtype: str | None = None,
+                     state_dtype: str | None = None, progress: bool = True) -> dict[str, dict]:
     """Per member: its prefill rows (``lengths`` for all, ``long_lengths`` for ``long_members``, with
-    ``long_repeats``), its memory rows at every length, and its speed model's facts."""
+    ``long_repeats``), its memory rows at every length, and its speed model's facts (cache bytes in the
+    ``kv_dtype`` / ``state_dtype`` storage)."""
+    from ..cache import cache_dtypes
+
     out = {}
     every = sorted(set(lengths) | set(long_lengths))
     for name, model in tqdm(models.items(), desc="prefill (engine)", unit="model", disable=not progress):
@@ -241,11 +248,14 @@ def speed_and_memory(models: dict[str, HybridLM], *, lengths: tuple[int, ...], l
             rows += time_member(model, list(long_lengths), chunk=chunk, warmup=0, repeats=long_repeats,
                                 max_spread=max_spread)
         cfg = model.config
-        out[name] = {"prefill": rows, "memory": memory_rows(model, every, cache_budget),
+        memory = memory_rows(model, every, cache_budget, kv_dtype=kv_dtype, state_dtype=state_dtype)
+        d = cache_dtypes(next(model.parameters()).dtype, kv_dtype, state_dtype)
+        spec = model.cache_spec(kv_dtype=d.kv, conv_dtype=d.conv, ssm_dtype=d.ssm)
+        out[name] = {"prefill": rows, "memory": memory,
                      "speed_model": {"pattern": cfg.pattern, "d_model": cfg.d_model, "n_layers": len(cfg.pattern),
                                      "params": model.num_parameters(),
-                                     "kv_bytes_per_token": model.cache_spec().kv_bytes_per_token,
-                                     "state_bytes_per_sequence": model.cache_spec().state_bytes_per_sequence}}
+                                     "kv_bytes_per_token": spec.kv_bytes_per_token,
+                                     "state_bytes_per_sequence": spec.state_bytes_per_sequence}}
     return out
 
 
@@ -281,9 +291,11 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
         chunk: int = 2048, repeats: int = 3, long_repeats: int = 1, warmup: int = 1,
         max_spread: float = MAX_SPREAD, cache_budget: int = CACHE_BUDGET, device: str = "cpu",
         dtype: str = "float32", threads: int | None = None, output: str | Path = "out/tradeoff",
-        lock: str | Path | None = None, progress: bool = True) -> tuple[TradeoffResult, dict[str, Path]]:
+        lock: str | Path | None = None, kv_dtype: str | None = None, state_dtype: str | None = None,
+        progress: bool = True) -> tuple[TradeoffResult, dict[str, Path]]:
     """The whole report: accuracy (MQAR on a trained family, or lm-eval on ``checkpoints``), engine
-    prefill timings, cache memory, then the four output files under ``output``. ``lock``: a file
+    prefill timings, cache memory (``kv_dtype`` / ``state_dtype``: the cache's storage, as ``hybrid.Engine``
+    takes them; the timings use the default cache), then the four output files under ``output``. ``lock``: a file
     held with an exclusive ``flock`` while timing (not while training), so that on a shared machine
     no two benchmarks that take the same lock run at once."""
     from .. import from_pretrained
@@ -305,6 +317,11 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
                 "long_repeats": long_repeats, "warmup": warmup, "max_spread": max_spread, "chunk": chunk,
                 "lengths": sorted(lengths), "long_lengths": sorted(long_lengths),
                 "cache_budget_GiB": round(cache_budget / 2**30, 3), "load_before": load_before}
+    from ..cache import cache_dtypes
+    from ..kernels.kv_quant import dtype_name
+
+    d = cache_dtypes(torch_dtype, kv_dtype, state_dtype)  # validates the names before any training
+    settings["cache_dtypes"] = {"kv": dtype_name(d.kv), "conv": dtype_name(d.conv), "ssm": dtype_name(d.ssm)}
     if checkpoints:
         if not tasks:
             raise ValueError("--checkpoints needs --tasks (e.g. mmlu_local) to measure accuracy")
@@ -360,7 +377,7 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
         speed = speed_and_memory(models, lengths=tuple(lengths), long_lengths=tuple(long_lengths),
                                  long_members=long_members, chunk=chunk, warmup=warmup, repeats=repeats,
                                  long_repeats=long_repeats, max_spread=max_spread, cache_budget=cache_budget,
-                                 progress=progress)
+                                 kv_dtype=kv_dtype, state_dtype=state_dtype, progress=progress)
         settings["speed_s"] = round(time.perf_counter() - t0, 1)
     members = []
     for name, model in models.items():

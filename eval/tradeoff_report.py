@@ -19,6 +19,11 @@ CLAIM = ("Mamba cuts prefill latency by 80-90% and memory by 70-80% at a cost of
 TARGET_CUT = 0.8
 
 
+def _cache_dtypes(s: dict) -> str:
+    d = s.get("cache_dtypes", {"kv": s["dtype"], "conv": s["dtype"], "ssm": "float32"})
+    return f"K/V in {d['kv']}, conv state in {d['conv']}, SSM state in {d['ssm']}"
+
+
 def _k(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
@@ -263,7 +268,7 @@ def header_lines(s: dict) -> list[str]:
               f"last-token logits); median [min-max] ms of {s['repeats']} runs{long}; a timing whose spread "
               f"(max-min)/median exceeds {s['max_spread']:.0%} is re-measured once and marked `!` if it stays wide. "
               f"Memory: bytes one sequence holds in the engine's cache (KV blocks + Mamba conv/SSM state, from the "
-              f"layers' cache specs; K/V and conv state in {s['dtype']}, SSM state float32).", ""]
+              f"layers' cache specs, scales included; {_cache_dtypes(s)}).", ""]
     return lines
 
 

@@ -157,7 +157,8 @@ def cmd_tradeoff(args) -> None:
                             long_shares=tuple(args.long_shares), chunk=args.chunk, repeats=args.repeats,
                             long_repeats=args.long_repeats, warmup=args.warmup, max_spread=args.max_spread,
                             cache_budget=int(args.cache_gib * 2**30), device=args.device, dtype=args.dtype,
-                            threads=args.threads, output=args.output, lock=args.lock)
+                            threads=args.threads, output=args.output, lock=args.lock, kv_dtype=args.kv_dtype,
+                            state_dtype=args.state_dtype)
     except ValueError as e:
         raise SystemExit(f"hybrid tradeoff: {e}") from e
     s = result.settings
@@ -423,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-spread", type=float, default=0.25,
                    help="re-measure a timing whose (max-min)/median exceeds this, then flag it")
     p.add_argument("--cache-gib", type=float, default=4.0, help="cache budget the sequences-that-fit column counts")
+    p.add_argument("--kv-dtype", default=None, help="memory columns: K/V storage (bfloat16, float16, float32, int8, fp8)")
+    p.add_argument("--state-dtype", default=None, help="memory columns: Mamba state storage (float32, bfloat16, int8)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per CPU core this process may use)")

@@ -155,3 +155,21 @@ def test_tradeoff_scores_checkpoints_on_all_of_mmlu_local(tmp_path, capsys):
     assert "| mmlu_local_world_religions" in md and "humanities" in md and "humanities" in printed
     assert "accuracy points" in md
     assert len(list((out / "lm_eval").glob("results_*.json"))) == 2 and (out / "tradeoff.png").is_file()
+
+
+def test_memory_columns_take_the_cache_dtypes(tmp_path):
+    """``--kv-dtype`` / ``--state-dtype`` (issue 15): the memory columns count the compressed cache exactly as
+    the engine would allocate it (specs with scales = ``sequences_that_fit``), and a bad name fails before
+    any training."""
+    from hybrid.eval.tradeoff import memory_rows
+
+    model = HybridLM(recipes.attention_family("tiny", 0.25, 4))
+    plain = memory_rows(model, [64, 1024], 2**30)
+    packed = memory_rows(model, [64, 1024], 2**30, kv_dtype="int8", state_dtype="int8")
+    spec = model.cache_spec(kv_dtype=torch.int8, conv_dtype=torch.int8, ssm_dtype=torch.int8)
+    for p, q in zip(plain, packed, strict=True):
+        assert q["cache_bytes"] == spec.bytes_per_sequence(q["seq_len"], block_size=16) < p["cache_bytes"]
+        assert q["seqs_in_budget"] == sequences_that_fit(model.config, 2**30, q["seq_len"], kv_dtype="int8",
+                                                         conv_dtype="int8", ssm_dtype="int8") > p["seqs_in_budget"]
+    with pytest.raises(SystemExit, match="kv_dtype"):
+        main(["tradeoff", "--kv-dtype", "int4", "--steps", "1", "--output", str(tmp_path)])
