@@ -424,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-spread", type=float, default=0.25,
                    help="re-measure a timing whose (max-min)/median exceeds this, then flag it")
     p.add_argument("--cache-gib", type=float, default=4.0, help="cache budget the sequences-that-fit column counts")
-    p.add_argument("--kv-dtype", default=None, help="memory columns: K/V storage (bfloat16, float16, float32, int8, fp8)")
+    p.add_argument("--kv-dtype", default=None,
+                   help="memory columns: K/V storage (bfloat16, float16, float32, int8, fp8)")
     p.add_argument("--state-dtype", default=None, help="memory columns: Mamba state storage (float32, bfloat16, int8)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
