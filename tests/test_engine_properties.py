@@ -51,12 +51,18 @@ def check_invariants(engine: Engine) -> None:
         assert len(r.output) <= r.params.max_new_tokens
 
 
-OPS = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 12), st.integers(1, 8)),
-    st.tuples(st.just("step"), st.integers(1, 3), st.just(0)),
-    st.tuples(st.just("abort"), st.integers(0, 99), st.just(0)),
-    st.tuples(st.just("preempt"), st.just(0), st.just(0)),
-), max_size=25)
+def workload_ops(max_prompt: int, max_new: int, max_size: int):
+    """Random engine workloads: ("add", prompt length, new tokens), ("step", how many, 0), ("abort", which
+    request, 0), ("preempt", 0, 0)."""
+    return st.lists(st.one_of(
+        st.tuples(st.just("add"), st.integers(1, max_prompt), st.integers(1, max_new)),
+        st.tuples(st.just("step"), st.integers(1, 3), st.just(0)),
+        st.tuples(st.just("abort"), st.integers(0, 99), st.just(0)),
+        st.tuples(st.just("preempt"), st.just(0), st.just(0)),
+    ), max_size=max_size)
+
+
+OPS = workload_ops(12, 8, 25)
 
 
 @settings(max_examples=25, deadline=None)

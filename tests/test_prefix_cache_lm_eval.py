@@ -7,15 +7,9 @@ import pytest
 import torch
 from hybrid.eval.lm_eval_model import HybridEvalLM
 from hybrid.eval.lm_eval_run import run, task_accuracy
+from test_eval_lm_eval_model import QUESTIONS
 
 from hybrid import HybridLM, recipes
-
-QUESTIONS = [
-    ["What is the largest bone?", "Femur", "Stapes", "None", "Ulna", "0"],
-    ["Which organ pumps blood?", "Liver", "Heart", "Lung", "Kidney", "1"],
-    ["How many chambers has the human heart?", "Two", "Three", "Four", "Five", "2"],
-    ["Where is the tibia?", "Arm", "Skull", "Chest", "Leg", "3"],
-]
 
 
 @pytest.fixture(scope="module")

@@ -2,30 +2,15 @@
 and preemptions in a small cache never leak a block or a checkpoint, never write a block the tree holds,
 never evict what a running sequence uses, and give every request the output of the cache-off run."""
 
-import dataclasses
-
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_engine_properties import model  # noqa: F401  (the fixture: the same tiny M*-m model, full and window 5)
 
-from hybrid import AttentionConfig, Engine, HybridConfig, HybridLM, Mamba1Config, Mamba2Config, SamplingParams
+from hybrid import Engine, SamplingParams
 from hybrid.cache import NULL_BLOCK
 
-CFG = HybridConfig(vocab_size=64, d_model=32, pattern="M*-m",
-                   attention=AttentionConfig(n_heads=2, n_kv_heads=1),
-                   mamba2=Mamba2Config(head_dim=16, d_state=8, chunk_size=8), mamba1=Mamba1Config(d_state=4))
 NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS = 12, 4, 3
-
-
-@pytest.fixture(scope="module", params=[None, 5], ids=["full", "window5"])
-def model(request):
-    torch.manual_seed(0)
-    cfg = dataclasses.replace(CFG, attention=dataclasses.replace(CFG.attention, sliding_window=request.param))
-    m = HybridLM(cfg).eval()
-    with torch.no_grad():  # sharper logits than the 0.02 init: greedy picks are far from ties
-        m.lm_head.weight.mul_(30)
-    return m
 
 
 def tree_blocks(engine):
@@ -80,7 +65,7 @@ OPS = st.lists(st.one_of(
 
 @settings(max_examples=30, deadline=None)
 @given(ops=OPS, budget=st.integers(2, 12), state_slots=st.integers(1, 4), interval=st.sampled_from([None, 3]))
-def test_random_shared_prefix_workloads(model, ops, budget, state_slots, interval):
+def test_random_shared_prefix_workloads(model, ops, budget, state_slots, interval):  # noqa: F811
     one = model.state_bytes_per_sequence()
     engine = Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_seqs=MAX_SEQS, max_batch_tokens=budget,
                     prefix_caching=True, prefix_state_bytes=state_slots * one, prefix_checkpoint_interval=interval)

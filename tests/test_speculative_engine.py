@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_engine_properties import workload_ops
 from test_speculative import assert_all_freed, generate_all, prompts_of, tiny
 
 from hybrid import (
@@ -177,12 +178,7 @@ def check_invariants(engine):
         assert len(r.output) <= r.params.max_new_tokens
 
 
-OPS = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 10), st.integers(1, 9)),
-    st.tuples(st.just("step"), st.integers(1, 3), st.just(0)),
-    st.tuples(st.just("abort"), st.integers(0, 99), st.just(0)),
-    st.tuples(st.just("preempt"), st.just(0), st.just(0)),
-), max_size=20)
+OPS = workload_ops(10, 9, 20)
 
 
 @settings(max_examples=20, deadline=None)
