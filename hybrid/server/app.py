@@ -145,6 +145,21 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
                 "give the engine a bigger cache", "start the server with a bigger --cache-bytes")
             raise APIError(message, param=param) from e
 
+    def event_stream(group: RequestGroup, preamble: list[str], make_choice, make_body, rid: str, created: int,
+                     prompt_tokens: int, usage: bool) -> StreamingResponse:
+        """The SSE response of a streamed request: ``preamble`` chunks, then the choices' tokens as they come;
+        the group is aborted however the stream ends (finished, client gone, error)."""
+        async def events():
+            try:
+                for chunk in preamble:
+                    yield chunk
+                async for chunk in stream_choices(group, make_choice, make_body, rid, settings.model_name, created,
+                                                  prompt_tokens, usage):
+                    yield chunk
+            finally:
+                loop.abort(group)
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     async def collect(group: RequestGroup, request: Request) -> list[FinalEvent]:
         finals: dict[int, FinalEvent] = {}
         checked = time.monotonic()
@@ -229,19 +244,11 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
         echo = [texts[i // n] if body.echo else "" for i in range(len(choices))]
 
         if body.stream:
-            async def events():
-                try:
-                    if body.echo:
-                        for i, text in enumerate(echo):
-                            yield R.sse(R.completion_body(rid, model, [R.completion_choice(i, text, None)], None,
-                                                          created=created, chunk=True))
-                    async for chunk in stream_choices(group, lambda i, text, reason: R.completion_choice(
-                            i, text, reason), R.completion_body, rid, model, created, prompt_tokens,
-                            include_usage(body)):
-                        yield chunk
-                finally:
-                    loop.abort(group)
-            return StreamingResponse(events(), media_type="text/event-stream")
+            preamble = [R.sse(R.completion_body(rid, model, [R.completion_choice(i, text, None)], None,
+                                                created=created, chunk=True))
+                        for i, text in enumerate(echo)] if body.echo else []
+            return event_stream(group, preamble, R.completion_choice, R.completion_body, rid, created, prompt_tokens,
+                                include_usage(body))
 
         try:
             finals = await collect(group, request)
@@ -282,20 +289,12 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
         rid, model, created = R.new_id("chatcmpl"), settings.model_name, int(time.time())
 
         if body.stream:
-            async def events():
-                try:
-                    for i in range(len(choices)):
-                        yield R.sse(R.chat_body(rid, model, [R.chat_delta(i, {"role": "assistant", "content": ""})],
-                                                None, created=created, chunk=True))
+            preamble = [R.sse(R.chat_body(rid, model, [R.chat_delta(i, {"role": "assistant", "content": ""})],
+                                          None, created=created, chunk=True)) for i in range(len(choices))]
 
-                    def delta(i, text, reason):
-                        return R.chat_delta(i, {"content": text} if text or reason is None else {}, reason)
-                    async for chunk in stream_choices(group, delta, R.chat_body, rid, model, created, len(prompt),
-                                                      include_usage(body)):
-                        yield chunk
-                finally:
-                    loop.abort(group)
-            return StreamingResponse(events(), media_type="text/event-stream")
+            def delta(i, text, reason):
+                return R.chat_delta(i, {"content": text} if text or reason is None else {}, reason)
+            return event_stream(group, preamble, delta, R.chat_body, rid, created, len(prompt), include_usage(body))
 
         try:
             finals = await collect(group, request)
