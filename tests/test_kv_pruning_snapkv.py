@@ -322,3 +322,16 @@ def test_a_request_is_sized_by_its_compressed_peak():
     assert len(out[0]) == 21
     with pytest.raises(ValueError, match="KV blocks at once"):
         _engine(model, None, num_blocks=10, max_batch_tokens=64).add_request(prompt, SamplingParams(max_new_tokens=21))
+
+
+def test_compiled_decode_reads_kv_lengths():
+    """The compiled decode step takes the compressed sequences' KV lengths and slots, and a one-token last prompt
+    chunk inside the observation window (17 = 8 + 8 + 1, alone in its step) runs eagerly, so its query is
+    captured."""
+    model = _model("llama-tiny")
+    policy = SnapKV(budget=10, window=4)
+    prompts = _prompts([17, 25, 6], seed=10)
+    eager = [_outputs(_engine(model, policy, max_batch_tokens=8), [p]) for p in prompts]
+    engine = _engine(model, policy, max_batch_tokens=8, max_seqs=2, compile=True, compile_backend="aot_eager")
+    assert [_outputs(engine, [p]) for p in prompts] == eager
+    assert engine.stats.compiled_steps > 0 and engine.cache.report().kv_sequences_compressed == 2
