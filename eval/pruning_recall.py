@@ -84,11 +84,13 @@ def train_models(directory: Path, progress: bool = True) -> dict[str, HybridLM]:
 
 
 @torch.inference_mode()
-def pruned_logits(model: HybridLM, inputs: torch.Tensor, prompt_len: int, policy) -> tuple[torch.Tensor, float]:
-    """Logits [B, L - prompt_len + 1, V] predicting tokens ``prompt_len..L`` of ``inputs [B, L]``: the prompts in
+def pruned_logits(model: HybridLM, inputs: torch.Tensor, prompt_len: int, policy,
+                  watch: int = 0) -> tuple[torch.Tensor, float, list[float]]:
+    """Logits [B, L - prompt_len, V] predicting tokens ``prompt_len..L-1`` of ``inputs [B, L]``: the prompts in
     one packed prefill (SnapKV compresses them after it), then every further token a decode step of all B
     sequences, through an :class:`~hybrid.engine.Engine`'s cache manager with ``policy`` (None: unpruned).
-    Also the KV blocks a sequence holds at the end."""
+    Also the KV blocks a sequence holds at the end and, for SnapKV, per (sequence, layer, KV head) the share
+    of the first ``watch`` positions it kept."""
     B, L = inputs.shape
     engine = Engine(model, num_blocks=B * -(-L // BLOCK_SIZE) + 1, block_size=BLOCK_SIZE, max_seqs=B,
                     max_batch_tokens=B * L, kv_pruning=policy)
@@ -98,6 +100,8 @@ def pruned_logits(model: HybridLM, inputs: torch.Tensor, prompt_len: int, policy
     out = [model.forward_packed(build_batch(m, [SeqChunk(b, rows[b][:prompt_len], 0) for b in range(B)]), cache)]
     for b in range(B):
         m.trim(b, prompt_len)  # what Scheduler.advance does after every step: SnapKV compresses here
+    kept = [float(s) for b in range(B) if m.seqs[b].kept for k in m.seqs[b].kept.values()
+            for s in (k < watch).float().sum(-1) / max(1, watch)]
     for t in range(prompt_len, L - 1):
         for b in range(B):
             m.grow(b, t + 1)
@@ -105,7 +109,7 @@ def pruned_logits(model: HybridLM, inputs: torch.Tensor, prompt_len: int, policy
         for b in range(B):
             m.trim(b, t + 1)
     blocks = sum(len([x for x in m.block_table(b) if x]) for b in range(B)) / B
-    return torch.stack(out, 1).float(), blocks
+    return torch.stack(out, 1).float(), blocks, kept
 
 
 def compare(ref: torch.Tensor, out: torch.Tensor, labels: torch.Tensor) -> dict:
@@ -136,17 +140,20 @@ def recall_rows(models: dict[str, HybridLM], sequences: int, *, budgets=BUDGETS,
     labels = batch.labels[:, prompt_len:]  # what the logits after tokens prompt_len - 1 .. L - 2 predict
     rows = []
     for name, model in tqdm(models.items(), desc="pruning recall", unit="model", disable=not progress):
-        ref, ref_blocks = pruned_logits(model, batch.inputs, prompt_len, None)
+        ref, ref_blocks, _ = pruned_logits(model, batch.inputs, prompt_len, None)
         base = compare(ref, ref, labels)
         rows.append({"model": name, "policy": "none (unpruned)", "budget": f"all {batch.inputs.shape[1]}",
                      "blocks/seq": ref_blocks, **base, "mqar_loss_pts": 0.0})
         for policy in policies(budgets):
-            out, blocks = pruned_logits(model, batch.inputs, prompt_len, policy)
+            out, blocks, kept = pruned_logits(model, batch.inputs, prompt_len, policy, watch=2 * PAIRS)
             m = compare(ref, out, labels)
             label = (f"StreamingLLM sinks={policy.sinks} window={policy.window}" if isinstance(policy, StreamingLLM)
                      else f"SnapKV window={policy.window} kernel={policy.kernel}")
             budget = policy.budget if isinstance(policy, SnapKV) else policy.sinks + policy.window
             loss = round(base["mqar_acc_%"] - m["mqar_acc_%"], 2)
+            # SnapKV: the share of the pair tokens each KV head kept (mean and lowest over sequences, layers, heads)
+            pairs_kept = (f"{100 * sum(kept) / len(kept):.0f} (min {100 * min(kept):.0f})" if kept else "")
             rows.append({"model": name, "policy": label, "budget": budget, "blocks/seq": blocks, **m,
-                         "mqar_loss_pts": loss, "verdict": "loses accuracy" if loss > 1.0 else "keeps accuracy"})
+                         "mqar_loss_pts": loss, "pair_tokens_kept_%": pairs_kept,
+                         "verdict": "loses accuracy" if loss > 1.0 else "keeps accuracy"})
     return rows

@@ -283,6 +283,10 @@ def cmd_generate(args) -> None:
         print(f"speculative ({engine.speculative.method}, k={engine.speculative.num_tokens}): "
               f"{s.draft_tokens_accepted} of {s.draft_tokens_proposed} draft tokens accepted "
               f"(rate {s.acceptance_rate:.2f}, {s.mean_accepted_length:.2f} per verify step)", file=sys.stderr)
+    if args.kv_pruning is not None:
+        r = engine.cache.report()
+        print(f"kv pruning {r.kv_pruning}: {r.kv_blocks_pruned} KV blocks given back, "
+              f"{r.kv_sequences_compressed} prompts compressed", file=sys.stderr)
     if args.prefix_caching:
         r = engine.cache.report()
         print(f"prefix cache: {s.prefix_hit_tokens} of {s.prompt_tokens} prompt tokens served; tree holds "

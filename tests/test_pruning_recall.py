@@ -24,11 +24,13 @@ def test_unpruned_harness_equals_the_full_forward_and_pruning_frees_blocks():
     torch.manual_seed(0)
     model = HybridLM(recipes.get("jamba-tiny")).eval()
     inputs = torch.randint(1, 256, (3, 70))
-    ref, blocks = pr.pruned_logits(model, inputs, 60, None)
+    ref, blocks, _ = pr.pruned_logits(model, inputs, 60, None)
     with torch.inference_mode():
         full = model(inputs)[:, 59:69]
     torch.testing.assert_close(ref, full, atol=1e-4, rtol=1e-4)
     assert blocks == 5  # ceil(69 / 16)
     for policy in (SnapKV(budget=20, window=4), StreamingLLM(sinks=4, window=12)):
-        out, held = pr.pruned_logits(model, inputs, 60, policy)
+        out, held, kept = pr.pruned_logits(model, inputs, 60, policy, watch=10)
         assert out.shape == ref.shape and held <= 3
+        assert len(kept) == (3 * 2 if isinstance(policy, SnapKV) else 0)  # 3 sequences, 1 layer, 2 KV heads
+        assert all(0 <= x <= 1 for x in kept)
