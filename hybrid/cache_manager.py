@@ -138,7 +138,7 @@ class CacheManager:
         prefix cache)."""
         if self.prefix is None:
             snap = self.kv.snapkv
-            if snap is not None and snap.compresses(prompt_len):
+            if snap is not None and self.kv.enabled and snap.compresses(prompt_len):  # attention layers to prune
                 return Admission(0, wanted=(prompt_len,), compress_at=prompt_len)
             return Admission(0)
         match = self.prefix.match(tokens, limit)

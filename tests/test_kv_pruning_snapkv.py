@@ -182,6 +182,8 @@ def test_budget_at_least_the_prompt_changes_nothing():
     assert _outputs(engine, prompts) == plain
     r = engine.cache.report()
     assert r.kv_sequences_compressed == 0 and r.kv_blocks_pruned == 0
+    mamba = _model("mamba2-tiny")  # no attention layer: nothing to compress
+    assert _outputs(_engine(mamba, SnapKV(budget=8, window=4)), prompts) == _outputs(_engine(mamba, None), prompts)
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
