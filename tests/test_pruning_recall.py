@@ -34,3 +34,14 @@ def test_unpruned_harness_equals_the_full_forward_and_pruning_frees_blocks():
         assert out.shape == ref.shape and held <= 3
         assert len(kept) == (3 * 2 if isinstance(policy, SnapKV) else 0)  # 3 sequences, 1 layer, 2 KV heads
         assert all(0 <= x <= 1 for x in kept)
+
+
+def test_filler_batches_feed_mqar_train():
+    cfg = mqar.TrainConfig(steps=2, tokens_per_step=256, warmup=1)
+    draw = pr.filler_batches(cfg, 30)
+    b = draw(4, torch.Generator().manual_seed(0))
+    assert b.inputs.shape[0] * b.inputs.shape[1] <= 256 and 16 <= b.inputs.shape[1] <= 16 + 30
+    torch.manual_seed(0)
+    model = mqar.build_model("tiny", 1.0, 2, cfg)
+    losses = mqar.train(model, cfg, progress=False, batch_fn=draw)
+    assert len(losses) == 2 and all(x == x for x in losses)
