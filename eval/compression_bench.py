@@ -18,6 +18,8 @@ Four tables (markdown on stdout, all rows in ``OUTPUT/compression.json``):
 - ``kv_scale`` / ``state_rounding``: the measurements behind two choices: the block-scale policy of
   int8/fp8 K/V (headroom 1, 1.25, 2 with re-quantise on overflow, against per-token scales = blocks of
   one token), and nearest vs stochastic rounding of int8 / bf16 state.
+- ``pruning``: long-context recall under KV pruning (StreamingLLM, SnapKV at several budgets) on MQAR models
+  trained with a long filler between the pairs and the queries (:mod:`.pruning_recall`).
 
 The uncompressed reference is the same model in fp32 with fp32 K/V and state.
 """
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-ctx", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--decode-dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--skip", nargs="*", default=[], choices=["capacity", "decode", "accuracy", "engine_decode"])
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=["capacity", "decode", "accuracy", "engine_decode", "pruning"])
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.output)
@@ -261,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(scale))
         print("\n# state rounding (K/V fp32)\n")
         print(format_table(rounding))
+    if "pruning" not in args.skip:
+        _pruning_scenario(result, Path(args.models) / "recall", args.sequences)
     if "decode" not in args.skip:
         result["decode"] = [] if "engine_decode" in args.skip else decode_rows(
             args.decode_batch, args.decode_ctx, args.decode_steps, getattr(torch, args.decode_dtype))
@@ -274,6 +279,17 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(result["layer_decode"]))
     (out / "compression.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"\nwrote {out / 'compression.json'}")
+
+
+def _pruning_scenario(result: dict, models_dir: Path, sequences: int) -> None:
+    from . import pruning_recall as pr
+
+    result["pruning"] = pr.recall_rows(pr.train_models(models_dir), sequences)
+    result["settings"]["pruning"] = {"pairs": pr.PAIRS, "filler": pr.FILLER, "prompt_queries": pr.PROMPT_QUERIES,
+                                     "budgets": list(pr.BUDGETS), "train": pr.TRAIN}
+    print(f"\n# long-context recall under KV pruning: {sequences} sequences of {pr.PAIRS} pairs, {pr.FILLER} filler "
+          f"tokens, the last {pr.PAIRS - pr.PROMPT_QUERIES} queries decoded (vs the unpruned cache)\n")
+    print(format_table(result["pruning"]))
 
 
 if __name__ == "__main__":
