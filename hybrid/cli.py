@@ -324,7 +324,8 @@ def cmd_serve(args) -> None:
     template = load_chat_template(args.model)  # None for a recipe: the documented default
     name = args.served_model_name or args.recipe or Path(args.model).resolve().name
     engine_options = {"compile": args.compile, "prefix_caching": args.prefix_caching,
-                      "speculative": _speculative(args, model), "kv_pruning": args.kv_pruning}
+                      "speculative": _speculative(args, model), "kv_pruning": args.kv_pruning,
+                      "kv_dtype": args.kv_dtype, "state_dtype": args.state_dtype}
     try:
         engine = Engine(model, cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
                         max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, **engine_options)
@@ -512,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_cache_dtype_args(p)
     _add_pruning_flag(p)
     _add_speculative_flags(p)
     p.set_defaults(func=cmd_serve)
