@@ -23,10 +23,11 @@ from .triton_support import needs_grad
 _FP32_SAFE_LOG_RANGE = 60.0
 _FP64_SAFE_LOG_RANGE = 600.0
 _SUB = 16  # tokens per sub-chunk: a sequential step only every 16 tokens
-# Tokens materialised at once ([B, BLOCK, D, N] work tensors). The path is bound by memory traffic, not
-# FLOPs or op count, so the block is sized for the work tensors to stay in cache: ~6 MB each at 1536
-# channels x 16 states (256 tokens: 25 MB, out of L3).
-_BLOCK = 64
+# Tokens materialised at once ([B, BLOCK, D, N] work tensors). The path is bound by memory traffic, so the
+# block is sized for the work tensors to stay near the cache: 12 MB each at 1536 channels x 16 states. At
+# 2K tokens, 1 thread, blocks of 32/64/128 ran the same (751-753 ms), 256 (25 MB tensors) 973 ms; 128 has
+# half the ops of 64 (each op is a sync point of the threads on a shared CPU).
+_BLOCK = 128
 
 
 def selective_scan_ref(x, dt, A, B, C, *, D=None, initial_state=None):
