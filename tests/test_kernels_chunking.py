@@ -89,12 +89,13 @@ def test_causal_conv1d_bf16_within_bf16_rounding_of_exact():
 
 
 @pytest.mark.parametrize("block,sub", [(16, 16), (64, 16), (96, 32), (256, 16)])
-def test_selective_every_block_and_sub_chunk_size_gives_the_recurrence(monkeypatch, block, sub):
-    """L = 203: odd, several blocks with a padded last one; the factorised decay cumsum and the
-    sub-chunk hand-over are exact whatever the blocking."""
+@pytest.mark.parametrize("autograd", [False, True])
+def test_selective_every_block_and_sub_chunk_size_gives_the_recurrence(monkeypatch, block, sub, autograd):
+    """L = 203: odd, several blocks with a padded last one. Inference takes the token steps, autograd the
+    chunked form (factorised decay cumsum, sub-chunk hand-over): both exact whatever the blocking."""
     monkeypatch.setattr("hybrid.kernels.selective._BLOCK", block)
     monkeypatch.setattr("hybrid.kernels.selective._SUB", sub)
-    x, dt = torch.randn(2, 203, 12), F.softplus(torch.randn(2, 203, 12))
+    x, dt = torch.randn(2, 203, 12, requires_grad=autograd), F.softplus(torch.randn(2, 203, 12))
     A, B, C = -torch.rand(12, 8) * 4, torch.randn(2, 203, 8), torch.randn(2, 203, 8)
     D, h0 = torch.randn(12), torch.randn(2, 12, 8)
     y_ref, h_ref = kernels.selective_scan_ref(x, dt, A, B, C, D=D, initial_state=h0)
