@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cuda_backend, dispatch, inductor_backend, triton_support
+from . import cuda_backend, dispatch, triton_support
 from .packing import check_cu_seqlens, sequences, slot_rows, step_on_slots
 from .triton_state_update import selective_state_update
 from .triton_support import needs_grad
@@ -125,59 +125,6 @@ def _selective_scan_torch(x, dt, A, B, C, *, D=None, initial_state=None):
     return y.to(x.dtype), h
 
 
-def _scan_block_fused(h0, x, dt, A, B, C):
-    """:func:`_scan_block`'s fp32 path written for Inductor to fuse (no in-place ops, the decays recomputed
-    where they are used rather than stored): the [b, T, D, N] tensors it keeps are the cumsum's input and
-    output; the output contraction with C is one fused reduction that writes only y [b, T, D]."""
-    b, T, Dm = x.shape
-    N = A.shape[1]
-    nS = T // _SUB
-    cum = dt.view(b, nS, _SUB, Dm).cumsum(2)[..., None] * A  # [b, nS, SUB, D, N] log-decay since sub-chunk start
-    u = (dt * x).view(b, nS, _SUB, Dm, 1) * B.view(b, nS, _SUB, 1, N)
-    local = torch.cumsum(u * torch.exp(-cum), dim=2) * torch.exp(cum)
-    e_end = torch.exp(cum[:, :, -1])  # [b, nS, D, N]
-    entering = []
-    h = h0
-    for s in range(nS):
-        entering.append(h)
-        h = local[:, s, -1] + e_end[:, s] * h
-    full = local + torch.exp(cum) * torch.stack(entering, dim=1)[:, :, None]
-    y = (full * C.view(b, nS, _SUB, 1, N)).sum(-1).view(b, T, Dm)
-    return y, h
-
-
-_scan_block_compiled = inductor_backend.compiled(_scan_block_fused)
-
-
-def _selective_scan_inductor(x, dt, A, B, C, *, D=None, initial_state=None):
-    """The torch path's blocks, each padded to the full _BLOCK tokens (one compiled shape) and run through
-    the compiled :func:`_scan_block_fused`; a block whose decays leave fp32's safe range takes the eager
-    :func:`_scan_block` (fp64 or the recurrence)."""
-    if needs_grad(x, dt, A, B, C, D, initial_state):
-        return _selective_scan_torch(x, dt, A, B, C, D=D, initial_state=initial_state)
-    b, L, Dm = x.shape
-    N = A.shape[1]
-    h = torch.zeros(b, Dm, N, device=x.device) if initial_state is None else initial_state.float()
-    Af = A.float()
-    y = torch.empty(b, L, Dm, device=x.device)
-    for start in range(0, L, _BLOCK):
-        end = min(start + _BLOCK, L)
-        n = end - start
-        xs, dts, Bs, Cs = (t[:, start:end].float() for t in (x, dt, B, C))
-        if n < _BLOCK:  # dt = 0 on padding: decay 1, no input, so h is unchanged by it
-            xs, dts, Bs, Cs = (F.pad(t, (0, 0, 0, _BLOCK - n)) for t in (xs, dts, Bs, Cs))
-        total = dts.view(b, -1, _SUB, Dm).sum(2)[..., None] * Af  # [b, nS, D, N] each sub-chunk's log-decay
-        if float(-total.min()) > _FP32_SAFE_LOG_RANGE:
-            yb, h = _scan_block(h, xs, dts, Af, Bs, Cs)
-        else:
-            yb, h = _scan_block_compiled(h.contiguous(), xs.contiguous(), dts.contiguous(), Af, Bs.contiguous(),
-                                         Cs.contiguous())
-        y[:, start:end] = yb[:, :n]
-    if D is not None:
-        y = y.addcmul_(x.float(), D.float())
-    return y.to(x.dtype), h
-
-
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    *, D: torch.Tensor | None = None,
                    initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,10 +195,6 @@ def _selective_varlen_scan_torch(x, dt, A, B, C, cu_seqlens, *, D=None, initial_
     return _varlen(_selective_scan_torch, x, dt, A, B, C, cu_seqlens, D, initial_states)
 
 
-def _selective_varlen_scan_inductor(x, dt, A, B, C, cu_seqlens, *, D=None, initial_states=None):
-    return _varlen(_selective_scan_inductor, x, dt, A, B, C, cu_seqlens, D, initial_states)
-
-
 def selective_varlen_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           cu_seqlens: torch.Tensor, *, D: torch.Tensor | None = None,
                           initial_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,8 +209,6 @@ def selective_varlen_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
 dispatch.register("selective_scan", "torch", _selective_scan_torch)
 dispatch.register("selective_varlen_scan", "torch", _selective_varlen_scan_torch)
 dispatch.register("selective_step", "torch", _selective_step_torch)
-dispatch.register("selective_scan", "inductor", _selective_scan_inductor, inductor_backend.probe)
-dispatch.register("selective_varlen_scan", "inductor", _selective_varlen_scan_inductor, inductor_backend.probe)
 
 
 # --- Triton: the decode step (kernel shared with Mamba-2 in triton_state_update.py) ------------------
