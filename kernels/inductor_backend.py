@@ -1,4 +1,4 @@
-"""The opt-in ``inductor`` backend: a scan's elementwise chains fused by ``torch.compile`` (Inductor).
+"""The opt-in ``inductor`` backend: the SSD scan's elementwise chains fused by ``torch.compile`` (Inductor).
 
 On a CPU the torch paths of the scans are bound by memory traffic: each elementwise op is one more pass
 over work tensors that outgrow the caches. Inductor fuses those chains into generated C++/OpenMP loops
