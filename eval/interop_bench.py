@@ -40,12 +40,19 @@ def _untied(cfg: HybridConfig) -> HybridConfig:
     return dataclasses.replace(cfg, tie_embeddings=False)
 
 
+def _jamba_like(cfg: HybridConfig) -> HybridConfig:
+    # Jamba has no RoPE and normalises dt, B and C inside its Mamba layers (as our jamba-moe recipe does)
+    return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, rotary_fraction=0.0),
+                               mamba1=dataclasses.replace(cfg.mamba1, inner_norms=True))
+
+
 # name -> (our recipe, export format, adjustment making the recipe representable in that format)
 ENTRIES: dict[str, tuple[str, str, Callable[[HybridConfig], HybridConfig] | None]] = {
     "llama": ("llama-small", "llama", None),
     "mamba2": ("mamba2-small", "mamba2", None),
     "bamba": ("hybrid-1to7-small", "bamba", _bamba_like),
     "nemotron_h": ("nemotronh-small", "nemotron_h", _untied),
+    "jamba": ("jamba-small", "jamba", _jamba_like),
 }
 
 

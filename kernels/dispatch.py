@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("cuda", "triton", "torch")
+BACKENDS = ("cuda", "triton", "inductor", "torch")
 # Preferred order per device type; CPU runs the pure-torch paths (Triton on CPU is only the
-# interpreter, which is for tests, and must be asked for explicitly).
+# interpreter, which is for tests, and must be asked for explicitly). ``inductor`` (torch.compile'd
+# scans, kernels/inductor_backend.py) compiles per shape, so it too runs only when asked for.
 DEFAULT_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("torch",)}
 
 

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import cuda_backend, dispatch, triton_support
+from . import cuda_backend, dispatch, inductor_backend, triton_support
 from .compute_dtype import matmul_dtype
 from .packing import check_cu_seqlens, sequences, slot_rows, step_on_slots
 from .triton_state_update import ssd_state_update
@@ -167,6 +167,34 @@ def _ssd_chunk_scan_torch(x, dt, A, B, C, *, chunk_size, D=None, initial_state=N
     return (torch.cat(ys, 1) if len(ys) > 1 else ys[0]), state
 
 
+_ssd_block_compiled = inductor_backend.compiled(_ssd_block)
+
+
+def _ssd_chunk_scan_inductor(x, dt, A, B, C, *, chunk_size, D=None, initial_state=None):
+    """The torch path's blocks through the compiled :func:`_ssd_block` (its elementwise chains fused). A
+    block is padded to a power-of-two number of chunks (dt = 0 there: decay 1 and no input), so prompts
+    of any length compile a handful of shapes."""
+    if needs_grad(x, dt, A, B, C, D, initial_state):
+        return _ssd_chunk_scan_torch(x, dt, A, B, C, chunk_size=chunk_size, D=D, initial_state=initial_state)
+    b, L, H, P = x.shape
+    N = B.shape[3]
+    T = max(1, min(chunk_size, _TORCH_CHUNK, L))
+    block = max(T, _TORCH_BLOCK // b // T * T)
+    mm = matmul_dtype(x.dtype, x.device)
+    state = (torch.zeros(b, H, P, N, device=x.device) if initial_state is None
+             else initial_state.float().reshape(b, H, P, N).contiguous())
+    Af = A.float()
+    y_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    for t0 in range(0, L, block):
+        s = slice(t0, min(t0 + block, L))
+        n = s.stop - s.start
+        padded = T * next_pow2(-(-n // T))
+        xs, dts, Bs, Cs = (F.pad(t[:, s], (0, 0) * (t.dim() - 2) + (0, padded - n)) for t in (x, dt, B, C))
+        y, state = _ssd_block_compiled(xs, dts, Af, Bs, Cs, state, T=T, mm=mm, D=D, inplace=False)
+        y_out[:, s] = y[:, :n]
+    return y_out, state
+
+
 def _check_ssd_shapes(x, dt, A, B, C):
     if x.dim() != 4:
         raise ValueError(f"ssd: x must be [B, L, H, P], got {tuple(x.shape)}")
@@ -244,6 +272,18 @@ def _ssd_varlen_scan_torch(x, dt, A, B, C, cu_seqlens, *, chunk_size, D=None, in
     return y, torch.cat(finals)
 
 
+def _ssd_varlen_scan_inductor(x, dt, A, B, C, cu_seqlens, *, chunk_size, D=None, initial_states=None):
+    y = torch.empty_like(x)
+    finals = []
+    for b, s in sequences(cu_seqlens):
+        init = None if initial_states is None else initial_states[b:b + 1]
+        yb, fb = _ssd_chunk_scan_inductor(x[None, s], dt[None, s], A, B[None, s], C[None, s],
+                                          chunk_size=chunk_size, D=D, initial_state=init)
+        y[s] = yb[0]
+        finals.append(fb)
+    return y, torch.cat(finals)
+
+
 def ssd_varlen_scan_ref(x, dt, A, B, C, cu_seqlens, *, D=None, initial_states=None):
     y = torch.empty_like(x)
     finals = []
@@ -270,6 +310,8 @@ def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
 dispatch.register("ssd_chunk_scan", "torch", _ssd_chunk_scan_torch)
 dispatch.register("ssd_varlen_scan", "torch", _ssd_varlen_scan_torch)
 dispatch.register("ssd_step", "torch", _ssd_step_torch)
+dispatch.register("ssd_chunk_scan", "inductor", _ssd_chunk_scan_inductor, inductor_backend.probe)
+dispatch.register("ssd_varlen_scan", "inductor", _ssd_varlen_scan_inductor, inductor_backend.probe)
 
 
 # --- Triton: fused chunked scan over a packed batch -------------------------------------------------

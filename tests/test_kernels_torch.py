@@ -69,11 +69,14 @@ def test_selective_scan_matches_recurrence(L):
 
 
 @pytest.mark.parametrize("decay_scale", [6.0, 200.0])
-def test_selective_scan_strong_decay_stays_finite(decay_scale):
-    """Decays that would overflow fp32 (fp64) in the cumulative form take the fp64 (recurrent) path."""
+@pytest.mark.parametrize("autograd", [False, True])
+def test_selective_scan_strong_decay_stays_finite(decay_scale, autograd):
+    """Inference steps the recurrence itself; under autograd, decays that would overflow fp32 (fp64) in the
+    chunked cumulative form take the fp64 (recurrent) path."""
     x, dt, A, B, C, D, h0 = _scan_inputs(1, 64, 8, 4, decay_scale=decay_scale)
     y_ref, h_ref = kernels.selective_scan_ref(x, dt, A, B, C, D=D, initial_state=h0)
-    y, h = kernels.selective_scan(x, dt, A, B, C, D=D, initial_state=h0)
+    y, h = kernels.selective_scan(x.requires_grad_(autograd), dt, A, B, C, D=D, initial_state=h0)
+    y, h = y.detach(), h.detach()
     assert torch.isfinite(y).all()
     assert rel_err(y, y_ref) < 1e-5 and rel_err(h, h_ref) < 1e-5
 
