@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("cuda", "triton", "torch")
+# "compiled": a torch.compile'd fusion of a torch path (CPU; opt-in, never in a default order)
+BACKENDS = ("cuda", "triton", "torch", "compiled")
 # Preferred order per device type; CPU runs the pure-torch paths (Triton on CPU is only the
 # interpreter, which is for tests, and must be asked for explicitly).
 DEFAULT_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("torch",)}

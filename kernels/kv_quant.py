@@ -190,6 +190,19 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(n, groups, -1) * scale[..., None]).view(q.shape)
 
 
+# one-token op -> its step on int8 rows of its own (codes, scale, *args, slots=, **kw), filled in by
+# kernels/int8_state_step.py (imported on first use, so this module stays free of the op modules)
+FUSED_INT8_STEPS: dict = {}
+
+
+def fused_int8_step(op):
+    """The int8 step of ``op`` (``ssd_step`` -> :func:`.int8_state_step.ssd_step_int8`), or None: then a
+    pool dequantises, runs ``op`` on fp32 rows and quantises again."""
+    if not FUSED_INT8_STEPS:
+        from . import int8_state_step  # noqa: F401  (registers itself)
+    return FUSED_INT8_STEPS.get(op)
+
+
 def state_step(state, op, *args, slots: torch.Tensor | None = None, **kw) -> torch.Tensor:
     """Run a one-token in-place state op (``ssd_step``, ``causal_conv1d_step``, ...) on ``state``: a cache
     :class:`~hybrid.cache.StatePool` (which dequantises / re-quantises around the op when its rows are
