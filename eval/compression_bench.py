@@ -229,6 +229,26 @@ def accuracy_rows(models: dict[str, HybridLM], sequences: int) -> tuple[list[dic
     return acc, scale, rounding
 
 
+def long_decode_accuracy_rows(models_dir: Path, sequences: int = 64, pairs: int = 64) -> list[dict]:
+    """The accuracy table on a model that learned the task: the 1:7 hybrid of ``state_drift_bench`` (the
+    tradeoff report's training: pair curriculum to 64 pairs, ``mamba_lr_scale``; 98% held-out accuracy at
+    64 pairs), ``sequences`` MQAR sequences of ``pairs`` pairs (256 tokens), every token a decode step through
+    the real cache at each dtype pair, against the fp32 cache."""
+    from . import state_drift_bench
+
+    model = state_drift_bench.train_models(models_dir)["hybrid-1to7"]
+    g = torch.Generator().manual_seed(12345)
+    batch = mqar.make_batch(sequences, pairs, 256, generator=g)
+    ref = teacher_forced_logits(model, batch.inputs, "float32", "float32")
+    base = compare(ref, ref, batch)["mqar_acc_%"]
+    rows = []
+    for kv, state in tqdm(PAIRS + EXTRA_PAIRS, desc="long-decode accuracy", unit="pair"):
+        m = compare(ref, teacher_forced_logits(model, batch.inputs, kv, state), batch)
+        rows.append({"model": "hybrid-1to7 (trained)", "kv": kv, "state": state, **m, "mqar_ref_%": base,
+                     "mqar_loss_pts": round(base - m["mqar_acc_%"], 2)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", default="out/compression", help="folder for compression.json")
@@ -239,7 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-ctx", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--decode-dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--skip", nargs="*", default=[], choices=["capacity", "decode", "accuracy", "engine_decode"])
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=["capacity", "decode", "accuracy", "engine_decode", "long_decode"])
+    p.add_argument("--drift-models", default="out/state_drift/models",
+                   help="where state_drift_bench keeps its trained MQAR models (trained if missing)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.output)
@@ -261,6 +284,11 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(scale))
         print("\n# state rounding (K/V fp32)\n")
         print(format_table(rounding))
+    if "long_decode" not in args.skip:
+        result["long_decode_accuracy"] = long_decode_accuracy_rows(Path(args.drift_models))
+        print("\n# accuracy vs the fp32 cache on the trained 1:7 hybrid, 64 sequences of 64 pairs (256 decode "
+              "steps each)\n")
+        print(format_table(result["long_decode_accuracy"]))
     if "decode" not in args.skip:
         result["decode"] = [] if "engine_decode" in args.skip else decode_rows(
             args.decode_batch, args.decode_ctx, args.decode_steps, getattr(torch, args.decode_dtype))
