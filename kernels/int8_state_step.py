@@ -11,7 +11,8 @@ written by one divide, round and cast:
 - ``torch``: those eager ops (the default on CPU);
 - ``compiled``: the same arithmetic as one ``torch.compile``'d function (opt-in: ``HYBRID_BACKEND=compiled``
   or ``dispatch.use_backend("compiled")``): Inductor emits one C++ loop nest that reads the codes and
-  writes codes and scales, with no fp32 rows in memory. The first call of each shape compiles (seconds);
+  writes codes and scales, with no fp32 rows in memory. Batches are padded to a power of two (static
+  shapes); the first call of each of those shapes compiles (seconds);
 - ``triton``: :func:`.triton_state_update.ssd_state_update_int8`, the state-update kernel reading and
   writing int8 rows directly.
 
@@ -77,21 +78,36 @@ def _ssd_step_int8_math(rows, srows, x, dt, A, B, C, D):
 
 
 _compiled = None
+# Static shapes compile to a much faster loop nest than dynamic ones (measured at batch 32 on
+# hybrid-1to7-small: 9.4 ms against 17 ms; fp32 in place 8.5 ms), so a batch is padded to the next power of
+# two and batches above the largest bucket go in pieces: at most 8 shapes are ever compiled (1, 2, ... 128),
+# within Dynamo's default recompile limit.
+_MAX_BUCKET = 128
+
+
+def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t if t.shape[0] == n else torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])
 
 
 def _ssd_step_int8_compiled(codes, scale, x, dt, A, B, C, *, D=None, slots=None):
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(_ssd_step_int8_math, dynamic=True)
+        _compiled = torch.compile(_ssd_step_int8_math, dynamic=False)
+    n = x.shape[0]
     if slots is None:
-        y, q, s = _compiled(codes, scale, x, dt, A, B, C, D)
-        codes.copy_(q)
-        scale.copy_(s)
-        return y
-    y, q, s = _compiled(codes[slots], scale[slots], x, dt, A, B, C, D)
-    codes.index_copy_(0, slots, q)
-    scale.index_copy_(0, slots, s)
-    return y
+        slots = torch.arange(n, device=x.device)
+    ys = []
+    for i in range(0, n, _MAX_BUCKET):
+        s = slots[i:i + _MAX_BUCKET]
+        m = s.shape[0]
+        bucket = 1 << (m - 1).bit_length()
+        y, q, sc = _compiled(_pad_rows(codes[s], bucket), _pad_rows(scale[s], bucket),
+                             *(_pad_rows(t[i:i + m], bucket) for t in (x, dt)), A,
+                             *(_pad_rows(t[i:i + m], bucket) for t in (B, C)), D)
+        codes.index_copy_(0, s, q[:m])
+        scale.index_copy_(0, s, sc[:m])
+        ys.append(y[:m])
+    return ys[0] if len(ys) == 1 else torch.cat(ys)
 
 
 def _compile_probe() -> str | None:

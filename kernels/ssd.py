@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from . import cuda_backend, dispatch, triton_support
 from .compute_dtype import matmul_dtype
-from .packing import check_cu_seqlens, sequences, slot_rows, step_on_slots
+from .packing import check_cu_seqlens, sequences, slot_rows
 from .triton_state_update import ssd_state_update
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl, triton
 
