@@ -94,6 +94,13 @@ def _ssd_step_int8_compiled(codes, scale, x, dt, A, B, C, *, D=None, slots=None)
     if _compiled is None:
         _compiled = torch.compile(_ssd_step_int8_math, dynamic=False)
     n = x.shape[0]
+    if n == 1 << (n - 1).bit_length() and n <= _MAX_BUCKET:
+        rows, scatter = slot_rows(codes, slots)  # a run of slots: the pool's rows themselves, no gather
+        if not scatter:
+            y, q, sc = _compiled(rows, slot_rows(scale, slots)[0], x, dt, A, B, C, D)
+            rows.copy_(q)
+            slot_rows(scale, slots)[0].copy_(sc)
+            return y
     if slots is None:
         slots = torch.arange(n, device=x.device)
     ys = []
