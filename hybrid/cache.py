@@ -184,8 +184,10 @@ class StatePool:
 
     - ``read(slots)`` -> the rows (dequantised); ``write(slots, value)`` stores them (quantised);
     - ``step(op, *args, slots=slots, **kw)`` runs an in-place one-token kernel (``ssd_step``, ...) on the
-      rows: on the pool itself for float storage (exactly the kernel call of an uncompressed cache), on a
-      dequantised copy that is written back for int8.
+      rows: on the pool itself for float storage (exactly the kernel call of an uncompressed cache); for
+      int8, the op's own int8 step where it has one (``ssd_step`` ->
+      :func:`hybrid.kernels.int8_state_step.ssd_step_int8`, on the codes), else on a dequantised copy that
+      is written back.
 
     ``pool[slots]`` / ``pool[slots] = value`` are ``read`` / ``write``. ``stochastic`` rounds writes of
     int8 and bf16 rows stochastically (unbiased) instead of to nearest.

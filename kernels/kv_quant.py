@@ -18,7 +18,10 @@ and within noise for fp8, so the headroom is 1.
 **Mamba state.** :func:`quantize_rows` / :func:`dequantize_rows` turn state rows ``[n, *shape]`` into
 int8 with one fp32 scale per equal slice of the row (Mamba-2's SSM state: per head and head_dim row, its
 ``d_state`` values), or into bf16; ``stochastic=True`` rounds stochastically (unbiased) instead of to
-nearest (measured: no better here, so off by default).
+nearest (measured: no better here, so off by default). The scale is recomputed from the row at every
+write; the other formats measured against it (kept scales, finer groups, mu-law codes, fp8 e4m3, error
+feedback with a 2- or 4-bit residual) are in ``eval/state_drift_bench.py``. The Mamba-2 decode step on int8
+rows has its own kernel (:mod:`.int8_state_step`, found through :func:`fused_int8_step`).
 """
 
 from __future__ import annotations

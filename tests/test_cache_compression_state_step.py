@@ -10,7 +10,7 @@ from hybrid.kernels.int8_state_step import ssd_step_int8
 from hybrid.kernels.ssd import ssd_step, ssd_step_ref
 from triton_cases import needs_triton
 
-from hybrid import recipes
+from hybrid import HybridLM, recipes
 from hybrid.cache import StatePool, cache_dtypes
 
 
@@ -148,3 +148,21 @@ def test_int8_state_keeps_the_conv_state_in_16_bits():
 
     s = next(iter(cache_specs(spec, cache_dtypes(torch.float32, "int8", "int8")).mamba.values()))
     assert s.conv_dtype == torch.bfloat16 and s.conv_scales == 0 and s.ssm_scales == s.ssm_groups
+
+
+def test_the_drift_study_simulates_the_real_storage():
+    from hybrid.eval import compression_bench, mqar
+    from hybrid.eval import state_drift_bench as sd
+
+    x = torch.randn(3, 4, 8, 16) * torch.logspace(-2, 2, 4)[None, :, None, None]
+    q, s = kv_quant.quantize_rows(x, 32)
+    assert torch.equal(sd.Nearest().roundtrip(x, 32, {})[0], kv_quant.dequantize_rows(q, s))
+    torch.testing.assert_close(sd.ErrorFeedback(None).roundtrip(x, 32, {})[0], x, atol=0, rtol=1e-6)  # no loss
+    four = sd.ErrorFeedback(4).roundtrip(x, 32, {})[0]  # 12 bits: within 1/16 of an int8 quantum
+    assert ((four - x).abs() <= s.view(3, 4, 8, 1) / 16 * (1 + 1e-4)).all()
+    # the stand-in pool with fp32 storage is the real fp32 cache, logit for logit
+    torch.manual_seed(0)
+    model = HybridLM(mqar.family_config("tiny", 0.25, 4, 256)).eval()
+    inputs = mqar.make_batch(3, 4, 256, generator=torch.Generator().manual_seed(1)).inputs
+    torch.testing.assert_close(sd.decode_logits(model, inputs, sd.Codec()),
+                               compression_bench.teacher_forced_logits(model, inputs, "float32", "float32"))
