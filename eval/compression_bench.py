@@ -18,6 +18,8 @@ Four tables (markdown on stdout, all rows in ``OUTPUT/compression.json``):
 - ``kv_scale`` / ``state_rounding``: the measurements behind two choices: the block-scale policy of
   int8/fp8 K/V (headroom 1, 1.25, 2 with re-quantise on overflow, against per-token scales = blocks of
   one token), and nearest vs stochastic rounding of int8 / bf16 state.
+- ``pruning``: long-context recall under KV pruning (StreamingLLM, SnapKV at several budgets) on MQAR models
+  trained with a long filler between the pairs and the queries (:mod:`.pruning_recall`).
 
 The uncompressed reference is the same model in fp32 with fp32 K/V and state.
 """
@@ -379,7 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--decode-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["capacity", "decode", "accuracy", "engine_decode", "long_decode", "op_decode"])
+                   choices=["capacity", "decode", "accuracy", "engine_decode", "pruning", "long_decode",
+                            "op_decode"])
     p.add_argument("--drift-models", default="out/state_drift/models",
                    help="where state_drift_bench keeps its trained MQAR models (trained if missing)")
     args = p.parse_args(argv)
@@ -417,6 +420,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n# torch paged decode attention, one layer, batch {args.decode_batch}, context "
               f"{4 * args.decode_ctx}, interleaved (vs = bf16 median / median)\n")
         print(format_table(result["paged_decode"]))
+    if "pruning" not in args.skip:
+        _pruning_scenario(result, Path(args.models) / "recall", args.sequences)
     if "decode" not in args.skip:
         result["decode"] = [] if "engine_decode" in args.skip else decode_rows(
             args.decode_batch, args.decode_ctx, args.decode_steps, getattr(torch, args.decode_dtype))
@@ -430,6 +435,17 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(result["layer_decode"]))
     (out / "compression.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"\nwrote {out / 'compression.json'}")
+
+
+def _pruning_scenario(result: dict, models_dir: Path, sequences: int) -> None:
+    from . import pruning_recall as pr
+
+    result["pruning"] = pr.recall_rows(pr.train_models(models_dir), sequences)
+    result["settings"]["pruning"] = {"pairs": pr.PAIRS, "filler": pr.FILLER, "prompt_queries": pr.PROMPT_QUERIES,
+                                     "budgets": list(pr.BUDGETS), "train": pr.TRAIN}
+    print(f"\n# long-context recall under KV pruning: {sequences} sequences of {pr.PAIRS} pairs, {pr.FILLER} filler "
+          f"tokens, the last {pr.PAIRS - pr.PROMPT_QUERIES} queries decoded (vs the unpruned cache)\n")
+    print(format_table(result["pruning"]))
 
 
 if __name__ == "__main__":

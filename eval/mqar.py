@@ -203,10 +203,12 @@ def param_groups(model: HybridLM, cfg: TrainConfig) -> list[dict]:
 
 
 def train(model: HybridLM, cfg: TrainConfig, *, desc: str = "mqar", progress: bool = True,
-          on_steps: Callable[[int], None] | None = None) -> list[float]:
+          on_steps: Callable[[int], None] | None = None,
+          batch_fn: Callable[[int, torch.Generator], MQARBatch] | None = None) -> list[float]:
     """AdamW with linear warm-up and cosine decay on freshly drawn MQAR batches (pair counts from
     ``cfg.pairs_at(step)``: the curriculum); returns the losses.
-    ``on_steps(k)`` is told every few steps that ``k`` more are done (a parent's progress bar)."""
+    ``on_steps(k)`` is told every few steps that ``k`` more are done (a parent's progress bar).
+    ``batch_fn(num_kv_pairs, generator)`` draws a step's batch in place of plain MQAR (e.g. with filler)."""
     if cfg.vocab_size > model.config.vocab_size:
         raise ValueError(f"MQAR vocab_size {cfg.vocab_size} exceeds the model's vocab_size {model.config.vocab_size}")
     g = torch.Generator().manual_seed(cfg.seed)
@@ -224,7 +226,7 @@ def train(model: HybridLM, cfg: TrainConfig, *, desc: str = "mqar", progress: bo
     for step in bar:
         pairs = cfg.pairs_at(step)
         n = pairs[int(torch.randint(len(pairs), (1,), generator=g))]
-        batch = make_batch(cfg.batch_for(n), n, cfg.vocab_size, generator=g)
+        batch = make_batch(cfg.batch_for(n), n, cfg.vocab_size, generator=g) if batch_fn is None else batch_fn(n, g)
         loss = model.loss(batch.inputs, batch.labels, ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -29,6 +29,7 @@ import torch
 
 from .config import HybridConfig
 from .kernels import kv_quant
+from .kv_pruning import QueryCapture, SnapKV, StreamingLLM
 from .specs import CacheDtypes, ModelCacheSpec, cache_specs
 
 NULL_BLOCK = 0
@@ -100,6 +101,9 @@ class PagedKVCache:
         self.window = spec.window
         self.sinks = 0  # StreamingLLM pruning (set_pruning): the first `sinks` tokens stay beside the window
         self.pruning = None
+        self.capture = None  # SnapKV: the observation-window queries the attention layers hand over
+        self.pruned_blocks = 0  # blocks pruning gave back to the pool (StreamingLLM trims, SnapKV compactions)
+        self.compressed_sequences = 0  # SnapKV compactions
         self.num_blocks = num_blocks if layers else 0
         physical = self.num_blocks + 1 if layers else 0  # + the null block
         self.pools = {i: tuple(torch.zeros(s.pool_shape(physical, block_size), dtype=s.dtype, device=device)
@@ -119,17 +123,69 @@ class PagedKVCache:
 
     def layer_pools(self, i: int) -> tuple:
         """What attention layer ``i``'s ``forward_packed`` takes: (k_pool, v_pool[, k_scale, v_scale]), and with
-        a pruning policy the scales (or None) and the visible span ``(window, sinks)``."""
+        a pruning policy the scales (or None) and the visible span ``(window, sinks)`` (StreamingLLM), or no
+        span and the layer's query observer (SnapKV: :meth:`hybrid.kv_pruning.QueryCapture.layer`)."""
         if self.pruning is None:
             return (*self.pools[i], *self.scales.get(i, ()))
+        if self.capture is not None:
+            return (*self.pools[i], *self.scales.get(i, (None, None)), None, self.capture.layer(i))
         return (*self.pools[i], *self.scales.get(i, (None, None)), (self.window, self.sinks))
 
     def set_pruning(self, policy) -> None:
-        """Attend only to ``policy.sinks`` first tokens and the last ``policy.window`` (a
-        :class:`hybrid.kv_pruning.StreamingLLM`): blocks between go back to the pool as sequences grow."""
+        """A :class:`hybrid.kv_pruning.StreamingLLM` attends only to ``policy.sinks`` first tokens and the last
+        ``policy.window``: blocks between go back to the pool as sequences grow. A
+        :class:`hybrid.kv_pruning.SnapKV` compresses each prompt longer than its budget once it is prefilled
+        (:meth:`compact`)."""
+        if isinstance(policy, SnapKV):
+            if self.window is not None:
+                raise ValueError(f"SnapKV on a sliding-window model (window {self.window}) is not supported: a "
+                                 "compressed sequence's window would count kept slots, not positions; use "
+                                 "StreamingLLM or no pruning")
+            self.pruning, self.capture = policy, QueryCapture()
+            return
+        if not isinstance(policy, StreamingLLM):
+            raise TypeError(f"kv_pruning must be a hybrid.kv_pruning.StreamingLLM or SnapKV, "
+                            f"got {type(policy).__name__}")
         self.pruning = policy
         self.window = policy.window if self.window is None else min(self.window, policy.window)
         self.sinks = policy.sinks
+
+    @property
+    def snapkv(self) -> SnapKV | None:
+        return self.pruning if self.capture is not None else None
+
+    def keys(self, i: int, blocks: list[int], n: int) -> torch.Tensor:
+        """The first ``n`` cached keys of layer ``i`` held in ``blocks`` (a block table), fp32 [n, Hkv, D]."""
+        k_pool, bs = self.pools[i][0], self.block_size
+        idx = torch.tensor(blocks[:-(-n // bs)], dtype=torch.long, device=k_pool.device)
+        pages = k_pool[idx]
+        scale = self.scales[i][0][idx] if i in self.scales else None
+        return kv_quant.dequantize_pages(pages, scale, torch.float32).reshape(-1, *k_pool.shape[2:])[:n]
+
+    def compact(self, blocks: list[int], kept: dict[int, torch.Tensor]) -> None:
+        """Move each layer's kept tokens to the front of ``blocks``: ``kept[layer] [Hkv, n]`` lists per KV head
+        the token indices (into ``blocks``) to keep, and slot ``j`` then holds, for every head ``h``, head
+        ``h``'s ``kept[layer][h, j]``-th token. All kept tokens are read before any is written, so the move is
+        in place; a quantised layer's tokens are dequantised and re-quantised into fresh scales of the front
+        blocks (those blocks hold nothing else)."""
+        bs = self.block_size
+        for i, idx in kept.items():
+            device = self.pools[i][0].device
+            table = torch.tensor(blocks, dtype=torch.long, device=device)
+            Hkv, n = idx.shape
+            src = table[idx // bs] * bs + idx % bs  # [Hkv, n] flat slots
+            heads = torch.arange(Hkv, device=device)
+            front = torch.arange(n, device=device)
+            dst = table[front // bs] * bs + front % bs
+            for pool, scale in zip(self.pools[i], self.scales.get(i, (None, None)), strict=True):
+                flat = _raw(pool).view(-1, *pool.shape[2:])
+                moved = flat[src.T, heads[None, :]]  # [n, Hkv, D] codes or values
+                if scale is None:
+                    flat.index_copy_(0, dst, moved)
+                    continue
+                values = kv_quant.dequantize(moved.view(pool.dtype), scale[src.T // bs, heads[None, :]][..., None])
+                scale.index_fill_(0, table[:-(-n // bs)], 0.0)
+                kv_quant.write_kv_quantized(pool, scale, values, dst)
 
     def _reset_scales(self, blocks: list[int]) -> None:
         # a block handed out afresh starts with scale 0 (its first write sets it), not its last owner's
@@ -158,10 +214,14 @@ class PagedKVCache:
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size) if self.enabled else 0
 
-    def blocks_held_at_most(self, n_tokens: int, chunk: int) -> int:
+    def blocks_held_at_most(self, n_tokens: int, chunk: int, prompt_len: int | None = None) -> int:
         """The most blocks a sequence growing to ``n_tokens`` in steps of at most ``chunk`` new
-        tokens holds at once (all of them, unless a sliding window lets blocks behind it go)."""
+        tokens holds at once (all of them, unless a sliding window lets blocks behind it go, or SnapKV
+        compresses its ``prompt_len``-token prompt: then the prompt's blocks or the budget's and the rest's)."""
         full = self.blocks_for(n_tokens)
+        snap = self.snapkv
+        if snap is not None and prompt_len is not None and snap.compresses(prompt_len):
+            return min(full, max(self.blocks_for(prompt_len), self.blocks_for(snap.budget + n_tokens - prompt_len)))
         if self.window is None:
             return full
         # window - 1 visible earlier tokens + the chunk, over at most one partial block at each end (+ the sinks')
@@ -175,6 +235,11 @@ class PagedKVCache:
     @property
     def bytes_in_use(self) -> int:
         return (self.num_blocks - self.allocator.num_free) * self.bytes_per_block
+
+
+def _raw(pool: torch.Tensor) -> torch.Tensor:
+    """fp8 pages seen as bytes (CPU has no fp8 indexing kernels; moving the bits is the same)."""
+    return pool.view(torch.uint8) if pool.dtype == kv_quant.FP8 else pool
 
 
 class StatePool:
@@ -349,6 +414,9 @@ class CacheReport:
     ssm_dtype: str = ""
     kv_bytes_per_block: int = 0  # one block across all attention layers, scales included
     block_size: int = 0
+    kv_pruning: str = ""  # the engine's pruning policy (repr), "" for none
+    kv_blocks_pruned: int = 0  # blocks pruning gave back to the pool so far (StreamingLLM trims, SnapKV)
+    kv_sequences_compressed: int = 0  # prompts SnapKV compressed so far (recomputes after preemption included)
 
     def bytes_per_sequence(self, seq_len: int) -> int:
         """Bytes one sequence of ``seq_len`` tokens holds in this cache (whole blocks, scales, its state)."""
@@ -432,7 +500,10 @@ class HybridCache:
                            token_capacity=self.kv.capacity_tokens, max_sequences=self.ssm.num_slots,
                            kv_blocks_total=self.kv.num_blocks,
                            kv_blocks_in_use=self.kv.num_blocks - self.kv.allocator.num_free,
-                           state_slots_in_use=self.ssm.num_slots - self.ssm.num_free)
+                           state_slots_in_use=self.ssm.num_slots - self.ssm.num_free,
+                           kv_pruning="" if self.kv.pruning is None else repr(self.kv.pruning),
+                           kv_blocks_pruned=self.kv.pruned_blocks,
+                           kv_sequences_compressed=self.kv.compressed_sequences)
 
 
 def _storage_dtypes(kv_dtype, conv_dtype, ssm_dtype) -> CacheDtypes:

@@ -9,6 +9,12 @@ live here too.
 A block table lists a sequence's blocks in order; an entry is :data:`~hybrid.cache.NULL_BLOCK` where a
 sliding window let the block go (no future token can see it), so tables never hold holes of another kind
 and the attention ops read a real, harmless block there.
+
+Positions and KV lengths: the scheduler and the engine count a sequence's tokens by position (``n_tokens``,
+``start``: RoPE positions, prompt + generated). Once SnapKV (:class:`hybrid.kv_pruning.SnapKV`) has compressed
+a prompt, the sequence's blocks hold ``dropped`` fewer tokens than that; every method here takes positions
+and converts (:meth:`CacheManager.kv_length`), so the step metadata gets KV lengths for attention and
+positions for RoPE.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ class SequenceCache:
     wanted: list[int] = field(default_factory=list)
     tokens: list[int] | None = None  # its tokens at admission (prefix cache: branch points with running ones)
     computed: int = 0
+    # SnapKV: the prompt length where its compression is due (None: not due), the positions it dropped from
+    # its blocks (KV length = position - dropped), and the prompt positions each layer kept, [Hkv, budget]
+    compress_at: int | None = None
+    dropped: int = 0
+    kept: dict[int, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,7 @@ class Admission:
     tokens: list[int] | None = None
     # a running sequence will have the KV and a checkpoint at a longer prefix soon: better to wait for it
     defer: bool = False
+    compress_at: int | None = None  # SnapKV compresses the prompt here (a prefill chunk stops here: in wanted)
 
 
 class CacheManager:
@@ -86,7 +98,20 @@ class CacheManager:
     def can_grow(self, seq_id: int, n_tokens: int) -> bool:
         """Whether ``seq_id`` can grow to ``n_tokens`` cached tokens with the blocks now free (the prefix
         tree gives up blocks first)."""
-        return self._room(self.kv.blocks_for(n_tokens) - len(self.seqs[seq_id].blocks))
+        return self._room(self.kv.blocks_for(self.kv_length(seq_id, n_tokens)) - len(self.seqs[seq_id].blocks))
+
+    def kv_length(self, seq_id: int, n_tokens: int) -> int:
+        """Tokens in ``seq_id``'s blocks when its next position is ``n_tokens`` (less after SnapKV compressed it)."""
+        return n_tokens - self.seqs[seq_id].dropped
+
+    def observed(self, seq_id: int, start: int, end: int) -> range:
+        """The positions of ``start..end-1`` that are observation-window queries of a SnapKV compression still
+        due for ``seq_id`` (the attention layers capture those rows)."""
+        at = self.seqs[seq_id].compress_at
+        if at is None:
+            return range(0)
+        lo, hi = max(start, at - self.kv.snapkv.window), min(end, at)
+        return range(lo, max(lo, hi))
 
     def block_table(self, seq_id: int) -> list[int]:
         return self.seqs[seq_id].blocks
@@ -99,8 +124,9 @@ class CacheManager:
         first slot, for a model without attention)."""
         if not self.kv.enabled:
             return [0] * (end - start)
-        table, bs = self.seqs[seq_id].blocks, self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+        seq, bs = self.seqs[seq_id], self.block_size
+        table = seq.blocks
+        return [table[p // bs] * bs + p % bs for p in range(start - seq.dropped, end - seq.dropped)]
 
     def blocks_in_use(self) -> list[int]:
         return [b for s in self.seqs.values() for b in s.blocks if b != NULL_BLOCK]
@@ -111,6 +137,9 @@ class CacheManager:
         most ``limit`` tokens, and the positions its prefill saves checkpoints at (a cold start without a
         prefix cache)."""
         if self.prefix is None:
+            snap = self.kv.snapkv
+            if snap is not None and self.kv.enabled and snap.compresses(prompt_len):  # attention layers to prune
+                return Admission(0, wanted=(prompt_len,), compress_at=prompt_len)
             return Admission(0)
         match = self.prefix.match(tokens, limit)
         # Speculative insertion (Marconi) covers running sequences too: one that shares more than the tree
@@ -161,7 +190,8 @@ class CacheManager:
             return False
         blocks = shared + self.kv.allocator.allocate(self.kv.blocks_for(n_tokens) - len(shared))
         slot = self.ssm.allocate()
-        seq = SequenceCache(slot, blocks, wanted=list(adm.wanted), tokens=adm.tokens, computed=adm.start)
+        seq = SequenceCache(slot, blocks, wanted=list(adm.wanted), tokens=adm.tokens, computed=adm.start,
+                            compress_at=adm.compress_at)
         if match is not None:
             node = match.node
             if self.kv.enabled and len(node.tokens) % self.block_size:  # partial block: copy, then append
@@ -202,23 +232,55 @@ class CacheManager:
     def grow(self, seq_id: int, n_tokens: int) -> None:
         """Extend ``seq_id``'s block table to hold ``n_tokens`` tokens (all or nothing)."""
         table = self.seqs[seq_id].blocks
-        need = self.kv.blocks_for(n_tokens) - len(table)
+        need = self.kv.blocks_for(self.kv_length(seq_id, n_tokens)) - len(table)
         if need > 0:
             table.extend(self.kv.allocator.allocate(need))
 
     def trim(self, seq_id: int, next_pos: int) -> None:
         """Release the blocks of ``seq_id`` that lie wholly before the window of any token at ``next_pos``
-        or later, pointing their table entries at the null block (a no-op without a sliding window)."""
+        or later, pointing their table entries at the null block (a no-op without a sliding window). With
+        SnapKV: compress the prompt once ``next_pos`` reaches its end (:meth:`compress`)."""
+        seq = self.seqs[seq_id]
+        if seq.compress_at is not None and next_pos >= seq.compress_at:
+            self.compress(seq_id, next_pos)
         window = self.kv.window
         if window is None:
             return
-        table = self.seqs[seq_id].blocks
+        table = seq.blocks
         sink_blocks = self.kv.blocks_for(self.kv.sinks)  # StreamingLLM: the sinks' blocks stay (0 otherwise)
         dead = [j for j in range(sink_blocks, min(len(table), max(0, next_pos - window + 1) // self.block_size))
                 if table[j] != NULL_BLOCK]
         self.kv.allocator.release([table[j] for j in dead])
+        self.kv.pruned_blocks += len(dead) if self.kv.pruning is not None else 0
         for j in dead:
             table[j] = NULL_BLOCK
+
+    def compress(self, seq_id: int, next_pos: int) -> None:
+        """SnapKV: ``seq_id``'s prompt (``compress_at`` tokens) is prefilled; per attention layer and KV head
+        keep the positions its observation window (the queries the layers captured) picks, move them to the
+        front of its blocks (:meth:`hybrid.cache.PagedKVCache.compact`) and give the blocks after them back."""
+        seq, snap = self.seqs[seq_id], self.kv.snapkv
+        L = seq.compress_at
+        if next_pos != L:
+            raise RuntimeError(f"sequence {seq_id}: a prefill chunk ran past the prompt end {L} (to {next_pos}) "
+                               "before SnapKV compressed it; the scheduler must stop a chunk there")
+        queries = self.kv.capture.take(seq_id)
+        kept = {}
+        for i in self.kv.layer_indices:
+            q = queries.get(i)
+            if q is None or q.shape[0] != snap.window:
+                raise RuntimeError(f"sequence {seq_id}: layer {i} captured {0 if q is None else q.shape[0]} of the "
+                                   f"{snap.window} observation-window queries SnapKV needs")
+            kept[i] = snap.select(q, self.kv.keys(i, seq.blocks, L))
+        self.kv.compact(seq.blocks, kept)
+        keep = self.kv.blocks_for(snap.budget)
+        freed = seq.blocks[keep:]
+        self.kv.allocator.release(freed)
+        del seq.blocks[keep:]
+        seq.compress_at, seq.dropped, seq.kept = None, L - snap.budget, kept
+        seq.wanted = [p for p in seq.wanted if p > L]
+        self.kv.pruned_blocks += len(freed)
+        self.kv.compressed_sequences += 1
 
     # ---- speculative decoding: rollback ----------------------------------------------------------
     def commit_verified(self, states, positions: list[int]) -> None:
@@ -239,7 +301,7 @@ class CacheManager:
         """Give back the KV blocks of ``seq_id`` past its first ``n_tokens`` tokens (rejected draft tokens'
         K/V): the sequence length is cut there and a later token overwrites what is left in its last block."""
         table = self.seqs[seq_id].blocks
-        keep = self.kv.blocks_for(n_tokens)
+        keep = self.kv.blocks_for(self.kv_length(seq_id, n_tokens))
         if len(table) > keep:
             self.kv.allocator.release([b for b in table[keep:] if b != NULL_BLOCK])
             del table[keep:]
@@ -273,6 +335,8 @@ class CacheManager:
         del self.seqs[seq_id]
         self.kv.allocator.release([b for b in seq.blocks if b != NULL_BLOCK])
         self.ssm.free(seq.slot)
+        if self.kv.capture is not None:
+            self.kv.capture.drop(seq_id)  # a preempted prompt's window is captured again when it recomputes
 
     def fork(self, parent: int, child: int, n_tokens: int) -> None:
         """Give ``child`` the cache of ``parent``'s ``n_tokens`` computed tokens, so both continue from there
@@ -284,10 +348,13 @@ class CacheManager:
         if child in self.seqs:
             raise ValueError(f"sequence {child} already holds cache")
         src = self.seqs[parent]
-        n_blocks = self.kv.blocks_for(n_tokens)
+        if src.compress_at is not None:
+            raise ValueError(f"sequence {parent} cannot be forked before SnapKV has compressed its prompt")
+        n_kv = self.kv_length(parent, n_tokens)
+        n_blocks = self.kv.blocks_for(n_kv)
         if n_blocks > len(src.blocks):
             raise ValueError(f"sequence {parent} holds {len(src.blocks)} blocks, fewer than {n_tokens} tokens need")
-        partial = n_tokens % self.block_size != 0 and self.kv.enabled
+        partial = n_kv % self.block_size != 0 and self.kv.enabled
         if self.ssm.num_free == 0 or partial > self.kv.allocator.num_free:
             raise CacheFullError(f"no room to fork sequence {parent} ({self.ssm.num_free} slots, "
                                  f"{self.kv.allocator.num_free} KV blocks free)")
@@ -301,4 +368,4 @@ class CacheManager:
             blocks[-1] = fresh
         slot = self.ssm.allocate()
         self.ssm.copy(src.slot, slot)
-        self.seqs[child] = SequenceCache(slot, blocks)
+        self.seqs[child] = SequenceCache(slot, blocks, dropped=src.dropped, kept=src.kept)

@@ -72,6 +72,21 @@ def _add_cache_dtype_args(p: argparse.ArgumentParser) -> None:
                    help="Mamba SSM + conv state storage (int8: per-head scales; default: fp32 SSM state)")
 
 
+def _kv_pruning(text: str):
+    from .kv_pruning import parse_policy
+
+    try:
+        return parse_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_pruning_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-pruning", type=_kv_pruning, default=None, metavar="POLICY",
+                   help="prune the KV cache: snapkv:budget=N[,window=32,kernel=7,pooling=max|avg] (prompt "
+                        "compression) or streaming:sinks=4,window=1020 (attention sinks + recent window)")
+
+
 def cmd_bench(args) -> None:
     import torch
 
@@ -248,7 +263,7 @@ def cmd_generate(args) -> None:
                         block_size=block_size, max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer,
                         compile=args.compile, prefix_caching=args.prefix_caching,
                         speculative=_speculative(args, model), kv_dtype=args.kv_dtype,
-                        state_dtype=args.state_dtype)
+                        state_dtype=args.state_dtype, kv_pruning=args.kv_pruning)
     except ValueError as e:
         raise SystemExit(f"hybrid generate: {e}") from e
     engine.add_request(prompt, params)
@@ -268,6 +283,10 @@ def cmd_generate(args) -> None:
         print(f"speculative ({engine.speculative.method}, k={engine.speculative.num_tokens}): "
               f"{s.draft_tokens_accepted} of {s.draft_tokens_proposed} draft tokens accepted "
               f"(rate {s.acceptance_rate:.2f}, {s.mean_accepted_length:.2f} per verify step)", file=sys.stderr)
+    if args.kv_pruning is not None:
+        r = engine.cache.report()
+        print(f"kv pruning {r.kv_pruning}: {r.kv_blocks_pruned} KV blocks given back, "
+              f"{r.kv_sequences_compressed} prompts compressed", file=sys.stderr)
     if args.prefix_caching:
         r = engine.cache.report()
         print(f"prefix cache: {s.prefix_hit_tokens} of {s.prompt_tokens} prompt tokens served; tree holds "
@@ -305,7 +324,8 @@ def cmd_serve(args) -> None:
     template = load_chat_template(args.model)  # None for a recipe: the documented default
     name = args.served_model_name or args.recipe or Path(args.model).resolve().name
     engine_options = {"compile": args.compile, "prefix_caching": args.prefix_caching,
-                      "speculative": _speculative(args, model)}
+                      "speculative": _speculative(args, model), "kv_pruning": args.kv_pruning,
+                      "kv_dtype": args.kv_dtype, "state_dtype": args.state_dtype}
     try:
         engine = Engine(model, cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
                         max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, **engine_options)
@@ -462,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="compile the decode step (torch.compile)")
     p.add_argument("--prefix-caching", action="store_true", help="engine with the prefix cache on (reports its hits)")
     _add_cache_dtype_args(p)
+    _add_pruning_flag(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -492,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_cache_dtype_args(p)
+    _add_pruning_flag(p)
     _add_speculative_flags(p)
     p.set_defaults(func=cmd_serve)
 

@@ -138,8 +138,11 @@ class Engine:
     (``"float32"``, ``"bfloat16"``, ``"int8"``) compress the cache the engine builds (None: K/V in the
     model's dtype, SSM state fp32; see :func:`hybrid.cache.cache_dtypes`); the state set aside for
     ``max_seqs`` sequences is paid first from the one byte budget, the KV pool gets the rest.
-    ``stochastic_state`` rounds int8 / bf16 state writes stochastically. ``kv_pruning`` (a
-    :class:`hybrid.kv_pruning.StreamingLLM`) keeps only attention sinks + a recent window per sequence.
+    ``stochastic_state`` rounds int8 / bf16 state writes stochastically. ``kv_pruning``: a
+    :class:`hybrid.kv_pruning.StreamingLLM` keeps only attention sinks + a recent window per sequence; a
+    :class:`hybrid.kv_pruning.SnapKV` compresses each prompt longer than its budget once it is prefilled
+    (per KV head, the positions the prompt's last window attends to most); ``cache.report()`` counts the
+    blocks either gave back.
     """
 
     def __init__(self, model, *, cache: HybridCache | None = None, num_blocks: int | None = None,
@@ -165,8 +168,8 @@ class Engine:
                              "cache= pass them to that HybridCache instead")
         if kv_pruning is not None:
             if prefix_caching:
-                raise ValueError("kv_pruning with prefix_caching is not supported: a pruned sequence's blocks are "
-                                 "not the prompt's whole prefix; turn one of them off")
+                raise ValueError(f"kv_pruning with prefix_caching is not supported ({type(kv_pruning).__name__}): a "
+                                 "pruned sequence's blocks are not the prompt's whole prefix; turn one of them off")
             cache.kv.set_pruning(kv_pruning)
             cache.layer_pools.update({i: cache.kv.layer_pools(i) for i in cache.kv.pools})
         self.cache = cache
@@ -369,7 +372,7 @@ class Engine:
         generated tokens that enter the cache (``max_new_tokens - 1``: the last sampled one never does)."""
         need = prompt_len + new_cached
         kv = self.cache.kv
-        held = kv.blocks_held_at_most(need, self.max_batch_tokens)
+        held = kv.blocks_held_at_most(need, self.max_batch_tokens, prompt_len)
         if kv.enabled and held > kv.num_blocks:
             raise ValueError(
                 f"request needs {need} cached tokens ({prompt_len} prompt + {new_cached + 1} new - 1), "

@@ -14,15 +14,38 @@ context the two agree on which tokens are seen; re-numbering is not implemented 
 in the cache). The KV length of a sequence therefore equals its next position, and nothing in the
 metadata changes.
 
-SnapKV-style prompt compression (keep per KV head the prompt positions the prompt's last window attends
-to most, free the rest) is **not implemented**: it needs a sequence's KV length to differ from its next
-position and per-head keep lists, which the paged layout here (one block table per sequence, shared by
-all heads) does not have yet.
+SnapKV (Li et al., 2024, :class:`SnapKV`): after a sequence's prompt is prefilled, each attention layer scores
+every prompt position, per KV head, by the softmax attention the last ``window`` prompt queries (the observation
+window) give it (summed over the window's queries and the query heads of the KV group, 1-D max/avg pooled with
+``kernel`` so neighbours of important tokens survive), keeps the ``budget - window`` best positions before the
+window plus the window itself, and frees the rest; decoding attends only to the kept K/V and every new token.
+How the engine does it:
+
+- the queries of the observation window are *captured* in the attention layer's packed forward
+  (:class:`QueryCapture`; the step's metadata says which rows, :class:`ObservedRows`), chunk by chunk, so a
+  prompt whose last chunk is shorter than the window still has its whole window; recomputing them later would
+  need the layer inputs, which the engine does not keep. The keys come from the pool (dequantised).
+- compaction (:meth:`hybrid.cache_manager.CacheManager.trim` when the prompt's last chunk is done): slot ``j``
+  of the sequence's first ``ceil(budget / block_size)`` blocks holds, for each KV head ``h``, head ``h``'s
+  ``j``-th kept token (pool layout ``[blocks, block_size, Hkv, D]``: one block table serves per-head
+  selections), re-quantised for int8 / fp8 pages; the blocks after them go back to the pool. Keys carry
+  RoPE at their original positions, so nothing is re-rotated; a compressed sequence's *KV length* (tokens in
+  its blocks: what the attention ops read) is then ``dropped`` less than its next *position* (what RoPE takes),
+  and the cache manager converts one to the other for the step metadata.
+- a preempted sequence recomputes its prompt, is compressed again at the prompt's end (a prefill chunk stops
+  there), and its generated tokens then run as a prefill chunk over the compressed cache, as they first did one
+  decode at a time.
+
+Prompts of at most ``budget`` tokens are left alone. Not with prefix caching (a compressed sequence's blocks are
+not its prompt's prefix) nor with a sliding-window model (the window would count KV slots, not positions).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -40,3 +63,119 @@ class StreamingLLM:
     def visible(self, key_pos: int, query_pos: int) -> bool:
         """Whether the token at ``key_pos`` is attended by the query at ``query_pos`` (the reference rule)."""
         return key_pos <= query_pos and (key_pos < self.sinks or query_pos - key_pos < self.window)
+
+
+POOLINGS = ("max", "avg")
+
+
+@dataclass(frozen=True)
+class SnapKV:
+    """SnapKV prompt compression: per KV head keep the ``budget - window`` prompt positions the last ``window``
+    prompt queries attend to most (scores pooled over ``kernel`` neighbours, ``pooling`` "max" or "avg"), plus
+    the window itself; ``budget`` tokens per head in all."""
+
+    budget: int
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"SnapKV needs window >= 1 (the observation window of prompt queries), got {self.window}")
+        if self.budget <= self.window:
+            raise ValueError(f"SnapKV needs budget > window (the budget holds the window and the positions it picks), "
+                             f"got budget={self.budget}, window={self.window}; raise budget or lower window")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"SnapKV needs an odd kernel >= 1 (pooling keeps one score per position), "
+                             f"got {self.kernel}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"SnapKV pooling must be one of {POOLINGS}, got {self.pooling!r}")
+
+    def compresses(self, prompt_len: int) -> bool:
+        """Whether a prompt of ``prompt_len`` tokens is compressed (longer than the budget)."""
+        return prompt_len > self.budget
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Pooled scores of the positions before the window: q [window, Hq, D] (the prompt's last queries), k
+        [L, Hkv, D] (the prompt's keys) -> [Hkv, L - window] fp32."""
+        W, Hq, D = q.shape
+        L, Hkv = k.shape[0], k.shape[1]
+        scale = D ** -0.5 if scale is None else scale
+        qg = q.float().view(W, Hkv, Hq // Hkv, D)  # query head h serves KV head h // (Hq // Hkv)
+        s = torch.einsum("wgrd,lgd->grwl", qg, k.float()) * scale  # [Hkv, rep, W, L]
+        causal = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - W, L, device=q.device)[:, None]
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
+        votes = p[..., :L - W].sum(dim=(1, 2))  # [Hkv, L - W]
+        pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
+        return pool(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
+
+    def select(self, q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Kept prompt positions per KV head, ascending: [Hkv, budget] int64. The best ``budget - window``
+        pooled scores (ties to the earlier position: max pooling makes runs of equal scores) and the window."""
+        L = k.shape[0]
+        pooled = self.scores(q, k, scale)
+        order = torch.sort(pooled, dim=-1, descending=True, stable=True).indices[:, :self.budget - self.window]
+        window = torch.arange(L - self.window, L, device=k.device).expand(k.shape[1], -1)
+        return torch.cat([order.sort(dim=-1).values, window], dim=-1)
+
+
+@dataclass(frozen=True)
+class ObservedRows:
+    """The rows of a step's packed batch that are observation-window queries of sequences SnapKV will compress:
+    ``rows [R]`` int64 token rows, in sequence order, ``counts[i]`` of them for ``seq_ids[i]``."""
+
+    rows: torch.Tensor
+    seq_ids: tuple[int, ...]
+    counts: tuple[int, ...]
+
+
+class QueryCapture:
+    """The observation-window queries of the sequences SnapKV will compress, per sequence and attention layer,
+    as the attention layers' packed forwards hand them over (:meth:`layer`), chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, dict[int, list[torch.Tensor]]] = {}
+
+    def layer(self, index: int):
+        """The callable attention layer ``index`` gets: ``observe(batch, q)`` keeps its rows ``batch.observe``."""
+        def observe(batch, q: torch.Tensor) -> None:
+            obs = batch.observe
+            if obs is None:
+                return
+            for seq_id, part in zip(obs.seq_ids, q[obs.rows].split(list(obs.counts)), strict=True):
+                self.saved.setdefault(seq_id, {}).setdefault(index, []).append(part.clone())
+        return observe
+
+    def take(self, seq_id: int) -> dict[int, torch.Tensor]:
+        """The queries of ``seq_id`` per layer, [window, Hq, D], forgotten here."""
+        return {i: torch.cat(parts) for i, parts in self.saved.pop(seq_id, {}).items()}
+
+    def drop(self, seq_id: int) -> None:
+        self.saved.pop(seq_id, None)
+
+
+_POLICIES = {"snapkv": SnapKV, "streaming": StreamingLLM}
+
+
+def parse_policy(text: str) -> SnapKV | StreamingLLM:
+    """``snapkv:budget=512,window=32,kernel=7,pooling=max`` or ``streaming:sinks=4,window=1020`` (fields left
+    out take their defaults) -> the policy; what ``--kv-pruning`` takes."""
+    name, _, fields = text.partition(":")
+    cls = _POLICIES.get(name.strip().lower())
+    if cls is None:
+        raise ValueError(f"unknown KV pruning policy {name!r}: write "
+                         "snapkv:budget=N[,window=W,kernel=K,pooling=max|avg] or streaming:sinks=S,window=W")
+    known = {f.name: f.type for f in cls.__dataclass_fields__.values()}
+    kw = {}
+    for item in filter(None, (f.strip() for f in fields.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in known:
+            raise ValueError(f"{name}: cannot read {item!r}; fields are {', '.join(known)} (as key=value)")
+        try:
+            kw[key] = value if key == "pooling" else int(value)
+        except ValueError:
+            raise ValueError(f"{name}: {key} must be an integer, got {value!r}") from None
+    try:
+        return cls(**kw)
+    except TypeError as e:
+        raise ValueError(f"{name}: {e}; fields are {', '.join(known)}") from None

@@ -21,7 +21,7 @@ import torch
 
 from .cache import NULL_BLOCK, HybridCache
 from .cache_manager import CacheManager
-from .packed_batch import PackedBatch, SeqChunk, SeqGroup, build_batch
+from .packed_batch import PackedBatch, SeqChunk, SeqGroup, build_batch, observed_rows
 from .sampling import SamplingBatch, SamplingParams, sample
 
 
@@ -100,7 +100,8 @@ class ModelRunner:
             return self.model.forward_packed(batch, self.cache, all_logits=all_logits), False
         if all_logits:
             return self.model.forward_packed(build_batch(self.manager, chunks), self.cache, all_logits=True), False
-        if self._decode is not None and all(len(c.tokens) == 1 for c in chunks) and len(chunks) <= self.buckets[-1]:
+        if self._decode is not None and all(len(c.tokens) == 1 for c in chunks) and len(chunks) <= self.buckets[-1] \
+                and observed_rows(self.manager, chunks) is None:  # SnapKV's window queries: eager capture
             return self._execute_compiled(chunks), True
         return self.model.forward_packed(build_batch(self.manager, chunks), self.cache), False
 
@@ -124,7 +125,7 @@ class ModelRunner:
         # padded rows: token 0 at position 0, K/V into the null block's first slot, state in the scratch row
         buf.fill([c.tokens[0] for c in chunks] + [0] * pad, [c.start for c in chunks] + [0] * pad,
                  [m.pool_slots(c.seq_id, c.start, c.start + 1)[0] for c in chunks] + [NULL_BLOCK] * pad,
-                 [c.start + 1 for c in chunks] + [1] * pad, tables,
+                 [m.kv_length(c.seq_id, c.start + 1) for c in chunks] + [1] * pad, tables,
                  [m.state_slot(c.seq_id) for c in chunks] + [self.cache.ssm.scratch_slot] * pad)
         first = key not in self.compiled_shapes
         t0 = time.perf_counter()

@@ -7,6 +7,10 @@ state at every position), then prefills and prefill chunks. :func:`build_batch` 
 metadata once per step and validates it once; the ops trust it (see :mod:`hybrid.kernels.packing`):
 every length tensor carries its host copy, and the decode and prefill groups come pre-split, so no layer
 slices, re-validates or reads a tensor back.
+
+``positions`` are RoPE positions; ``seq_lens`` count the tokens in a sequence's blocks (its KV length), which
+SnapKV's prompt compression makes smaller than the next position (:mod:`hybrid.kv_pruning`); ``observe`` lists
+the rows whose queries the attention layers hand to SnapKV (its observation window).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from .cache_manager import CacheManager
 from .kernels.packing import with_host_values
+from .kv_pruning import ObservedRows
 from .speculative.verify_states import VerifyStates
 
 
@@ -35,8 +40,8 @@ class SeqGroup:
     """The decodes, or the prefills, of a step: what their attention and Mamba ops read.
 
     cu_seqlens: [n+1] int32, relative to the group's first token; seq_lens: [n] int32 (cached history +
-    new tokens); block_tables: [n, max_blocks] int32; state_slots: [n] int64. The length tensors carry
-    their host values.
+    new tokens: the KV length the attention ops read); block_tables: [n, max_blocks] int32; state_slots: [n]
+    int64. The length tensors carry their host values.
     """
 
     tokens: slice  # the group's rows of the packed token dimension
@@ -72,6 +77,7 @@ class PackedBatch:
     verify: SeqGroup | None = None
     verify_states: VerifyStates | None = None
     rest: SeqGroup | None = None  # the prefills after the verify chunks (only set with verify chunks)
+    observe: ObservedRows | None = None  # SnapKV observation-window rows (None: none this step)
 
     @property
     def scan(self) -> SeqGroup | None:
@@ -130,8 +136,9 @@ def build_batch(manager: CacheManager, chunks: list[SeqChunk], num_verify: int =
     missing = [c.seq_id for c in chunks if not manager.holds(c.seq_id)]
     if missing:
         raise ValueError(f"build_batch: sequences {missing} hold no cache in this manager")
-    short = [c.seq_id for c in chunks if manager.kv.enabled
-             and len(manager.block_table(c.seq_id)) * manager.block_size < c.start + len(c.tokens)]
+    seq_lens = [manager.kv_length(c.seq_id, c.start + len(c.tokens)) for c in chunks]
+    short = [c.seq_id for c, n in zip(chunks, seq_lens, strict=True) if manager.kv.enabled
+             and len(manager.block_table(c.seq_id)) * manager.block_size < n]
     if short:
         raise ValueError(f"build_batch: sequences {short} hold too few KV blocks for their new tokens")
     device = manager.cache.device
@@ -141,7 +148,6 @@ def build_batch(manager: CacheManager, chunks: list[SeqChunk], num_verify: int =
         positions.extend(range(c.start, c.start + len(c.tokens)))
         slots.extend(manager.pool_slots(c.seq_id, c.start, c.start + len(c.tokens)))
     tables = [manager.block_table(c.seq_id) if manager.kv.enabled else [] for c in chunks]
-    seq_lens = [c.start + len(c.tokens) for c in chunks]
     state_slots = [manager.state_slot(c.seq_id) for c in chunks]
     groups = []
     for lo, hi, t0 in ((0, nd, 0), (nd, len(chunks), nd)):
@@ -169,4 +175,23 @@ def build_batch(manager: CacheManager, chunks: list[SeqChunk], num_verify: int =
                        positions=torch.tensor(positions, dtype=torch.long, device=device),
                        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
                        last_token_index=torch.tensor(last, dtype=torch.long, device=device),
-                       decode=groups[0], prefill=groups[1], verify=verify, verify_states=verify_states, rest=rest)
+                       decode=groups[0], prefill=groups[1], verify=verify, verify_states=verify_states, rest=rest,
+                       observe=observed_rows(manager, chunks))
+
+
+def observed_rows(manager: CacheManager, chunks: list[SeqChunk]) -> ObservedRows | None:
+    """The rows of ``chunks`` (packed in this order) that are SnapKV observation-window queries (None: none)."""
+    if manager.kv.capture is None:
+        return None
+    rows, seq_ids, counts, row0 = [], [], [], 0
+    for c in chunks:
+        span = manager.observed(c.seq_id, c.start, c.start + len(c.tokens))
+        if len(span):
+            rows.extend(range(row0 + span.start - c.start, row0 + span.stop - c.start))
+            seq_ids.append(c.seq_id)
+            counts.append(len(span))
+        row0 += len(c.tokens)
+    if not rows:
+        return None
+    return ObservedRows(torch.tensor(rows, dtype=torch.long, device=manager.cache.device), tuple(seq_ids),
+                        tuple(counts))

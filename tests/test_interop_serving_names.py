@@ -175,6 +175,14 @@ def test_llama_cpp_converts_with_its_own_names(llama_cpp, exported, tmp_path, na
     keys = {f"{arch}.{k}" for k in ("expert_count", "expert_used_count")}
     n_expert, n_used = (int(reader.fields[k].parts[-1][0]) if k in reader.fields else 0 for k in sorted(keys))
     assert n_used <= n_expert, f"llama.cpp's loader asserts experts used ({n_used}) <= experts ({n_expert})"
+    # the loader gives each block its kind from the per-layer arrays: a feed-forward width where a block has an
+    # MLP, KV heads where it has attention (a dense NemotronH converted as nemotron_h_moe had no MLP blocks)
+    if fmt == "nemotron_h":
+        assert arch == "nemotron_h", f"a dense NemotronH export converts as {arch}"
+        n_ff = reader.fields[f"{arch}.feed_forward_length"].contents()
+        n_kv = reader.fields[f"{arch}.attention.head_count_kv"].contents()
+        assert [f > 0 for f in n_ff] == [k == "-" for k in blocks], f"MLP blocks {n_ff} vs pattern {cfg.pattern}"
+        assert [h > 0 for h in n_kv] == [k == "*" for k in blocks], f"attention blocks {n_kv} vs {cfg.pattern}"
     if "M" in cfg.pattern:
         assert field("ssm.inner_size") == cfg.mamba2.d_inner and field("ssm.state_size") == cfg.mamba2.d_state
     if arch == "granitehybrid":

@@ -69,6 +69,18 @@ def test_serve_command_line():
         main(["serve"])
 
 
+def test_serve_builds_the_engine_with_the_cache_dtypes(monkeypatch):
+    import hybrid.server as server
+    built = {}
+    monkeypatch.setattr(server, "create_app", lambda engine, *a, **k: built.setdefault("engine", engine))
+    monkeypatch.setattr(server, "run", lambda *a, **k: None)
+    main(["serve", "--recipe", "hybrid-1to7-tiny", "--cache-bytes", "16MiB", "--kv-dtype", "int8",
+          "--state-dtype", "bfloat16", "--kv-pruning", "streaming:sinks=4,window=64"])
+    report = built["engine"].cache.report()
+    assert (report.kv_dtype, report.ssm_dtype) == ("int8", "bfloat16")
+    assert "StreamingLLM" in report.kv_pruning
+
+
 def test_chat_through_a_checkpoint_template(tmp_path):
     torch.manual_seed(0)
     model = hybrid.HybridLM(recipes.get("llama-tiny")).eval()

@@ -54,16 +54,20 @@ class Attention(nn.Module):
 
     def forward_packed(self, x: torch.Tensor, batch, k_pool: torch.Tensor, v_pool: torch.Tensor,
                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                       visible: tuple[int | None, int] | None = None) -> torch.Tensor:
+                       visible: tuple[int | None, int] | None = None, observe=None) -> torch.Tensor:
         """Packed inference: x [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
 
         Writes the new K/V into the paged pools, then attends over each sequence's cached history
         through its block table; the batch's one-token sequences (``batch.decode``) take the decode op,
         the rest (``batch.prefill``: prompts and prompt chunks) the prefill op. An int8 / fp8 pool comes
         with its block scales (``k_scale``, ``v_scale``): the write quantises, the ops dequantise. A KV pruning
-        policy (:mod:`hybrid.kv_pruning`) gives ``visible = (window, sinks)`` in place of the layer's window.
+        policy (:mod:`hybrid.kv_pruning`) gives ``visible = (window, sinks)`` in place of the layer's window
+        (StreamingLLM), or ``observe(batch, q)``, which keeps the queries of SnapKV's observation window.
+        ``batch.seq_lens`` count the tokens in each sequence's blocks, ``batch.positions`` the RoPE positions.
         """
         q, k, v = self.qkv(x, batch.positions, batch.rope)
+        if observe is not None:
+            observe(batch, q)
         kernels.write_kv(k_pool, v_pool, k, v, batch.slot_mapping, k_scale, v_scale)
         w, parts, sc = self.cfg.sliding_window, [], dict(k_scale=k_scale, v_scale=v_scale)
         if visible is not None:

@@ -6,12 +6,26 @@ checks feed token ids), and llama.cpp's converters want one to hash and copy; so
 llama.cpp's token-free vocabulary (``tokenizer.ggml.model = "none"`` with ``vocab_size`` dummy tokens),
 which its loader supports, and the ids pass through unchanged.
 
-    python gguf_convert.py LLAMA_CPP_DIR HF_DIR OUT.gguf
+And for NemotronH the hyper-parameters come from the folder's ``config.json`` as written, not from
+transformers' re-serialisation of it (``AutoConfig.from_pretrained(dir).to_dict()``, what the converter reads
+first): transformers 5 adds MoE defaults (``num_experts_per_tok``, ``n_routed_experts``) to every NemotronH
+config and drops ``hybrid_override_pattern``, and llama.cpp's NemotronH converter then takes a dense model
+for ``nemotron_h_moe`` and finds no MLP layers in ``layers_block_type`` (it knows ``"moe"``, not ``"mlp"``),
+so the GGUF's layer kinds are wrong and the loader stops at the first MLP layer ("tensor
+'blk.1.ssm_in.weight' not found"). The converter falls back to ``config.json`` itself when AutoConfig
+fails; this takes that path on purpose.
+
+    python gguf_convert.py LLAMA_CPP_DIR HF_DIR OUT.gguf [--tokenizer] [--outtype f32|f16|bf16]
+
+``--tokenizer`` keeps llama.cpp's own vocabulary conversion (the folder's ``tokenizer.json``), for a GGUF
+that takes text: the way to convert a NemotronH export for use, until llama.cpp reads transformers 5's
+NemotronH configs right.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -33,17 +47,24 @@ def tokenless_vocab(model) -> None:
     model.gguf_writer.add_vocab_size(int(model.hparams["vocab_size"]))
 
 
-def convert(llama_cpp: Path, hf_dir: Path, out: Path) -> Path:
+OUTTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}
+
+
+def convert(llama_cpp: Path, hf_dir: Path, out: Path, *, tokenizer: bool = False, outtype: str = "f32") -> Path:
     conversion = load_converter(llama_cpp)
     import gguf
     import torch
 
     with torch.inference_mode():
         hparams = conversion.ModelBase.load_hparams(hf_dir, False)
+        kw = {}
+        if hparams.get("model_type") == "nemotron_h":
+            kw["hparams"] = hparams = json.loads((hf_dir / "config.json").read_text())
         arch = conversion.get_model_architecture(hparams, conversion.ModelType.TEXT)
         cls = conversion.get_model_class(arch, mmproj=False)  # NotImplementedError: llama.cpp lacks it
-        patched = type(cls.__name__, (cls,), {"set_vocab": tokenless_vocab, "model_arch": cls.model_arch})
-        model = patched(hf_dir, gguf.LlamaFileType.ALL_F32, out, eager=True)
+        if not tokenizer:
+            cls = type(cls.__name__, (cls,), {"set_vocab": tokenless_vocab, "model_arch": cls.model_arch})
+        model = cls(hf_dir, getattr(gguf.LlamaFileType, OUTTYPES[outtype]), out, eager=True, **kw)
         model.write()
     return out
 
@@ -53,9 +74,12 @@ def main() -> None:
     ap.add_argument("llama_cpp", type=Path)
     ap.add_argument("hf_dir", type=Path)
     ap.add_argument("out", type=Path)
+    ap.add_argument("--tokenizer", action="store_true",
+                    help="convert the folder's tokenizer too (default: a token-free vocabulary, ids as they are)")
+    ap.add_argument("--outtype", choices=sorted(OUTTYPES), default="f32")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    print(convert(args.llama_cpp, args.hf_dir, args.out))
+    print(convert(args.llama_cpp, args.hf_dir, args.out, tokenizer=args.tokenizer, outtype=args.outtype))
 
 
 if __name__ == "__main__":
