@@ -522,15 +522,15 @@ def cache_dtypes(model_dtype: torch.dtype, kv_dtype: torch.dtype | str | None = 
     """The storage dtypes of an engine's cache from its ``kv_dtype`` / ``state_dtype`` choices (names or
     torch dtypes; None: today's defaults, K/V in the model's dtype, SSM state fp32, conv state in the
     model's dtype). ``state_dtype`` sets the SSM state and the conv state, except ``float32``, which keeps the
-    conv state (raw recent inputs, exact in the model's dtype) in the model's dtype, and ``int8``, which keeps
-    it in bfloat16 (the model's dtype if that is 16-bit): int8 conv rows were most of the int8 state's error
+    conv state (raw recent inputs, exact in the model's dtype) in the model's dtype, and ``int8``, which also
+    keeps it in the model's dtype: int8 conv rows were most of the int8 state's error
     (eval/state_drift_bench.py: KL 1e-4 against 1e-6 for the int8 SSM state, top-1 99.69% against 99.98% on
-    a trained 1:7 hybrid) for 1% of its bytes."""
+    a trained 1:7 hybrid) for 1% of its bytes (bf16 models: 2 bytes a value)."""
     kv = kv_quant.parse_dtype(kv_dtype, kv_quant.KV_DTYPES, "kv_dtype") or model_dtype
     state = kv_quant.parse_dtype(state_dtype, kv_quant.STATE_DTYPES, "state_dtype")
     conv = model_dtype if state in (None, torch.float32) else state
     if state == torch.int8:
-        conv = model_dtype if model_dtype.itemsize == 2 else torch.bfloat16
+        conv = model_dtype
     if state is None and kv_dtype is not None and not kv_quant.is_quantized(kv):
         conv = kv  # as HybridCache's conv_dtype default: the conv state follows a float K/V dtype
     return CacheDtypes(kv=kv, conv=conv, ssm=state or torch.float32)
