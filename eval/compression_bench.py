@@ -131,6 +131,125 @@ def layer_decode_rows(batch: int, context: int, repeats: int, dtype: torch.dtype
     return rows
 
 
+# ---- per-op decode speed (interleaved) ---------------------------------------------------------------
+
+def _interleaved(variants: dict, repeats: int) -> dict[str, list[float]]:
+    """Time each variant ``repeats`` times, round-robin (so load from other work on a shared machine lands
+    on all of them alike), after one untimed call each (a compiled variant compiles there)."""
+    for fn in variants.values():
+        fn()
+    times = {k: [] for k in variants}
+    for _ in range(repeats):
+        for k, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def _spread_row(name: str, ts: list[float], base: float | None) -> dict:
+    import statistics
+
+    ms = sorted(1e3 * t for t in ts)
+    med = statistics.median(ms)
+    return {"variant": name, "ms_min": round(ms[0], 3), "ms_med": round(med, 3), "ms_max": round(ms[-1], 3),
+            "vs_ref_med": round(base / med, 3) if base else 1.0}
+
+
+def state_step_rows(batch: int = 32, repeats: int = 15, recipe: str = "hybrid-1to7-small") -> list[dict]:
+    """One Mamba-2 layer's SSD decode step on its state pool at ``batch`` sequences, per state storage and
+    path: fp32 in place (the reference speed), bf16 in place, int8 fused (torch), int8 fused compiled
+    (``torch.compile``), and the paths this branch replaced (bf16 through ``ssd_step_ref``, int8 through
+    dequantise / fp32 step / quantise), interleaved."""
+    from ..cache import StatePool
+    from ..kernels import dispatch, ssd
+    from ..kernels.packing import step_on_slots, with_host_values
+
+    m = recipes.get(recipe).mamba2
+    H, P, N, G = m.n_heads, m.head_dim, m.d_state, m.n_groups
+    g = torch.Generator().manual_seed(0)
+    x, dt = torch.randn(batch, H, P, generator=g).bfloat16(), torch.rand(batch, H, generator=g) * 0.1
+    A, D = -torch.rand(H, generator=g) - 0.5, torch.randn(H, generator=g)
+    B, C = torch.randn(batch, G, N, generator=g).bfloat16(), torch.randn(batch, G, N, generator=g).bfloat16()
+    slots = with_host_values(torch.arange(batch), tuple(range(batch)))  # as the engine's decode batch has them
+    start = torch.randn(batch + 1, H, P, N, generator=g) * 0.1
+    pools = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("int8", torch.int8)):
+        pools[name] = StatePool((H, P, N), dtype, batch + 1, H * P)
+        pools[name].write(torch.arange(batch + 1), start)
+    before_int8 = StatePool((H, P, N), torch.int8, batch + 1, H * P)
+    before_int8.write(torch.arange(batch + 1), start)
+    before_int8._row_scales = lambda: False  # the generic dequantise / step / quantise path of before
+    bf16_before = pools["bf16"].data.clone()
+    args = (x, dt, A, B, C)
+
+    def compiled_int8():
+        with dispatch.use_backend("inductor"):
+            pools["int8"].step(ssd.ssd_step, *args, D=D, slots=slots)
+
+    variants = {
+        "fp32 state, in place": lambda: pools["fp32"].step(ssd.ssd_step, *args, D=D, slots=slots),
+        "bf16 state, in place (now)": lambda: pools["bf16"].step(ssd.ssd_step, *args, D=D, slots=slots),
+        "bf16 state, ssd_step_ref (before)": lambda: step_on_slots(ssd.ssd_step_ref, bf16_before, slots, *args,
+                                                                   D=D),
+        "int8 state, fused torch (now)": lambda: pools["int8"].step(ssd.ssd_step, *args, D=D, slots=slots),
+        "int8 state, fused compiled (opt-in)": compiled_int8,
+        "int8 state, dequantise/step/quantise (before)": lambda: before_int8.step(ssd.ssd_step, *args, D=D,
+                                                                                  slots=slots),
+    }
+    with torch.inference_mode():
+        times = _interleaved(variants, repeats)
+    import statistics
+
+    base = statistics.median(1e3 * t for t in times["fp32 state, in place"])
+    return [{"batch": batch, **_spread_row(k, v, base)} for k, v in times.items()]
+
+
+def paged_decode_rows(batch: int = 32, context: int = 1024, repeats: int = 15,
+                      recipe: str = "hybrid-1to7-small") -> list[dict]:
+    """The torch paged decode attention of one layer of ``recipe`` over ``batch`` sequences of ``context``
+    tokens, per page dtype (bf16 queries), interleaved; ``fp8, native cast`` is the fp8 -> fp32 conversion
+    the pages had before (``Tensor.float()``, element by element on CPU)."""
+    import statistics
+
+    from ..kernels import kv_quant as kq
+    from ..kernels.packing import with_host_values
+    from ..kernels.paged_attention import paged_decode_attention
+
+    a = recipes.get(recipe).attention
+    Hq, Hkv, Dh, BS = a.n_heads, a.n_kv_heads, a.head_dim, 16
+    nb = batch * -(-context // BS)
+    g = torch.Generator().manual_seed(0)
+    kf, vf = torch.randn(nb + 1, BS, Hkv, Dh, generator=g), torch.randn(nb + 1, BS, Hkv, Dh, generator=g)
+    tables = torch.arange(1, nb + 1, dtype=torch.int32).view(batch, -1)
+    lens = with_host_values(torch.full((batch,), context, dtype=torch.int32), (context,) * batch)
+    q = torch.randn(batch, Hq, Dh, generator=g).bfloat16()
+    pages = {"bfloat16": (kf.bfloat16(), vf.bfloat16(), None, None)}
+    for name, dt in (("int8", torch.int8), ("fp8", kq.FP8)):
+        ks = kf.abs().amax((1, 3)) / kq.qmax(dt)
+        vs = vf.abs().amax((1, 3)) / kq.qmax(dt)
+        pages[name] = (kq.quantize(kf, ks[:, None, :, None], dt), kq.quantize(vf, vs[:, None, :, None], dt), ks, vs)
+
+    def run(name):
+        k, v, ks, vs = pages[name]
+        return lambda: paged_decode_attention(q, k, v, lens, tables, k_scale=ks, v_scale=vs)
+
+    def native_fp8():
+        saved = kq.codes_to_float
+        kq.codes_to_float = lambda t: (t.float(), 1.0)
+        try:
+            run("fp8")()
+        finally:
+            kq.codes_to_float = saved
+
+    variants = {"bfloat16": run("bfloat16"), "int8": run("int8"), "fp8": run("fp8"),
+                "fp8, native cast (before)": native_fp8}
+    with torch.inference_mode():
+        times = _interleaved(variants, repeats)
+    base = statistics.median(1e3 * t for t in times["bfloat16"])
+    return [{"batch": batch, "context": context, **_spread_row(k, v, base)} for k, v in times.items()]
+
+
 # ---- accuracy --------------------------------------------------------------------------------------
 
 def train_models(directory: Path, progress: bool = True) -> dict[str, HybridLM]:
@@ -231,6 +350,26 @@ def accuracy_rows(models: dict[str, HybridLM], sequences: int) -> tuple[list[dic
     return acc, scale, rounding
 
 
+def long_decode_accuracy_rows(models_dir: Path, sequences: int = 64, pairs: int = 64) -> list[dict]:
+    """The accuracy table on a model that learned the task: the 1:7 hybrid of ``state_drift_bench`` (the
+    tradeoff report's training: pair curriculum to 64 pairs, ``mamba_lr_scale``; 98% held-out accuracy at
+    64 pairs), ``sequences`` MQAR sequences of ``pairs`` pairs (256 tokens), every token a decode step through
+    the real cache at each dtype pair, against the fp32 cache."""
+    from . import state_drift_bench
+
+    model = state_drift_bench.train_models(models_dir)["hybrid-1to7"]
+    g = torch.Generator().manual_seed(12345)
+    batch = mqar.make_batch(sequences, pairs, 256, generator=g)
+    ref = teacher_forced_logits(model, batch.inputs, "float32", "float32")
+    base = compare(ref, ref, batch)["mqar_acc_%"]
+    rows = []
+    for kv, state in tqdm(PAIRS + EXTRA_PAIRS, desc="long-decode accuracy", unit="pair"):
+        m = compare(ref, teacher_forced_logits(model, batch.inputs, kv, state), batch)
+        rows.append({"model": "hybrid-1to7 (trained)", "kv": kv, "state": state, **m, "mqar_ref_%": base,
+                     "mqar_loss_pts": round(base - m["mqar_acc_%"], 2)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", default="out/compression", help="folder for compression.json")
@@ -242,7 +381,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--decode-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["capacity", "decode", "accuracy", "engine_decode", "pruning"])
+                   choices=["capacity", "decode", "accuracy", "engine_decode", "pruning", "long_decode",
+                            "op_decode"])
+    p.add_argument("--drift-models", default="out/state_drift/models",
+                   help="where state_drift_bench keeps its trained MQAR models (trained if missing)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.output)
@@ -264,6 +406,20 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(scale))
         print("\n# state rounding (K/V fp32)\n")
         print(format_table(rounding))
+    if "long_decode" not in args.skip:
+        result["long_decode_accuracy"] = long_decode_accuracy_rows(Path(args.drift_models))
+        print("\n# accuracy vs the fp32 cache on the trained 1:7 hybrid, 64 sequences of 64 pairs (256 decode "
+              "steps each)\n")
+        print(format_table(result["long_decode_accuracy"]))
+    if "op_decode" not in args.skip:
+        result["state_step"] = state_step_rows(args.decode_batch)
+        print(f"\n# one Mamba-2 layer's SSD decode step, batch {args.decode_batch}, {args.threads} threads, "
+              "interleaved (ms; vs = fp32 median / median)\n")
+        print(format_table(result["state_step"]))
+        result["paged_decode"] = paged_decode_rows(args.decode_batch, 4 * args.decode_ctx)
+        print(f"\n# torch paged decode attention, one layer, batch {args.decode_batch}, context "
+              f"{4 * args.decode_ctx}, interleaved (vs = bf16 median / median)\n")
+        print(format_table(result["paged_decode"]))
     if "pruning" not in args.skip:
         _pruning_scenario(result, Path(args.models) / "recall", args.sequences)
     if "decode" not in args.skip:

@@ -18,7 +18,10 @@ and within noise for fp8, so the headroom is 1.
 **Mamba state.** :func:`quantize_rows` / :func:`dequantize_rows` turn state rows ``[n, *shape]`` into
 int8 with one fp32 scale per equal slice of the row (Mamba-2's SSM state: per head and head_dim row, its
 ``d_state`` values), or into bf16; ``stochastic=True`` rounds stochastically (unbiased) instead of to
-nearest (measured: no better here, so off by default).
+nearest (measured: no better here, so off by default). The scale is recomputed from the row at every
+write; the other formats measured against it (kept scales, finer groups, mu-law codes, fp8 e4m3, error
+feedback with a 2- or 4-bit residual) are in ``eval/state_drift_bench.py``. The Mamba-2 decode step on int8
+rows has its own kernel (:mod:`.int8_state_step`, found through :func:`fused_int8_step`).
 """
 
 from __future__ import annotations
@@ -82,9 +85,35 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return y.clamp_(-m, m).to(dtype)
 
 
+# e4m3 codes read as fp16 bits: sign to bit 15, exponent and mantissa (7 bits) to bits 13..7. A normal e4m3
+# value 2^(e-7) (1 + m/8) then reads as 2^(e-15) (1 + m/8) and a subnormal one m/8 2^-6 as fp16's subnormal
+# m/8 2^-14: every finite code is its value / 256, exactly. On CPU torch converts fp8 element by element
+# (measured 13x slower than bf16 -> fp32); these int16 ops and the fp16 -> fp32 cast are vectorised (about
+# 2x bf16's one cast), so fp8 pages cost little more than bf16 ones to read.
+FP8_AS_FP16_FACTOR = 256.0
+
+
+def fp8_codes_as_fp16(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes (or their int8 / uint8 bits) -> fp16 values equal to the codes' values / 256 (exact;
+    NaN codes, which the cache never writes since quantize saturates, read as 480 / 256)."""
+    y = q.view(torch.int8).to(torch.int16)  # sign-extended: a negative code has bits 15..8 set
+    y.bitwise_left_shift_(7)  # exponent and mantissa to bits 13..7; the sign leaves bits 15 and 14 set
+    y.bitwise_and_(-16512)  # 0xBF80: keep bit 15 (sign) and bits 13..7, clear bit 14 and the low bits
+    return y.view(torch.float16)
+
+
+def codes_to_float(q: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Codes as fp32 and the factor their values still need (fp8: 256, see :func:`fp8_codes_as_fp16`; 1 for
+    int8 and float pages), so a caller folds the factor into a scale it multiplies by anyway."""
+    if q.dtype == FP8 and q.device.type == "cpu":
+        return fp8_codes_as_fp16(q).float(), FP8_AS_FP16_FACTOR
+    return q.float(), 1.0
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Codes times their scale (broadcast), in ``dtype``."""
-    return (q.float() * scale).to(dtype)
+    values, factor = codes_to_float(q)
+    return (values * (scale * factor if factor != 1.0 else scale)).to(dtype)
 
 
 def dequantize_pages(pages: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -162,6 +191,19 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`quantize_rows`: fp32 rows ``[n, *shape]``."""
     n, groups = scale.shape
     return (q.float().reshape(n, groups, -1) * scale[..., None]).view(q.shape)
+
+
+# one-token op -> its step on int8 rows of its own (codes, scale, *args, slots=, **kw), filled in by
+# kernels/int8_state_step.py (imported on first use, so this module stays free of the op modules)
+FUSED_INT8_STEPS: dict = {}
+
+
+def fused_int8_step(op):
+    """The int8 step of ``op`` (``ssd_step`` -> :func:`.int8_state_step.ssd_step_int8`), or None: then a
+    pool dequantises, runs ``op`` on fp32 rows and quantises again."""
+    if not FUSED_INT8_STEPS:
+        from . import int8_state_step  # noqa: F401  (registers itself)
+    return FUSED_INT8_STEPS.get(op)
 
 
 def state_step(state, op, *args, slots: torch.Tensor | None = None, **kw) -> torch.Tensor:

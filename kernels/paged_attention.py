@@ -195,19 +195,29 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
     for c0, c1 in spans:
         blocks = block_tables[:, c0:c1].long()
         g = blocks.shape[1]
-        k = kv_quant.dequantize_pages(k_pool[blocks], None if k_scale is None else k_scale[blocks],
-                                      torch.float32).view(B, g * BS, Hkv, D)
-        v = kv_quant.dequantize_pages(v_pool[blocks], None if v_scale is None else v_scale[blocks],
-                                      torch.float32).view(B, g * BS, Hkv, D)
+        if k_scale is None:
+            k = k_pool[blocks].float().view(B, g * BS, Hkv, D)
+            v = v_pool[blocks].float().view(B, g * BS, Hkv, D)
+        else:
+            # quantised pages: only the codes are converted (one pass, as bf16 pages are); the block scales
+            # multiply the scores and the probabilities instead ([B, Hkv, t], D times smaller than K and V)
+            k, fk = kv_quant.codes_to_float(k_pool[blocks])
+            v, fv = kv_quant.codes_to_float(v_pool[blocks])
+            k, v = k.view(B, g * BS, Hkv, D), v.view(B, g * BS, Hkv, D)
+            ks = (k_scale[blocks] * fk).permute(0, 2, 1).repeat_interleave(BS, -1)[:, :, None, :]  # [B, Hkv, 1, t]
+            vs = (v_scale[blocks] * fv).permute(0, 2, 1).repeat_interleave(BS, -1)[:, :, None, :]
         pos = torch.arange(c0 * BS, (c0 + g) * BS, device=q.device)
         visible = (pos[None] < lens[:, None]) & ((pos[None] >= first[:, None]) | (pos[None] < sinks))  # [B, t]
-        s = torch.einsum("bhrd,bthd->bhrt", qf, k).masked_fill(~visible[:, None, None, :], float("-inf"))
+        s = torch.einsum("bhrd,bthd->bhrt", qf, k)
+        if k_scale is not None:
+            s = s * ks
+        s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet
         p = torch.exp(s - m_safe[..., None])
         corr = torch.exp(m - m_safe)
         l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + torch.einsum("bhrt,bthd->bhrd", p, v)
+        acc = acc * corr[..., None] + torch.einsum("bhrt,bthd->bhrd", p if v_scale is None else p * vs, v)
         m = m_new
     return (acc / l[..., None]).view(B, Hq, D).to(q.dtype)
 

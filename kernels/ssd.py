@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from . import cuda_backend, dispatch, inductor_backend, triton_support
 from .compute_dtype import matmul_dtype
-from .packing import check_cu_seqlens, sequences, slot_rows, step_on_slots
+from .packing import check_cu_seqlens, sequences, slot_rows
 from .triton_state_update import ssd_state_update
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl, triton
 
@@ -231,7 +231,7 @@ def ssd_step_ref(state, x, dt, A, B, C, *, D=None):
 
 def _ssd_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
     if state.dtype != torch.float32:
-        return step_on_slots(ssd_step_ref, state, slots, x, dt, A, B, C, D=D)
+        return _ssd_step_low_precision(state, x, dt, A, B, C, D=D, slots=slots)
     # Decode is bound by reading and writing the state (H*P*N floats per sequence and layer): update the
     # rows in place (no [B, H, P, N] temporaries) with one gather and one scatter for a slot pool.
     rows, scatter = slot_rows(state, slots)
@@ -244,6 +244,27 @@ def _ssd_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
     y = torch.matmul(rows, Ch[..., None])[..., 0]
     if scatter:
         state.index_copy_(0, slots, rows)
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    return y.to(x.dtype)
+
+
+def _ssd_step_low_precision(state, x, dt, A, B, C, *, D=None, slots=None):
+    """A bf16 / fp16 state: one fp32 copy of the rows updated in place (as the fp32 path does), rounded back
+    once; the same arithmetic as ``ssd_step_ref`` without its three [B, H, P, N] temporaries."""
+    rows, scatter = slot_rows(state, slots)
+    rep = x.shape[1] // B.shape[1]
+    Bh = B.float().repeat_interleave(rep, dim=1)
+    Ch = C.float().repeat_interleave(rep, dim=1)
+    dt = dt.float()
+    f = rows.float()
+    f.mul_(torch.exp(dt * A.float())[..., None, None])
+    f.addcmul_((dt[..., None] * x.float())[..., None], Bh[:, :, None, :])
+    y = torch.einsum("bhpn,bhn->bhp", f, Ch)
+    if scatter:
+        state.index_copy_(0, slots, f.to(state.dtype))
+    else:
+        rows.copy_(f)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
     return y.to(x.dtype)

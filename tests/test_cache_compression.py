@@ -303,6 +303,7 @@ def test_hybrid_info_reports_bytes_at_the_cache_dtypes(capsys):
     main(["info", "--recipe", "jamba-tiny", "--kv-dtype", "int8", "--state-dtype", "int8", "--seq-len", "100"])
     out = capsys.readouterr().out
     cfg = recipes.get("jamba-tiny")
-    spec = HybridCache(cfg, num_blocks=0, kv_dtype="int8", conv_dtype="int8", ssm_dtype="int8", device="meta").spec
+    d = cache_dtypes(torch.float32, "int8", "int8")  # what the CLI's --state-dtype int8 means (conv: model dtype)
+    spec = HybridCache(cfg, num_blocks=0, kv_dtype=d.kv, conv_dtype=d.conv, ssm_dtype=d.ssm, device="meta").spec
     assert "KV_bytes/token(int8/int8)" in out and f"| {spec.state_bytes_per_sequence} " in out
     assert str(round(spec.kv_bytes_per_token_with_scales(16), 2)) in out

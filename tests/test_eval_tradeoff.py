@@ -166,10 +166,12 @@ def test_memory_columns_take_the_cache_dtypes(tmp_path):
     model = HybridLM(recipes.attention_family("tiny", 0.25, 4))
     plain = memory_rows(model, [64, 1024], 2**30)
     packed = memory_rows(model, [64, 1024], 2**30, kv_dtype="int8", state_dtype="int8")
-    spec = model.cache_spec(kv_dtype=torch.int8, conv_dtype=torch.int8, ssm_dtype=torch.int8)
+    # state_dtype int8 keeps the conv state in the model's dtype (hybrid.cache.cache_dtypes)
+    conv = next(model.parameters()).dtype
+    spec = model.cache_spec(kv_dtype=torch.int8, conv_dtype=conv, ssm_dtype=torch.int8)
     for p, q in zip(plain, packed, strict=True):
         assert q["cache_bytes"] == spec.bytes_per_sequence(q["seq_len"], block_size=16) < p["cache_bytes"]
         assert q["seqs_in_budget"] == sequences_that_fit(model.config, 2**30, q["seq_len"], kv_dtype="int8",
-                                                         conv_dtype="int8", ssm_dtype="int8") > p["seqs_in_budget"]
+                                                         conv_dtype=conv, ssm_dtype="int8") > p["seqs_in_budget"]
     with pytest.raises(SystemExit, match="kv_dtype"):
         main(["tradeoff", "--kv-dtype", "int4", "--steps", "1", "--output", str(tmp_path)])

@@ -1,0 +1,165 @@
+"""The Mamba-2 decode step on an int8 SSM state, without a dequantised copy of the rows.
+
+An int8 state row (one head and ``head_dim`` row: ``d_state`` codes and one fp32 scale, see
+:func:`.kv_quant.quantize_rows`) is updated as ``s = (codes * scale) * exp(dt A) + dt x B`` and stored
+again as ``round(s / (|s|max / 127))`` with its new scale. The generic path (``StatePool.step``)
+dequantises the rows into a copy, runs the fp32 step and quantises the copy: about ten passes over fp32
+rows. Here the dequantisation is folded into the decay (one factor ``scale * exp(dt A)`` per row), the
+input term is one batched rank-1 update, the new scale comes from one ``aminmax`` pass, and the codes are
+written by one divide, round and cast:
+
+- ``torch``: those eager ops (the default on CPU);
+- ``inductor``: the same arithmetic as one ``torch.compile``'d function (opt-in: ``HYBRID_BACKEND=inductor``
+  or ``dispatch.use_backend("inductor")``): Inductor emits one C++ loop nest that reads the codes and
+  writes codes and scales, with no fp32 rows in memory. Batches are padded to a power of two (static
+  shapes); the first call of each of those shapes compiles (seconds);
+- ``triton``: :func:`.triton_state_update.ssd_state_update_int8`, the state-update kernel reading and
+  writing int8 rows directly.
+
+The scale is the row's exact |max| after the update, recomputed at every write: a scale bounded from the
+update (or kept between writes) would round a decaying state's small changes away (the state freezes:
+19% of the entries of a trained model after 200 steps with kept scales, eval/state_drift_bench.py), while
+a recomputed scale carries the decay itself. All backends match the dequantise -> fp32 step -> quantise
+reference to float rounding (tests/test_cache_compression_state_step.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch, kv_quant
+from .packing import slot_rows
+
+
+def _heads(B: torch.Tensor, C: torch.Tensor, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rep = H // B.shape[1]
+    return B.float().repeat_interleave(rep, dim=1), C.float().repeat_interleave(rep, dim=1)
+
+
+def _ssd_step_int8_torch(codes, scale, x, dt, A, B, C, *, D=None, slots=None):
+    rows, scatter = slot_rows(codes, slots)
+    srows, _ = slot_rows(scale, slots)
+    n, H, P, N = rows.shape
+    Bh, Ch = _heads(B, C, H)
+    dt = dt.float()
+    f = rows.float()
+    f.mul_(srows.view(n, H, P, 1) * torch.exp(dt * A.float())[..., None, None])  # dequantise and decay at once
+    f.view(n * H, P, N).baddbmm_((dt[..., None] * x.float()).reshape(n * H, P, 1), Bh.reshape(n * H, 1, N))
+    y = torch.matmul(f, Ch[..., None])[..., 0]
+    lo, hi = torch.aminmax(f, dim=-1)
+    new_scale = torch.maximum(hi, lo.neg_()).div_(127.0)
+    safe = torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))
+    q = f.div_(safe[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    if scatter:
+        codes.index_copy_(0, slots, q)
+        scale.index_copy_(0, slots, new_scale.view(n, -1))
+    else:
+        rows.copy_(q)
+        srows.copy_(new_scale.view(n, -1))
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    return y.to(x.dtype)
+
+
+def _ssd_step_int8_math(rows, srows, x, dt, A, B, C, D):
+    """The step as one functional expression (what the compiled backend fuses): -> (y, codes, scales)."""
+    n, H, P, N = rows.shape
+    Bh, Ch = _heads(B, C, H)
+    dt = dt.float()
+    f = (rows.float() * (srows.view(n, H, P, 1) * torch.exp(dt * A.float())[..., None, None])
+         + (dt[..., None] * x.float())[..., None] * Bh[:, :, None, :])
+    y = (f * Ch[:, :, None, :]).sum(-1)
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    new_scale = f.abs().amax(-1) / 127.0
+    safe = torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))
+    q = (f / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return y.to(x.dtype), q, new_scale.view(n, -1)
+
+
+_compiled = None
+# Static shapes compile to a much faster loop nest than dynamic ones (measured at batch 32 on
+# hybrid-1to7-small: 9.4 ms against 17 ms; fp32 in place 8.5 ms), so a batch is padded to the next power of
+# two and batches above the largest bucket go in pieces: at most 8 shapes are ever compiled (1, 2, ... 128),
+# within Dynamo's default recompile limit.
+_MAX_BUCKET = 128
+
+
+def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t if t.shape[0] == n else torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])
+
+
+def _ssd_step_int8_compiled(codes, scale, x, dt, A, B, C, *, D=None, slots=None):
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_ssd_step_int8_math, dynamic=False)
+    n = x.shape[0]
+    if n == 1 << (n - 1).bit_length() and n <= _MAX_BUCKET:
+        rows, scatter = slot_rows(codes, slots)  # a run of slots: the pool's rows themselves, no gather
+        if not scatter:
+            y, q, sc = _compiled(rows, slot_rows(scale, slots)[0], x, dt, A, B, C, D)
+            rows.copy_(q)
+            slot_rows(scale, slots)[0].copy_(sc)
+            return y
+    if slots is None:
+        slots = torch.arange(n, device=x.device)
+    ys = []
+    for i in range(0, n, _MAX_BUCKET):
+        s = slots[i:i + _MAX_BUCKET]
+        m = s.shape[0]
+        bucket = 1 << (m - 1).bit_length()
+        y, q, sc = _compiled(_pad_rows(codes[s], bucket), _pad_rows(scale[s], bucket),
+                             *(_pad_rows(t[i:i + m], bucket) for t in (x, dt)), A,
+                             *(_pad_rows(t[i:i + m], bucket) for t in (B, C)), D)
+        codes.index_copy_(0, s, q[:m])
+        scale.index_copy_(0, s, sc[:m])
+        ys.append(y[:m])
+    return ys[0] if len(ys) == 1 else torch.cat(ys)
+
+
+def _compile_probe() -> str | None:
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception as e:  # pragma: no cover - a torch build without Inductor
+        return f"torch.compile (Inductor) is not available: {e}"
+    return None
+
+
+def _ssd_step_int8_triton(codes, scale, x, dt, A, B, C, *, D=None, slots=None):
+    from .triton_state_update import ssd_state_update_int8
+
+    return ssd_state_update_int8(codes, scale, x, dt, A, B, C, D=D, slots=slots)
+
+
+def ssd_step_int8(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                  B: torch.Tensor, C: torch.Tensor, *, D: torch.Tensor | None = None,
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One SSD decode step on int8 state rows, in place: ``codes [S, H, P, N]`` (int8) with one scale per
+    head and ``P`` row, ``scale [S, H * P]`` (fp32); rows ``slots`` belong to the batch (all rows when
+    None). x [B, H, P], dt [B, H], A [H], B/C [B, G, N], D [H] -> y [B, H, P]."""
+    if codes.dtype != torch.int8 or scale.shape != (codes.shape[0], codes.shape[1] * codes.shape[2]):
+        raise ValueError(f"ssd_step_int8: need int8 codes [S, H, P, N] and fp32 scales [S, H*P]; got "
+                         f"{codes.dtype} {tuple(codes.shape)} and {tuple(scale.shape)}")
+    _, fn = dispatch.choose("ssd_step_int8", x.device.type)
+    return fn(codes, scale, x, dt, A, B, C, D=D, slots=slots)
+
+
+def _triton_probe() -> str | None:
+    from .triton_support import probe
+
+    return probe()
+
+
+dispatch.register("ssd_step_int8", "torch", _ssd_step_int8_torch)
+dispatch.register("ssd_step_int8", "inductor", _ssd_step_int8_compiled, _compile_probe)
+dispatch.register("ssd_step_int8", "triton", _ssd_step_int8_triton, _triton_probe)
+
+
+def register_fused_steps() -> None:
+    """Tell :class:`hybrid.cache.StatePool` which one-token ops have an int8 step of their own."""
+    from .ssd import ssd_step
+
+    kv_quant.FUSED_INT8_STEPS[ssd_step] = ssd_step_int8
+
+
+register_fused_steps()
