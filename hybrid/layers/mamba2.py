@@ -14,9 +14,9 @@ from torch import nn
 
 from .. import kernels
 from ..config import HybridConfig, Mamba2Config
+from ..kernels import mamba2_verify
 from ..kernels.kv_quant import state_step
 from ..specs import CacheDtypes, MambaStateSpec, state_scale_groups
-from ..speculative import mamba2_verify
 from .norm import GatedRMSNorm
 
 

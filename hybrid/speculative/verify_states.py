@@ -4,9 +4,9 @@ A verify chunk is a decoding sequence's last token followed by its draft tokens 
 layers run such chunks from a *copy* of each sequence's conv and SSM state and keep the state after every
 position in a scratch buffer of this step (``[k+1, n, *state]`` per layer); the slots in the pools are not
 touched. Mamba-1 runs the one-token step ops position by position (:meth:`VerifyStates.run`); Mamba-2
-computes all positions at once in closed form (:meth:`VerifyStates.run_chunk`, :mod:`.mamba2_verify`). Once
-the engine knows how many drafts were accepted, :meth:`hybrid.cache_manager.CacheManager.commit_verified`
-writes the state at the last accepted position into each slot.
+computes all positions at once in closed form (:meth:`VerifyStates.run_chunk`,
+:mod:`hybrid.kernels.mamba2_verify`). Once the engine knows how many drafts were accepted,
+:meth:`hybrid.cache_manager.CacheManager.commit_verified` writes the state at the last accepted position into each slot.
 
 Extra memory per verify step: (k + 1) x (conv + SSM state bytes of one sequence) x verified sequences,
 freed when the step ends. Extra time: one state copy per position (what the step ops write anyway) and
