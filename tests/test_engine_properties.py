@@ -62,17 +62,13 @@ def workload_ops(max_prompt: int, max_new: int, max_size: int):
     ), max_size=max_size)
 
 
-OPS = workload_ops(12, 8, 25)
-
-
-@settings(max_examples=25, deadline=None)
-@given(ops=OPS, budget=st.integers(1, 16), temperature=st.sampled_from([0.0, 1.0]))
-def test_random_workloads_keep_the_cache_consistent(model, ops, budget, temperature):
-    engine = Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_seqs=MAX_SEQS, max_batch_tokens=budget)
+def run_workload(engine: Engine, ops, *, vocab: int, temperature: float, check) -> None:
+    """Apply ``workload_ops`` to ``engine`` (prompts of ids below ``vocab``, seeded by the ops), calling
+    ``check(engine)`` after every op and after the engine has run to the end."""
     g = torch.Generator().manual_seed(len(ops))
     for op, a, b in ops:
         if op == "add":
-            prompt = torch.randint(0, 64, (a,), generator=g).tolist()
+            prompt = torch.randint(0, vocab, (a,), generator=g).tolist()
             engine.add_request(prompt, SamplingParams(max_new_tokens=b, temperature=temperature, seed=a))
         elif op == "step":
             for _ in range(a):
@@ -81,9 +77,19 @@ def test_random_workloads_keep_the_cache_consistent(model, ops, budget, temperat
             engine.abort(sorted(engine.requests)[a % len(engine.requests)])
         elif op == "preempt" and engine.running:
             engine.scheduler.preempt(engine.running[-1])
-        check_invariants(engine)
+        check(engine)
     engine.run()
-    check_invariants(engine)
+    check(engine)
+
+
+OPS = workload_ops(12, 8, 25)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=OPS, budget=st.integers(1, 16), temperature=st.sampled_from([0.0, 1.0]))
+def test_random_workloads_keep_the_cache_consistent(model, ops, budget, temperature):
+    engine = Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_seqs=MAX_SEQS, max_batch_tokens=budget)
+    run_workload(engine, ops, vocab=64, temperature=temperature, check=check_invariants)
     assert engine.cache_manager.num_free_blocks == NUM_BLOCKS and engine.cache_manager.num_free_slots == MAX_SEQS
     alone = Engine(model, num_blocks=64, block_size=BLOCK_SIZE, max_seqs=1)
     for r in engine.requests.values():

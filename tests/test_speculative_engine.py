@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine_properties import workload_ops
+from test_engine_properties import run_workload, workload_ops
 from test_speculative import assert_all_freed, generate_all, prompts_of, tiny
 
 from hybrid import (
@@ -189,21 +189,8 @@ def test_random_workloads_never_leak_and_stay_lossless(ops, budget, method, k, t
                                                             if method == "draft" else {}))
     engine = Engine(TARGET, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_seqs=MAX_SEQS, max_batch_tokens=budget,
                     speculative=spec)
-    g = torch.Generator().manual_seed(len(ops))
-    for op, a, b in ops:
-        if op == "add":
-            prompt = torch.randint(0, 4, (a,), generator=g).tolist()  # few distinct ids: n-gram drafts hit
-            engine.add_request(prompt, SamplingParams(max_new_tokens=b, temperature=temperature, seed=a))
-        elif op == "step":
-            for _ in range(a):
-                engine.step()
-        elif op == "abort" and engine.requests:
-            engine.abort(sorted(engine.requests)[a % len(engine.requests)])
-        elif op == "preempt" and engine.running:
-            engine.scheduler.preempt(engine.running[-1])
-        check_invariants(engine)
-    engine.run()
-    check_invariants(engine)
+    # few distinct ids: n-gram drafts hit
+    run_workload(engine, ops, vocab=4, temperature=temperature, check=check_invariants)
     assert_all_freed(engine)
     alone = Engine(TARGET, num_blocks=64, block_size=BLOCK_SIZE, max_seqs=1)
     for r in engine.requests.values():
