@@ -152,3 +152,36 @@ def test_tied_config_with_a_different_head(llama_dir):
     _edit_config(llama_dir, tie_word_embeddings=True)
     with pytest.raises(CheckpointError, match="ties the embeddings, but lm_head.weight differs"):
         hybrid.from_pretrained(llama_dir)
+
+
+# the decoder-pair formats (one name mapping, hybrid.interop.hf_hybrid.DecoderPairNames): a tied config with a
+# stored head is loaded only when the head is the embedding, for each of them
+PAIR_FORMATS = {
+    "bamba": hybrid.HybridConfig(vocab_size=64, d_model=32, pattern="M-*-", mamba2=hybrid.Mamba2Config(
+        d_state=8, head_dim=8, chunk_size=8), attention=hybrid.AttentionConfig(n_heads=4, rotary_fraction=0.5),
+        mlp=hybrid.MLPConfig(d_ff=40)),
+    "jamba": hybrid.HybridConfig(vocab_size=64, d_model=32, pattern="m-*E", mamba1=hybrid.Mamba1Config(
+        d_state=8, inner_norms=True), attention=hybrid.AttentionConfig(n_heads=4, rotary_fraction=0.0),
+        mlp=hybrid.MLPConfig(d_ff=40), moe=hybrid.MoEConfig(n_experts=4, top_k=2, d_ff=40)),
+    "granitemoehybrid": hybrid.HybridConfig(vocab_size=64, d_model=32, pattern="M-*-", mamba2=hybrid.Mamba2Config(
+        d_state=8, head_dim=8, chunk_size=8), attention=hybrid.AttentionConfig(n_heads=4),
+        mlp=hybrid.MLPConfig(d_ff=40)),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(PAIR_FORMATS))
+def test_pair_formats_tied_head_must_equal_the_embedding(fmt, tmp_path):
+    torch.manual_seed(0)
+    model = hybrid.HybridLM(PAIR_FORMATS[fmt]).eval()
+    path = hybrid.save_pretrained(model, tmp_path / fmt, format=fmt)
+    path = path if path.is_dir() else path.parent
+    _edit_config(path, tie_word_embeddings=True)
+    with pytest.raises(CheckpointError, match="ties the embeddings, but lm_head.weight differs"):
+        hybrid.from_pretrained(path)
+    _edit_state(path, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].clone()}))
+    tied = hybrid.from_pretrained(path).eval()
+    assert tied.config.tie_embeddings and tied.lm_head is None
+    model.lm_head = None  # the original with its head replaced by the embedding: what the tied folder holds
+    ids = torch.randint(0, 64, (1, 9))
+    with torch.no_grad():  # every other weight came through under the shared names
+        assert torch.equal(tied(ids), model(ids))

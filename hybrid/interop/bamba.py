@@ -12,7 +12,6 @@ the MLP activation and the Mamba conv activation, so only ``silu`` maps exactly.
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
@@ -21,7 +20,7 @@ from . import Converter, register
 from .common import EXPORT_MAX_POSITIONS, float_to_hf, hf_float, refuse
 from .hf_hybrid import (
     TOP_LEVEL,
-    TOP_LEVEL_TO_HF,
+    DecoderPairNames,
     attention_mismatches,
     decoder_pairs,
     no_attention,
@@ -125,27 +124,19 @@ def config_from_hf(raw: dict) -> HybridConfig:
     )
 
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|pre_ff_layernorm|mamba|self_attn|feed_forward)\.(.+)")
+NAMES = DecoderPairNames(ARCH, ffn_norm="pre_ff_layernorm", ffn_parts=("feed_forward",), top_level=TOP_LEVEL)
+
+
+def _ffn_from_hf(j: int, part: str, rest: str, v: torch.Tensor, out: dict) -> None:
+    out[f"layers.{j}.mixer.{rest}"] = v  # the SwiGLU MLP: gate/up/down_proj, named as ours
+
+
+def _ffn_to_hf(pre: str, j: int, rest: str, v: torch.Tensor, state: dict, out: dict) -> None:
+    out[f"{pre}.feed_forward.{rest}"] = v
 
 
 def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
-    out = {}
-    for k, v in state.items():
-        m = _LAYER.fullmatch(k)
-        if m:
-            i, part, rest = int(m[1]), m[2], m[3]
-            if part == "input_layernorm":
-                k = f"layers.{2 * i}.norm.{rest}"
-            elif part == "pre_ff_layernorm":
-                k = f"layers.{2 * i + 1}.norm.{rest}"
-            else:
-                k = f"layers.{2 * i + (part == 'feed_forward')}.mixer.{rest}"
-        elif k in TOP_LEVEL:
-            k = TOP_LEVEL[k]
-        elif k == "lm_head.weight" and cfg.tie_embeddings:
-            continue  # tied: the embedding is the head
-        out[k] = v  # anything unmatched stays under its own name, so a strict load reports it
-    return out
+    return NAMES.from_hf(state, cfg, _ffn_from_hf)
 
 
 def export_refusal(cfg: HybridConfig) -> str | None:
@@ -180,21 +171,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
 
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in state.items():
-        m = re.fullmatch(r"layers\.(\d+)\.(norm|mixer)\.(.+)", k)
-        if m:
-            j, part, rest = int(m[1]), m[2], m[3]
-            i, is_ffn = divmod(j, 2)
-            if part == "norm":
-                k = f"model.layers.{i}.{'pre_ff_layernorm' if is_ffn else 'input_layernorm'}.{rest}"
-            else:
-                sub = "feed_forward" if is_ffn else ("self_attn" if cfg.pattern[j] == "*" else "mamba")
-                k = f"model.layers.{i}.{sub}.{rest}"
-        else:
-            k = TOP_LEVEL_TO_HF.get(k, k)
-        out[k] = v
-    return out
+    return NAMES.to_hf(state, cfg, _ffn_to_hf)
 
 
 register(Converter(name="bamba", architectures=(ARCH,), config_from_hf=config_from_hf, state_from_hf=state_from_hf,

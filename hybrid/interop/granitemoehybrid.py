@@ -25,7 +25,6 @@ Attention rotates the whole head (``position_embedding_type="rope"``, transforme
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
@@ -33,8 +32,8 @@ from ..checkpoint import CheckpointError
 from ..config import AttentionConfig, HybridConfig, MLPConfig, MoEConfig
 from . import Converter, register
 from .bamba import mamba2_export_problems, mamba2_from_hf, mamba2_to_hf
-from .common import EXPORT_MAX_POSITIONS, drop_tied_head, refuse, split_rows
-from .hf_hybrid import attention_mismatches, decoder_pairs, no_attention, require, with_defaults
+from .common import EXPORT_MAX_POSITIONS, refuse, split_rows
+from .hf_hybrid import DecoderPairNames, attention_mismatches, decoder_pairs, no_attention, require, with_defaults
 
 ARCH = "GraniteMoeHybridForCausalLM"
 # GraniteMoeHybridConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -127,51 +126,49 @@ def config_from_hf(raw: dict) -> HybridConfig:
 
 
 TOP_LEVEL = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm_f.weight"}
-TOP_LEVEL_TO_HF = {ours: theirs for theirs, ours in TOP_LEVEL.items()}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|mamba|self_attn|shared_mlp|"
-                    r"block_sparse_moe)\.(.+)")
+NAMES = DecoderPairNames(ARCH, ffn_norm="post_attention_layernorm", ffn_parts=("shared_mlp", "block_sparse_moe"),
+                         top_level=TOP_LEVEL)
 # the experts as transformers 5 holds them (fused, gate first) and as the hub / vLLM / llama.cpp store them
 FUSED_EXPERTS = {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down", "router.weight": "router",
                  "input_linear.weight": "gate_up", "output_linear.weight": "down", "router.layer.weight": "router"}
 
 
+def _ffn_from_hf(j: int, part: str, rest: str, v: torch.Tensor, out: dict) -> None:
+    ffn = f"layers.{j}.mixer"
+    if part == "shared_mlp" and v.numel() == 0:
+        return  # shared_intermediate_size 0: transformers saves the absent shared expert as empty tensors
+    if part == "shared_mlp" and rest == "input_linear.weight":
+        out[f"{ffn}.gate_proj.weight"], out[f"{ffn}.up_proj.weight"] = split_rows(v, [v.shape[0] // 2] * 2)  # gate 1st
+    elif part == "shared_mlp" and rest == "output_linear.weight":
+        out[f"{ffn}.down_proj.weight"] = v
+    elif part == "block_sparse_moe" and FUSED_EXPERTS.get(rest) == "gate_up":
+        gate, up = v.chunk(2, dim=1)
+        out[f"{ffn}.gate_proj"], out[f"{ffn}.up_proj"] = gate.contiguous(), up.contiguous()
+    elif part == "block_sparse_moe" and FUSED_EXPERTS.get(rest) == "down":
+        out[f"{ffn}.down_proj"] = v
+    elif part == "block_sparse_moe" and FUSED_EXPERTS.get(rest) == "router":
+        out[f"{ffn}.router.weight"] = v
+    else:  # unmatched: keeps its own name, so a strict load reports it
+        out[f"model.layers.{j // 2}.{part}.{rest}"] = v
+
+
+def _ffn_to_hf(pre: str, j: int, rest: str, v: torch.Tensor, state: dict, out: dict) -> None:
+    """The shared MLP and the experts fused gate-first (``input_linear``), the router as ``router.layer``."""
+    if rest == "gate_proj.weight":  # dense: [F, D] each
+        out[f"{pre}.shared_mlp.input_linear.weight"] = torch.cat([v, state[f"layers.{j}.mixer.up_proj.weight"]])
+    elif rest == "down_proj.weight":
+        out[f"{pre}.shared_mlp.output_linear.weight"] = v
+    elif rest == "gate_proj":  # experts: [E, F, D] each
+        out[f"{pre}.block_sparse_moe.input_linear.weight"] = torch.cat([v, state[f"layers.{j}.mixer.up_proj"]], 1)
+    elif rest == "down_proj":
+        out[f"{pre}.block_sparse_moe.output_linear.weight"] = v
+    elif rest == "router.weight":
+        out[f"{pre}.block_sparse_moe.router.layer.weight"] = v
+    # up_proj(.weight): fused into input_linear with its gate
+
+
 def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
-    out = {}
-    if cfg.tie_embeddings:
-        drop_tied_head(ARCH, state, "lm_head.weight", "model.embed_tokens.weight")
-    for k, v in state.items():
-        m = _LAYER.fullmatch(k)
-        if not m:
-            out[TOP_LEVEL.get(k, k)] = v  # unmatched names stay, so a strict load reports them
-            continue
-        i, part, rest = int(m[1]), m[2], m[3]
-        mixer, ffn = f"layers.{2 * i}", f"layers.{2 * i + 1}"
-        if part == "input_layernorm":
-            out[f"{mixer}.norm.{rest}"] = v
-        elif part == "post_attention_layernorm":
-            out[f"{ffn}.norm.{rest}"] = v
-        elif part in ("mamba", "self_attn"):
-            out[f"{mixer}.mixer.{rest}"] = v
-        elif part == "shared_mlp" and v.numel() == 0:
-            continue  # shared_intermediate_size 0: transformers saves the absent shared expert as empty tensors
-        elif part == "shared_mlp" and rest in ("input_linear.weight", "output_linear.weight"):
-            if rest == "input_linear.weight":
-                gate, up = split_rows(v, [v.shape[0] // 2] * 2)  # fused gate-first
-                out[f"{ffn}.mixer.gate_proj.weight"], out[f"{ffn}.mixer.up_proj.weight"] = gate, up
-            else:
-                out[f"{ffn}.mixer.down_proj.weight"] = v
-        elif part == "block_sparse_moe" and rest in FUSED_EXPERTS:
-            what = FUSED_EXPERTS[rest]
-            if what == "gate_up":
-                gate, up = v.chunk(2, dim=1)
-                out[f"{ffn}.mixer.gate_proj"], out[f"{ffn}.mixer.up_proj"] = gate.contiguous(), up.contiguous()
-            elif what == "down":
-                out[f"{ffn}.mixer.down_proj"] = v
-            else:
-                out[f"{ffn}.mixer.router.weight"] = v
-        else:
-            out[k] = v
-    return out
+    return NAMES.from_hf(state, cfg, _ffn_from_hf)
 
 
 def export_refusal(cfg: HybridConfig) -> str | None:
@@ -234,35 +231,8 @@ def config_to_hf(cfg: HybridConfig) -> dict:
 
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
-    """Our tensors under the hub's names (what transformers, vLLM and llama.cpp all load): the shared
-    MLP and the experts fused gate-first (``input_linear``), the router as ``router.layer``."""
-    out = {}
-    for k, v in state.items():
-        m = re.fullmatch(r"layers\.(\d+)\.(norm|mixer)\.(.+)", k)
-        if not m:
-            out[TOP_LEVEL_TO_HF.get(k, k)] = v
-            continue
-        j, part, rest = int(m[1]), m[2], m[3]
-        i, is_ffn = divmod(j, 2)
-        pre = f"model.layers.{i}"
-        if part == "norm":
-            out[f"{pre}.{'post_attention_layernorm' if is_ffn else 'input_layernorm'}.{rest}"] = v
-        elif not is_ffn:
-            out[f"{pre}.{'self_attn' if cfg.pattern[j] == '*' else 'mamba'}.{rest}"] = v
-        elif cfg.pattern[j] == "-":
-            if rest == "gate_proj.weight":
-                out[f"{pre}.shared_mlp.input_linear.weight"] = torch.cat([v, state[f"layers.{j}.mixer.up_proj.weight"]])
-            elif rest == "down_proj.weight":
-                out[f"{pre}.shared_mlp.output_linear.weight"] = v
-        else:  # experts
-            if rest == "gate_proj":
-                up = state[f"layers.{j}.mixer.up_proj"]
-                out[f"{pre}.block_sparse_moe.input_linear.weight"] = torch.cat([v, up], 1)
-            elif rest == "down_proj":
-                out[f"{pre}.block_sparse_moe.output_linear.weight"] = v
-            elif rest == "router.weight":
-                out[f"{pre}.block_sparse_moe.router.layer.weight"] = v
-    return out
+    """Our tensors under the hub's names (what transformers, vLLM and llama.cpp all load)."""
+    return NAMES.to_hf(state, cfg, _ffn_to_hf)
 
 
 register(Converter(name="granitemoehybrid", architectures=(ARCH,), config_from_hf=config_from_hf,

@@ -25,7 +25,7 @@ from . import Converter, register
 from .common import EXPORT_MAX_POSITIONS, refuse
 from .hf_hybrid import (
     TOP_LEVEL,
-    TOP_LEVEL_TO_HF,
+    DecoderPairNames,
     attention_mismatches,
     decoder_pairs,
     no_attention,
@@ -45,12 +45,6 @@ DEFAULTS = dict(
 )
 MAMBA_NAMES = {"dt_layernorm": "dt_norm", "b_layernorm": "B_norm", "c_layernorm": "C_norm"}
 EXPERT_MATS = ("gate_proj", "up_proj", "down_proj")
-
-
-def rename_first(name: str, mapping: dict[str, str]) -> str:
-    """Rename the first dotted component of ``name`` through ``mapping``."""
-    head, dot, tail = name.partition(".")
-    return mapping.get(head, head) + dot + tail
 
 
 def config_from_hf(raw: dict) -> HybridConfig:
@@ -87,41 +81,25 @@ def config_from_hf(raw: dict) -> HybridConfig:
     )
 
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|pre_ff_layernorm|mamba|self_attn|feed_forward)\.(.+)")
+NAMES = DecoderPairNames(ARCH, ffn_norm="pre_ff_layernorm", ffn_parts=("feed_forward",), top_level=TOP_LEVEL,
+                         mamba_names=MAMBA_NAMES)
 _EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
-    out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)  # (sub-layer, matrix) -> e -> W
-    for k, v in state.items():
-        m = _LAYER.fullmatch(k)
-        if m:
-            i, part, rest = int(m[1]), m[2], m[3]
-            mixer, ffn = 2 * i, 2 * i + 1
-            if part == "input_layernorm":
-                k = f"layers.{mixer}.norm.{rest}"
-            elif part == "pre_ff_layernorm":
-                k = f"layers.{ffn}.norm.{rest}"
-            elif part == "mamba":
-                k = f"layers.{mixer}.mixer.{rename_first(rest, MAMBA_NAMES)}"
-            elif part == "self_attn":
-                k = f"layers.{mixer}.mixer.{rest}"
-            elif (e := _EXPERT.fullmatch(rest)) is not None:
-                experts[(ffn, e[2])][int(e[1])] = v
-                continue
-            elif rest == "experts.gate_up_proj":  # fused layout: [E, 2F, D], gate rows first
-                out[f"layers.{ffn}.mixer.gate_proj"], out[f"layers.{ffn}.mixer.up_proj"] = v.chunk(2, dim=1)
-                continue
-            elif rest == "experts.down_proj":
-                k = f"layers.{ffn}.mixer.down_proj"
-            else:  # dense MLP (gate/up/down_proj.weight) or the router (router.weight)
-                k = f"layers.{ffn}.mixer.{rest}"
-        elif k in TOP_LEVEL:
-            k = TOP_LEVEL[k]
-        elif k == "lm_head.weight" and cfg.tie_embeddings:
-            continue  # tied: the embedding is the head
-        out[k] = v  # anything unmatched stays under its own name, so a strict load reports it
+
+    def ffn(j: int, part: str, rest: str, v: torch.Tensor, out: dict) -> None:
+        if (e := _EXPERT.fullmatch(rest)) is not None:  # the hub layout: one tensor per expert, stacked below
+            experts[(j, e[2])][int(e[1])] = v
+        elif rest == "experts.gate_up_proj":  # fused layout: [E, 2F, D], gate rows first
+            out[f"layers.{j}.mixer.gate_proj"], out[f"layers.{j}.mixer.up_proj"] = v.chunk(2, dim=1)
+        elif rest == "experts.down_proj":
+            out[f"layers.{j}.mixer.down_proj"] = v
+        else:  # dense MLP (gate/up/down_proj.weight) or the router (router.weight)
+            out[f"layers.{j}.mixer.{rest}"] = v
+
+    out = NAMES.from_hf(state, cfg, ffn)
     for (j, mat), by_expert in sorted(experts.items()):
         lacking = sorted(set(range(cfg.moe.n_experts)) - set(by_expert))
         if lacking or len(by_expert) != cfg.moe.n_experts:
@@ -189,28 +167,14 @@ def config_to_hf(cfg: HybridConfig) -> dict:
 
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
-    back = {v: k for k, v in MAMBA_NAMES.items()}
-    out = {}
-    for k, v in state.items():
-        m = re.fullmatch(r"layers\.(\d+)\.(norm|mixer)\.(.+)", k)
-        if not m:
-            out[TOP_LEVEL_TO_HF.get(k, k)] = v
-            continue
-        j, part, rest = int(m[1]), m[2], m[3]
-        i, is_ffn = divmod(j, 2)
-        pre = f"model.layers.{i}"
-        if part == "norm":
-            out[f"{pre}.{'pre_ff_layernorm' if is_ffn else 'input_layernorm'}.{rest}"] = v
-        elif cfg.pattern[j] == "E" and rest in EXPERT_MATS:
+    def ffn(pre: str, j: int, rest: str, v: torch.Tensor, state: dict, out: dict) -> None:
+        if cfg.pattern[j] == "E" and rest in EXPERT_MATS:  # exported per expert, the hub layout
             for e in range(v.shape[0]):
                 out[f"{pre}.feed_forward.experts.{e}.{rest}.weight"] = v[e]
-        elif is_ffn:
-            out[f"{pre}.feed_forward.{rest}"] = v
-        elif cfg.pattern[j] == "*":
-            out[f"{pre}.self_attn.{rest}"] = v
         else:
-            out[f"{pre}.mamba.{rename_first(rest, back)}"] = v
-    return out
+            out[f"{pre}.feed_forward.{rest}"] = v
+
+    return NAMES.to_hf(state, cfg, ffn)
 
 
 register(Converter(name="jamba", architectures=(ARCH,), config_from_hf=config_from_hf, state_from_hf=state_from_hf,
