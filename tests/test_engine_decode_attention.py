@@ -4,13 +4,16 @@ column groups of 1024 tokens) and the per-sequence path for a few sequences."""
 import pytest
 import torch
 from conftest import rel_err
+from hybrid.kernels import paged_attention
 
 from hybrid import kernels
 
 
+@pytest.mark.parametrize("group_bytes", [4 << 20, 1], ids=["default-groups", "one-block-groups"])
 @pytest.mark.parametrize("lens", [[1500, 3, 1030, 17, 700, 1], [1500, 3]], ids=["batched-walk", "few-sequences"])
 @pytest.mark.parametrize("window", [None, 700])
-def test_decode_attention_over_many_block_groups_equals_reference(window, lens):
+def test_decode_attention_over_many_block_groups_equals_reference(window, lens, group_bytes, monkeypatch):
+    monkeypatch.setattr(paged_attention, "DECODE_GROUP_BYTES", group_bytes)  # 1: every block its own group
     bs, Hq, Hkv, D = 16, 4, 2, 8
     num_blocks = sum(-(-n // bs) for n in lens) + 4
     k_pool, v_pool = torch.randn(num_blocks, bs, Hkv, D), torch.randn(num_blocks, bs, Hkv, D)
