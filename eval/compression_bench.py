@@ -9,8 +9,8 @@ Four tables (markdown on stdout, all rows in ``OUTPUT/compression.json``):
   included; what :class:`hybrid.cache.HybridCache` allocates, tested in tests/test_cache_compression.py),
   and the gain over (bf16 KV, fp32 state).
 - ``decode``: decode tokens/s at batch 32 through the engine per recipe and dtype pair (every engine of a
-  recipe built first, then ``--decode-repeats`` rounds of ``--decode-steps`` steps each, round-robin, so
-  load from other work lands on all alike; median of all timed steps, min and max beside it; run it under
+  recipe built first, then ``--decode-repeats`` x ``--decode-steps`` steps each, one step of each engine
+  in turn, so load from other work lands on all alike; median of all timed steps, min and max beside it; run it under
   ``flock /tmp/bench.lock``, the CPU is shared).
 - ``accuracy``: small MQAR models trained here (``hybrid.eval.mqar.train`` with the explicit
   :data:`TRAIN` settings; 1:7 hybrid, pure Mamba-2, attention only) run teacher-forced through the paged
@@ -81,8 +81,8 @@ def capacity_rows(cache_gib: float = 4.0, lengths=(4096, 32768)) -> list[dict]:
 def decode_rows(batch: int, context: int, steps: int, dtype: torch.dtype, *, repeats: int = 3,
                 names: list[str] | None = None, pairs: list[tuple[str, str]] | None = None) -> list[dict]:
     """Whole-engine decode tokens/s per recipe and (KV, state) dtype pair: a recipe's engines are all built
-    first, then timed ``repeats`` rounds of ``steps`` steps each, round-robin (load from other work on a
-    shared machine lands on every pair alike); min / median / max over all its timed steps, and the
+    first, then each takes ``repeats * steps`` timed steps, one step of each engine in turn (load from other
+    work on a shared machine lands on every pair alike); min / median / max over its timed steps, and the
     median's speed relative to the first pair (bf16 K/V, fp32 state)."""
     import statistics
 
@@ -96,12 +96,11 @@ def decode_rows(batch: int, context: int, steps: int, dtype: torch.dtype, *, rep
         engines = [decode_engine(model, batch, context, steps=steps * repeats, compile=False, warmup=1, kv_dtype=kv,
                                  state_dtype=state) for kv, state in chosen]
         times = [[] for _ in chosen]
-        for _ in range(repeats):
+        for _ in range(repeats * steps):  # one step of each engine in turn: a burst of load hits them all alike
             for e, ts in zip(engines, times, strict=True):
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    e.step()
-                    ts.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                e.step()
+                ts.append(time.perf_counter() - t0)
         base = None
         for (kv, state), ts in zip(chosen, times, strict=True):
             ms = sorted(1e3 * t for t in ts)
@@ -248,12 +247,23 @@ def write_kv_block_scales_before(pool: torch.Tensor, scale: torch.Tensor, x: tor
         0, slot_mapping, kv_quant._bits(kv_quant.quantize(x, new[..., None], dtype)))
 
 
+def _with_torch_round(fn):
+    saved = kv_quant.round_nearest_
+    kv_quant.round_nearest_ = torch.Tensor.round_
+    try:
+        fn()
+    finally:
+        kv_quant.round_nearest_ = saved
+
+
 def kv_write_rows(batch: int = 32, context: int = 1024, repeats: int = 30, recipe: str = "hybrid-1to7-small",
                   compiled: bool = True) -> list[dict]:
     """One attention layer's K and V write of a decode step: ``batch`` sequences of ``context`` tokens each
     write their next token (bf16 keys and values) into a pool of ``batch * context`` tokens, per page dtype
     and write op, interleaved; ``compiled``: the per-token write also through ``torch.compile`` (Inductor,
-    as the compiled decode step runs it)."""
+    as the compiled decode step runs it). ``torch.round``: the per-token write rounding its int8 codes with
+    ``torch.round`` instead of :func:`hybrid.kernels.kv_quant.round_nearest_` (the per-block write of before
+    uses ``torch.round``, as it did)."""
     import statistics
 
     a = recipes.get(recipe).attention
@@ -289,6 +299,8 @@ def kv_write_rows(batch: int = 32, context: int = 1024, repeats: int = 30, recip
 
         variants[f"{name} per-block (before)"] = before
         variants[f"{name} per-token (now)"] = now
+        if dt == torch.int8:  # the per-token write with torch.round for its codes (what before used)
+            variants["int8 per-token, torch.round"] = lambda now=now: _with_torch_round(now)
         if compiled:
             op = torch.compile(kv_quant.write_kv_quantized, fullgraph=True, dynamic=False)
             variants[f"{name} per-token, compiled"] = lambda now=now, op=op: now(op=op)
@@ -544,8 +556,8 @@ def main(argv: list[str] | None = None) -> None:
             args.decode_batch, args.decode_ctx, args.decode_steps, getattr(torch, args.decode_dtype),
             repeats=args.decode_repeats, names=args.decode_recipes)
         print(f"\n# decode at batch {args.decode_batch}, context {args.decode_ctx}, model {args.decode_dtype}, "
-              f"{args.threads} threads, {args.decode_repeats} x {args.decode_steps} steps round-robin (ms per step: "
-              "min / median / max)\n")
+              f"{args.threads} threads, {args.decode_repeats * args.decode_steps} steps each, interleaved step by "
+              "step (ms per step: min / median / max)\n")
         print(format_table(result["decode"]))
     if "decode" not in args.skip and "layer_decode" not in args.skip:
         result["layer_decode"] = layer_decode_rows(args.decode_batch, 4 * args.decode_ctx, 20,

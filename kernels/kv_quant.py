@@ -131,6 +131,21 @@ def dequantize_pages(pages: torch.Tensor, scale: torch.Tensor | None, dtype: tor
     return dequantize(pages, scale.float()[..., None], dtype)
 
 
+# Adding and subtracting 1.5 * 2^23 rounds an fp32 |y| < 2^22 to the nearest integer, ties to even (the sum
+# lies in [2^23, 2^24), where fp32's step is 1): exactly torch.round. Measured on this 2-core machine (torch
+# 2.9, 2 threads): torch.round costs 12-16 ms whatever the size (8K or 100K values; 0.006 ms with 1 thread),
+# these two adds 0.02 ms. Under torch.compile Inductor emits its own rounding, so the compiled step keeps
+# torch.round (and no compiler gets to fold the two adds away).
+_ROUND_MAGIC = 1.5 * 2.0 ** 23
+
+
+def round_nearest_(y: torch.Tensor) -> torch.Tensor:
+    """``y.round_()`` for fp32 values of magnitude below 2^22 (the codes: clamped to qmax first), in place."""
+    if torch.compiler.is_compiling():
+        return y.round_()
+    return y.add_(_ROUND_MAGIC).sub_(_ROUND_MAGIC)
+
+
 def quantize_tokens(x: torch.Tensor, dtype: torch.dtype,
                     scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys or values ``x [T, Hkv, D]`` -> codes ``[T, Hkv, D]`` in ``dtype`` and per-token, per-head scales
@@ -141,9 +156,8 @@ def quantize_tokens(x: torch.Tensor, dtype: torch.dtype,
     xf = x.float()
     scale = (xf.abs().amax(-1) * (1.0 / m)).clamp_min_(KV_SCALE_MIN).to(scale_dtype)  # [T, Hkv]
     y = xf * scale.float().reciprocal()[..., None]  # the scale is >= KV_SCALE_MIN: no division by zero
-    if dtype == torch.int8:
-        return y.round_().clamp_(-m, m).to(torch.int8), scale
-    return y.clamp_(-m, m).to(dtype), scale
+    y.clamp_(-m, m)
+    return (round_nearest_(y).to(torch.int8) if dtype == torch.int8 else y.to(dtype)), scale
 
 
 def write_kv_quantized(pool: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -381,3 +381,8 @@ def test_hybrid_info_reports_bytes_at_the_cache_dtypes(capsys):
     spec = HybridCache(cfg, num_blocks=0, kv_dtype=d.kv, conv_dtype=d.conv, ssm_dtype=d.ssm, device="meta").spec
     assert "KV_bytes/token(int8/int8)" in out and f"| {spec.state_bytes_per_sequence} " in out
     assert str(round(spec.kv_bytes_per_token_with_scales(16), 2)) in out
+
+
+def test_round_nearest_equals_torch_round_ties_to_even():
+    y = torch.cat([torch.arange(-254, 255) / 2, torch.randn(4096) * 60]).clamp(-127, 127)  # every .5 tie
+    assert torch.equal(kv_quant.round_nearest_(y.clone()), torch.round(y))
