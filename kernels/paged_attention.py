@@ -210,14 +210,14 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
         visible = (pos[None] < lens[:, None]) & ((pos[None] >= first[:, None]) | (pos[None] < sinks))  # [B, t]
         s = torch.einsum("bhrd,bthd->bhrt", qf, k)
         if k_scale is not None:
-            s = s * ks
+            s.mul_(ks)  # in place: the scores are this loop's own, and a fresh [B, Hkv, rep, t] costs page faults
         s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet
         p = torch.exp(s - m_safe[..., None])
         corr = torch.exp(m - m_safe)
         l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + torch.einsum("bhrt,bthd->bhrd", p if v_scale is None else p * vs, v)
+        acc = acc * corr[..., None] + torch.einsum("bhrt,bthd->bhrd", p if v_scale is None else p.mul_(vs), v)
         m = m_new
     return (acc / l[..., None]).view(B, Hq, D).to(q.dtype)
 
