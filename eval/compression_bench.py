@@ -8,16 +8,20 @@ Four tables (markdown on stdout, all rows in ``OUTPUT/compression.json``):
   ``jamba-small``, ``mamba2-small`` at each dtype pair, from the layers' cache specs (block and state scales
   included; what :class:`hybrid.cache.HybridCache` allocates, tested in tests/test_cache_compression.py),
   and the gain over (bf16 KV, fp32 state).
-- ``decode``: decode tokens/s at batch 32 through the engine per recipe and dtype pair (median of the timed
-  steps, min and max beside it; run it under ``flock /tmp/bench.lock``, the CPU is shared).
+- ``decode``: decode tokens/s at batch 32 through the engine per recipe and dtype pair (every engine of a
+  recipe built first, then ``--decode-repeats`` x ``--decode-steps`` steps each, one step of each engine
+  in turn, so load from other work lands on all alike; median of all timed steps, min and max beside it; run it under
+  ``flock /tmp/bench.lock``, the CPU is shared).
 - ``accuracy``: small MQAR models trained here (``hybrid.eval.mqar.train`` with the explicit
   :data:`TRAIN` settings; 1:7 hybrid, pure Mamba-2, attention only) run teacher-forced through the paged
   cache with *every* token a decode step (the harshest case: each K/V token written alone into its block,
   the state quantised after every token). Per dtype pair: mean logit KL(uncompressed || compressed) and
   top-1 agreement over all positions, and MQAR accuracy next to the uncompressed cache's.
-- ``kv_scale`` / ``state_rounding``: the measurements behind two choices: the block-scale policy of
-  int8/fp8 K/V (headroom 1, 1.25, 2 with re-quantise on overflow, against per-token scales = blocks of
-  one token), and nearest vs stochastic rounding of int8 / bf16 state.
+- ``kv_scale`` / ``state_rounding``: the measurements behind two choices: the storage dtype of the
+  per-token K/V scales (fp16 against fp32), and nearest vs stochastic rounding of int8 / bf16 state.
+- ``kv_write``: one attention layer's K/V write of a decode step (batch 32) per page dtype: the per-token
+  quantised write against the per-block write it replaced (kept here, :func:`write_kv_block_scales_before`)
+  and the bf16 ``index_copy_``, interleaved.
 - ``pruning``: long-context recall under KV pruning (StreamingLLM, SnapKV at several budgets) on MQAR models
   trained with a long filler between the pairs and the queries (:mod:`.pruning_recall`).
 
@@ -74,23 +78,40 @@ def capacity_rows(cache_gib: float = 4.0, lengths=(4096, 32768)) -> list[dict]:
     return rows
 
 
-def decode_rows(batch: int, context: int, steps: int, dtype: torch.dtype) -> list[dict]:
-    from .engine_bench import decode_engine, decode_speed
+def decode_rows(batch: int, context: int, steps: int, dtype: torch.dtype, *, repeats: int = 3,
+                names: list[str] | None = None, pairs: list[tuple[str, str]] | None = None) -> list[dict]:
+    """Whole-engine decode tokens/s per recipe and (KV, state) dtype pair: a recipe's engines are all built
+    first, then each takes ``repeats * steps`` timed steps, one step of each engine in turn (load from other
+    work on a shared machine lands on every pair alike); min / median / max over its timed steps, and the
+    median's speed relative to the first pair (bf16 K/V, fp32 state)."""
+    import statistics
+
+    from .engine_bench import decode_engine
 
     rows = []
-    for name in tqdm(RECIPES, desc="decode", unit="model"):
+    for name in tqdm(names or RECIPES, desc="decode", unit="model"):
         torch.manual_seed(0)
         model = HybridLM(recipes.get(name)).to(dtype).eval()
+        chosen = pairs or PAIRS
+        engines = [decode_engine(model, batch, context, steps=steps * repeats, compile=False, warmup=1, kv_dtype=kv,
+                                 state_dtype=state) for kv, state in chosen]
+        times = [[] for _ in chosen]
+        for _ in range(repeats * steps):  # one step of each engine in turn: a burst of load hits them all alike
+            for e, ts in zip(engines, times, strict=True):
+                t0 = time.perf_counter()
+                e.step()
+                ts.append(time.perf_counter() - t0)
         base = None
-        for kv, state in PAIRS:
-            engine = decode_engine(model, batch, context, steps=steps, compile=False, warmup=1, kv_dtype=kv,
-                                   state_dtype=state)
-            row, _ = decode_speed(engine, steps)
-            base = base or row["decode_tok/s"]
-            rows.append({"model": name, "kv": kv, "state": state, "batch": row["batch"], "context": context,
-                         "ms_min": row["ms_min"], "ms_med": row["ms_med"], "ms_max": row["ms_max"],
-                         "decode_tok/s": row["decode_tok/s"], "vs_bf16": round(row["decode_tok/s"] / base, 3)})
-            del engine
+        for (kv, state), ts in zip(chosen, times, strict=True):
+            ms = sorted(1e3 * t for t in ts)
+            med = statistics.median(ms)
+            tok_s = batch / (med / 1e3)
+            base = base or tok_s
+            rows.append({"model": name, "kv": kv, "state": state, "batch": batch, "context": context,
+                         "steps": len(ms), "ms_min": round(ms[0], 2), "ms_med": round(med, 2),
+                         "ms_max": round(ms[-1], 2), "decode_tok/s": round(tok_s, 1),
+                         "vs_bf16": round(tok_s / base, 3)})
+        del engines
     return rows
 
 
@@ -205,6 +226,90 @@ def state_step_rows(batch: int = 32, repeats: int = 15, recipe: str = "hybrid-1t
     return [{"batch": batch, **_spread_row(k, v, base)} for k, v in times.items()]
 
 
+def write_kv_block_scales_before(pool: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
+                                 slot_mapping: torch.Tensor) -> None:
+    """The per-block-scale write that per-token scales replaced (``scale [NB, Hkv]``: each block's running
+    |max| / qmax; a block whose scale grows is re-quantised), kept only as the ``kv_write`` table's "before"."""
+    dtype, m = pool.dtype, kv_quant.qmax(pool.dtype)
+    bs = pool.shape[1]
+    blk = slot_mapping // bs
+    amax = x.float().abs().amax(-1)  # [T, Hkv]
+    run = torch.cat([blk.new_zeros(1), (blk[1:] != blk[:-1]).long()]).cumsum(0)  # run index of each token
+    run_max = torch.zeros_like(amax).scatter_reduce_(0, run[:, None].expand_as(amax), amax, "amax")[run]
+    old = scale[blk]  # [T, Hkv]
+    new = torch.where(run_max > old * m, run_max / m, old)
+    pages = pool[blk]  # [T, BS, Hkv, D]
+    ratio = torch.where(new > 0, old / torch.where(new > 0, new, torch.ones_like(new)), torch.zeros_like(new))
+    requant = kv_quant.quantize(pages.float() * ratio[:, None, :, None], torch.ones((), device=x.device), dtype)
+    kv_quant._bits(pool).index_copy_(0, blk, kv_quant._bits(requant))
+    scale.index_copy_(0, blk, new)
+    kv_quant._bits(pool).view(-1, *pool.shape[2:]).index_copy_(
+        0, slot_mapping, kv_quant._bits(kv_quant.quantize(x, new[..., None], dtype)))
+
+
+def _with_torch_round(fn):
+    saved = kv_quant.round_nearest_
+    kv_quant.round_nearest_ = torch.Tensor.round_
+    try:
+        fn()
+    finally:
+        kv_quant.round_nearest_ = saved
+
+
+def kv_write_rows(batch: int = 32, context: int = 1024, repeats: int = 30, recipe: str = "hybrid-1to7-small",
+                  compiled: bool = True) -> list[dict]:
+    """One attention layer's K and V write of a decode step: ``batch`` sequences of ``context`` tokens each
+    write their next token (bf16 keys and values) into a pool of ``batch * context`` tokens, per page dtype
+    and write op, interleaved; ``compiled``: the per-token write also through ``torch.compile`` (Inductor,
+    as the compiled decode step runs it). ``torch.round``: the per-token write rounding its int8 codes with
+    ``torch.round`` instead of :func:`hybrid.kernels.kv_quant.round_nearest_` (the per-block write of before
+    uses ``torch.round``, as it did)."""
+    import statistics
+
+    a = recipes.get(recipe).attention
+    Hkv, Dh, BS = a.n_kv_heads, a.head_dim, 16
+    per_seq = -(-(context + 1) // BS)
+    nb = batch * per_seq + 1
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(batch, Hkv, Dh, generator=g).bfloat16() for _ in "kv")
+    slots = torch.tensor([(1 + b * per_seq + context // BS) * BS + context % BS for b in range(batch)])
+    variants = {}
+
+    def pools(dtype, scale_shape):
+        return [torch.zeros(nb, BS, Hkv, Dh, dtype=dtype) for _ in "kv"], [torch.zeros(scale_shape) for _ in "kv"]
+
+    bf = pools(torch.bfloat16, ())[0]
+
+    def bf16_write():
+        for pool, x in zip(bf, (k, v), strict=True):
+            pool.view(-1, Hkv, Dh).index_copy_(0, slots, x)
+
+    variants["bfloat16 index_copy_"] = bf16_write
+    for name, dt in (("int8", torch.int8), ("fp8", kv_quant.FP8)):
+        (pb, sb), (pt, st) = pools(dt, (nb, Hkv)), pools(dt, ())
+        st = [torch.zeros(nb, BS, Hkv, dtype=kv_quant.KV_SCALE_DTYPE) for _ in "kv"]
+
+        def before(pb=pb, sb=sb):
+            for pool, sc, x in zip(pb, sb, (k, v), strict=True):
+                write_kv_block_scales_before(pool, sc, x, slots)
+
+        def now(pt=pt, st=st, op=kv_quant.write_kv_quantized):
+            for pool, sc, x in zip(pt, st, (k, v), strict=True):
+                op(pool, sc, x, slots)
+
+        variants[f"{name} per-block (before)"] = before
+        variants[f"{name} per-token (now)"] = now
+        if dt == torch.int8:  # the per-token write with torch.round for its codes (what before used)
+            variants["int8 per-token, torch.round"] = lambda now=now: _with_torch_round(now)
+        if compiled:
+            op = torch.compile(kv_quant.write_kv_quantized, fullgraph=True, dynamic=False)
+            variants[f"{name} per-token, compiled"] = lambda now=now, op=op: now(op=op)
+    with torch.inference_mode():
+        times = _interleaved(variants, repeats)
+    base = statistics.median(1e3 * t for t in times["bfloat16 index_copy_"])
+    return [{"batch": batch, "context": context, **_spread_row(n, t, base)} for n, t in times.items()]
+
+
 def paged_decode_rows(batch: int = 32, context: int = 1024, repeats: int = 15,
                       recipe: str = "hybrid-1to7-small") -> list[dict]:
     """The torch paged decode attention of one layer of ``recipe`` over ``batch`` sequences of ``context``
@@ -226,9 +331,8 @@ def paged_decode_rows(batch: int = 32, context: int = 1024, repeats: int = 15,
     q = torch.randn(batch, Hq, Dh, generator=g).bfloat16()
     pages = {"bfloat16": (kf.bfloat16(), vf.bfloat16(), None, None)}
     for name, dt in (("int8", torch.int8), ("fp8", kq.FP8)):
-        ks = kf.abs().amax((1, 3)) / kq.qmax(dt)
-        vs = vf.abs().amax((1, 3)) / kq.qmax(dt)
-        pages[name] = (kq.quantize(kf, ks[:, None, :, None], dt), kq.quantize(vf, vs[:, None, :, None], dt), ks, vs)
+        (kc, ks), (vc, vs) = (kq.quantize_tokens(t.flatten(0, 1), dt) for t in (kf, vf))  # per token and head
+        pages[name] = (kc.view(kf.shape), vc.view(vf.shape), ks.view(kf.shape[:3]), vs.view(vf.shape[:3]))
 
     def run(name):
         k, v, ks, vs = pages[name]
@@ -310,6 +414,29 @@ def compare(ref: torch.Tensor, out: torch.Tensor, batch: mqar.MQARBatch) -> dict
             "mqar_acc_%": round(100 * float(acc), 2)}
 
 
+def with_scale_dtype(dtype: torch.dtype, fn):
+    """``fn()`` with caches built with per-token K/V scales of ``dtype`` (and their bytes counted so)."""
+    old, kv_quant.KV_SCALE_DTYPE = kv_quant.KV_SCALE_DTYPE, dtype
+    try:
+        return fn()
+    finally:
+        kv_quant.KV_SCALE_DTYPE = old
+
+
+def scale_dtype_rows(name: str, model: HybridLM, batch: mqar.MQARBatch, ref: torch.Tensor) -> list[dict]:
+    """int8 / fp8 K/V (state fp32) with the per-token scales stored in fp16 (the default) and in fp32."""
+    rows = []
+    for kv in ("int8", "fp8"):
+        for sd in (torch.float16, torch.float32):
+            m = with_scale_dtype(sd, lambda kv=kv: compare(ref, teacher_forced_logits(model, batch.inputs, kv,
+                                                                                      "float32"), batch))
+            per_token = with_scale_dtype(sd, lambda kv=kv: model.cache_spec(kv_dtype=kv_quant.KV_DTYPES[kv])
+                                         .kv_bytes_per_token)
+            rows.append({"model": name, "kv": kv, "scale_dtype": kv_quant.dtype_name(sd), "kv_bytes/token": per_token,
+                         **m})
+    return rows
+
+
 def accuracy_rows(models: dict[str, HybridLM], sequences: int) -> tuple[list[dict], list[dict], list[dict]]:
     g = torch.Generator().manual_seed(12345)
     batch = mqar.make_batch(sequences, EVAL_PAIRS, TRAIN.get("vocab_size", 256), generator=g)
@@ -329,17 +456,7 @@ def accuracy_rows(models: dict[str, HybridLM], sequences: int) -> tuple[list[dic
             acc.append({"model": name, "kv": kv, "state": state, **m, "mqar_ref_%": base,
                         "mqar_loss_pts": round(base - m["mqar_acc_%"], 2)})
         if has_kv:
-            for kv in ("int8", "fp8"):
-                for label, headroom, bs in [("block16 headroom 1.0", 1.0, 16), ("block16 headroom 1.25", 1.25, 16),
-                                            ("block16 headroom 2.0", 2.0, 16), ("per-token (block 1)", 1.0, 1)]:
-                    old, kv_quant.KV_SCALE_HEADROOM = kv_quant.KV_SCALE_HEADROOM, headroom
-                    try:
-                        m = compare(ref, teacher_forced_logits(model, batch.inputs, kv, "float32", block_size=bs),
-                                    batch)
-                    finally:
-                        kv_quant.KV_SCALE_HEADROOM = old
-                    per_token = model.cache_spec(kv_dtype=kv_quant.KV_DTYPES[kv]).kv_bytes_per_token_with_scales(bs)
-                    scale.append({"model": name, "kv": kv, "scales": label, "kv_bytes/token": per_token, **m})
+            scale += scale_dtype_rows(name, model, batch, ref)
         if has_state:
             for state in ("int8", "bfloat16"):
                 for stochastic in (False, True):
@@ -350,24 +467,27 @@ def accuracy_rows(models: dict[str, HybridLM], sequences: int) -> tuple[list[dic
     return acc, scale, rounding
 
 
-def long_decode_accuracy_rows(models_dir: Path, sequences: int = 64, pairs: int = 64) -> list[dict]:
-    """The accuracy table on a model that learned the task: the 1:7 hybrid of ``state_drift_bench`` (the
-    tradeoff report's training: pair curriculum to 64 pairs, ``mamba_lr_scale``; 98% held-out accuracy at
-    64 pairs), ``sequences`` MQAR sequences of ``pairs`` pairs (256 tokens), every token a decode step through
-    the real cache at each dtype pair, against the fp32 cache."""
+def long_decode_accuracy_rows(models_dir: Path, sequences: int = 64, pairs: int = 64) -> tuple[list[dict], list[dict]]:
+    """The accuracy table on models that learned the task: the MQAR family of ``state_drift_bench`` (``MMM*``,
+    ``M***`` and the 1:7 hybrid; the tradeoff report's training: pair curriculum to 64 pairs,
+    ``mamba_lr_scale``; 97-99.5% held-out accuracy at 64 pairs), ``sequences`` MQAR sequences of ``pairs``
+    pairs (256 tokens), every token a decode step through the real cache at each dtype pair, against the
+    fp32 cache; and the per-token K/V scales in fp16 against fp32 (the ``kv_scale`` rows)."""
     from . import state_drift_bench
 
-    model = state_drift_bench.train_models(models_dir)["hybrid-1to7"]
     g = torch.Generator().manual_seed(12345)
     batch = mqar.make_batch(sequences, pairs, 256, generator=g)
-    ref = teacher_forced_logits(model, batch.inputs, "float32", "float32")
-    base = compare(ref, ref, batch)["mqar_acc_%"]
-    rows = []
-    for kv, state in tqdm(PAIRS + EXTRA_PAIRS, desc="long-decode accuracy", unit="pair"):
-        m = compare(ref, teacher_forced_logits(model, batch.inputs, kv, state), batch)
-        rows.append({"model": "hybrid-1to7 (trained)", "kv": kv, "state": state, **m, "mqar_ref_%": base,
-                     "mqar_loss_pts": round(base - m["mqar_acc_%"], 2)})
-    return rows
+    rows, scale = [], []
+    for name, model in state_drift_bench.train_models(models_dir).items():
+        ref = teacher_forced_logits(model, batch.inputs, "float32", "float32")
+        base = compare(ref, ref, batch)["mqar_acc_%"]
+        label = f"{name} (trained)"
+        for kv, state in tqdm(PAIRS + EXTRA_PAIRS, desc=f"long-decode accuracy {name}", unit="pair"):
+            m = compare(ref, teacher_forced_logits(model, batch.inputs, kv, state), batch)
+            rows.append({"model": label, "kv": kv, "state": state, **m, "mqar_ref_%": base,
+                         "mqar_loss_pts": round(base - m["mqar_acc_%"], 2)})
+        scale += scale_dtype_rows(label, model, batch, ref)
+    return rows, scale
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -378,11 +498,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sequences", type=int, default=128, help="MQAR sequences in the accuracy table")
     p.add_argument("--decode-batch", type=int, default=32)
     p.add_argument("--decode-ctx", type=int, default=256)
-    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per engine and round")
+    p.add_argument("--decode-repeats", type=int, default=3, help="round-robin rounds over a recipe's engines")
+    p.add_argument("--decode-recipes", nargs="*", default=RECIPES, choices=RECIPES)
     p.add_argument("--decode-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["capacity", "decode", "accuracy", "engine_decode", "pruning", "long_decode",
-                            "op_decode"])
+                            "op_decode", "layer_decode"])
     p.add_argument("--drift-models", default="out/state_drift/models",
                    help="where state_drift_bench keeps its trained MQAR models (trained if missing)")
     args = p.parse_args(argv)
@@ -402,20 +524,27 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n# accuracy vs the fp32 cache, {args.sequences} MQAR sequences of {EVAL_PAIRS} pairs, every token a "
               "decode step\n")
         print(format_table(acc))
-        print("\n# K/V block-scale policy (state fp32)\n")
+        print("\n# per-token K/V scale dtype (state fp32)\n")
         print(format_table(scale))
         print("\n# state rounding (K/V fp32)\n")
         print(format_table(rounding))
     if "long_decode" not in args.skip:
-        result["long_decode_accuracy"] = long_decode_accuracy_rows(Path(args.drift_models))
-        print("\n# accuracy vs the fp32 cache on the trained 1:7 hybrid, 64 sequences of 64 pairs (256 decode "
+        result["long_decode_accuracy"], result["long_decode_kv_scale"] = long_decode_accuracy_rows(
+            Path(args.drift_models))
+        print("\n# accuracy vs the fp32 cache on the trained MQAR family, 64 sequences of 64 pairs (256 decode "
               "steps each)\n")
         print(format_table(result["long_decode_accuracy"]))
+        print("\n# the same, per-token K/V scales in fp16 (default) vs fp32, state fp32\n")
+        print(format_table(result["long_decode_kv_scale"]))
     if "op_decode" not in args.skip:
         result["state_step"] = state_step_rows(args.decode_batch)
         print(f"\n# one Mamba-2 layer's SSD decode step, batch {args.decode_batch}, {args.threads} threads, "
               "interleaved (ms; vs = fp32 median / median)\n")
         print(format_table(result["state_step"]))
+        result["kv_write"] = kv_write_rows(args.decode_batch, 4 * args.decode_ctx)
+        print(f"\n# one attention layer's K/V write of a decode step, batch {args.decode_batch}, {args.threads} "
+              "threads, interleaved (ms; vs = bf16 median / median)\n")
+        print(format_table(result["kv_write"]))
         result["paged_decode"] = paged_decode_rows(args.decode_batch, 4 * args.decode_ctx)
         print(f"\n# torch paged decode attention, one layer, batch {args.decode_batch}, context "
               f"{4 * args.decode_ctx}, interleaved (vs = bf16 median / median)\n")
@@ -424,10 +553,13 @@ def main(argv: list[str] | None = None) -> None:
         _pruning_scenario(result, Path(args.models) / "recall", args.sequences)
     if "decode" not in args.skip:
         result["decode"] = [] if "engine_decode" in args.skip else decode_rows(
-            args.decode_batch, args.decode_ctx, args.decode_steps, getattr(torch, args.decode_dtype))
+            args.decode_batch, args.decode_ctx, args.decode_steps, getattr(torch, args.decode_dtype),
+            repeats=args.decode_repeats, names=args.decode_recipes)
         print(f"\n# decode at batch {args.decode_batch}, context {args.decode_ctx}, model {args.decode_dtype}, "
-              f"{args.threads} threads (ms per step: min / median / max)\n")
+              f"{args.threads} threads, {args.decode_repeats * args.decode_steps} steps each, interleaved step by "
+              "step (ms per step: min / median / max)\n")
         print(format_table(result["decode"]))
+    if "decode" not in args.skip and "layer_decode" not in args.skip:
         result["layer_decode"] = layer_decode_rows(args.decode_batch, 4 * args.decode_ctx, 20,
                                                    getattr(torch, args.decode_dtype))
         print(f"\n# one layer's decode step (min of 20), batch {args.decode_batch}, context {4 * args.decode_ctx}; "

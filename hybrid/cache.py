@@ -10,10 +10,10 @@
 - :class:`HybridCache` owns both, sized from a byte budget or an explicit block count.
 
 Compressed caches (:mod:`hybrid.kernels.kv_quant`): an int8 / fp8 KV pool keeps ``scales[layer] =
-(k_scale, v_scale)``, ``[num_blocks + 1, Hkv]`` fp32, beside its pages (a block's scales are zeroed when it
-is handed out, and copied with it); an int8 state pool one fp32 scale per head (group) of each row. The
-layers reach their state rows only through :class:`StatePool` (``read`` / ``write`` / ``step``), so a
-compressed state costs each layer no code of its own.
+(k_scale, v_scale)``, ``[num_blocks + 1, block_size, Hkv]`` (fp16, one per token slot and KV head) beside its
+pages (a slot's scale is written with its codes and moves or is copied with them); an int8 state pool one
+fp32 scale per head (group) of each row. The layers reach their state rows only through :class:`StatePool`
+(``read`` / ``write`` / ``step``), so a compressed state costs each layer no code of its own.
 
 This module only stores and allocates; which sequence holds which blocks and slot is the business of
 :class:`hybrid.cache_manager.CacheManager`, the one place that hands them out.
@@ -108,10 +108,13 @@ class PagedKVCache:
         physical = self.num_blocks + 1 if layers else 0  # + the null block
         self.pools = {i: tuple(torch.zeros(s.pool_shape(physical, block_size), dtype=s.dtype, device=device)
                                for _ in "kv") for i, s in layers.items()}
-        # quantised layers: fp32 scales per block and KV head, [physical, Hkv] for K and for V
-        self.scales = {i: tuple(torch.zeros(physical, s.n_kv_heads, dtype=torch.float32, device=device) for _ in "kv")
+        # quantised layers: a scale per token slot and KV head, [physical, block_size, Hkv] for K and for V. A
+        # slot's scale is written with its codes, and attention reads only written slots, so a block handed out
+        # again needs no reset (what its last owner left is never read)
+        self.scales = {i: tuple(torch.zeros(physical, block_size, s.n_kv_heads, dtype=s.scale_dtype, device=device)
+                                for _ in "kv")
                        for i, s in layers.items() if kv_quant.is_quantized(s.dtype)}
-        self.allocator = BlockAllocator(self.num_blocks, self._reset_scales if self.scales else None)
+        self.allocator = BlockAllocator(self.num_blocks)
         self.bytes_per_token = spec.kv_bytes_per_token
         self.bytes_per_block = spec.kv_bytes_per_block(block_size)
         self.physical_blocks = physical
@@ -166,8 +169,8 @@ class PagedKVCache:
         """Move each layer's kept tokens to the front of ``blocks``: ``kept[layer] [Hkv, n]`` lists per KV head
         the token indices (into ``blocks``) to keep, and slot ``j`` then holds, for every head ``h``, head
         ``h``'s ``kept[layer][h, j]``-th token. All kept tokens are read before any is written, so the move is
-        in place; a quantised layer's tokens are dequantised and re-quantised into fresh scales of the front
-        blocks (those blocks hold nothing else)."""
+        in place; a quantised layer's codes move with their per-token scales, exactly (nothing is
+        re-quantised)."""
         bs = self.block_size
         for i, idx in kept.items():
             device = self.pools[i][0].device
@@ -177,22 +180,10 @@ class PagedKVCache:
             heads = torch.arange(Hkv, device=device)
             front = torch.arange(n, device=device)
             dst = table[front // bs] * bs + front % bs
-            for pool, scale in zip(self.pools[i], self.scales.get(i, (None, None)), strict=True):
-                flat = _raw(pool).view(-1, *pool.shape[2:])
-                moved = flat[src.T, heads[None, :]]  # [n, Hkv, D] codes or values
-                if scale is None:
-                    flat.index_copy_(0, dst, moved)
-                    continue
-                values = kv_quant.dequantize(moved.view(pool.dtype), scale[src.T // bs, heads[None, :]][..., None])
-                scale.index_fill_(0, table[:-(-n // bs)], 0.0)
-                kv_quant.write_kv_quantized(pool, scale, values, dst)
-
-    def _reset_scales(self, blocks: list[int]) -> None:
-        # a block handed out afresh starts with scale 0 (its first write sets it), not its last owner's
-        idx = torch.tensor(blocks, device=next(iter(self.scales.values()))[0].device)
-        for k_scale, v_scale in self.scales.values():
-            k_scale.index_fill_(0, idx, 0.0)
-            v_scale.index_fill_(0, idx, 0.0)
+            # codes or values [NB, BS, Hkv, D], and a quantised layer's scales [NB, BS, Hkv]
+            for t in (*self.pools[i], *self.scales.get(i, ())):
+                flat = _raw(t).view(-1, *t.shape[2:])
+                flat.index_copy_(0, dst, flat[src.T, heads[None, :]])  # gathered (a copy) before the write
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src``'s K/V (and scales) of every layer into ``dst`` (copy on write of a partial block)."""
@@ -390,7 +381,7 @@ class SSMStateCache:
 
 @dataclass(frozen=True)
 class CacheReport:
-    kv_bytes_per_token: int  # K/V element bytes (a quantised pool's block scales: in kv_bytes_per_block)
+    kv_bytes_per_token: int  # K/V bytes, a quantised pool's per-token scales included
     state_bytes_per_sequence: int  # conv + SSM state, scales included
     bytes_total: int
     bytes_in_use: int

@@ -67,7 +67,7 @@ def _add_cache_dtype_args(p: argparse.ArgumentParser) -> None:
     from .kernels.kv_quant import KV_DTYPES, STATE_DTYPES
 
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPES),
-                   help="K/V cache storage (int8 / fp8: per-block, per-KV-head scales; default: the model's dtype)")
+                   help="K/V cache storage (int8 / fp8: per-token, per-KV-head scales; default: the model's dtype)")
     p.add_argument("--state-dtype", choices=sorted(STATE_DTYPES),
                    help="Mamba SSM + conv state storage (int8: per-head scales; default: fp32 SSM state)")
 

@@ -6,8 +6,9 @@ Each mixer class declares its cache with ``cache_spec(config, dtypes)``: attenti
 allocate their pools from these specs, and ``HybridLM.kv_bytes_per_token``, ``hybrid info``, ``hybrid bench``,
 the engine benchmark and the tradeoff report read their byte counts from the same objects, so they agree
 with what the cache really holds by construction. A compressed cache is a dtype on the spec: int8 / fp8
-K/V pages carry one fp32 scale per block and KV head, int8 Mamba state one fp32 scale per head (group) of
-each row, and the byte counts include those scales (:mod:`hybrid.kernels.kv_quant`).
+K/V pages carry one scale per token and KV head (fp16, :data:`hybrid.kernels.kv_quant.KV_SCALE_DTYPE`), int8
+Mamba state one fp32 scale per head (group) of each row, and the byte counts include those scales
+(:mod:`hybrid.kernels.kv_quant`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from .config import HybridConfig
+from .kernels import kv_quant
 from .kernels.kv_quant import is_quantized
 
-SCALE_BYTES = 4  # one fp32 scale
-DEFAULT_BLOCK_SIZE = 16  # the engine's KV block size, used to count block scales where no block size is given
+SCALE_BYTES = 4  # one fp32 scale (of the int8 Mamba state rows)
+DEFAULT_BLOCK_SIZE = 16  # the engine's KV block size
 
 
 @dataclass(frozen=True)
@@ -50,17 +52,22 @@ class AttentionSpec:
     dtype: torch.dtype
 
     @property
-    def bytes_per_token(self) -> int:
-        """K and V element bytes of one token (the block scales of a quantised pool come on top)."""
-        return 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+    def scale_dtype(self) -> torch.dtype:
+        """The dtype of a quantised pool's per-token scales (read when asked, so the benchmark can vary it)."""
+        return kv_quant.KV_SCALE_DTYPE
 
     @property
-    def scale_bytes_per_block(self) -> int:
-        """The fp32 K and V scales per KV head of one block of a quantised (int8 / fp8) pool; 0 otherwise."""
-        return 2 * self.n_kv_heads * SCALE_BYTES if is_quantized(self.dtype) else 0
+    def scale_bytes_per_token(self) -> int:
+        """The K and V scales per KV head of one token of a quantised (int8 / fp8) pool; 0 otherwise."""
+        return 2 * self.n_kv_heads * self.scale_dtype.itemsize if is_quantized(self.dtype) else 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token: elements, and a quantised pool's per-token scales."""
+        return 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize + self.scale_bytes_per_token
 
     def bytes_per_block(self, block_size: int) -> int:
-        return self.bytes_per_token * block_size + self.scale_bytes_per_block
+        return self.bytes_per_token * block_size
 
     def pool_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of the K pool (and of the V pool) of this layer."""
@@ -123,16 +130,17 @@ class ModelCacheSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K/V element bytes one token costs across all attention layers (block scales not included: see
-        :meth:`kv_bytes_per_block`)."""
+        """K/V bytes one token costs across all attention layers (a quantised pool's per-token scales
+        included)."""
         return sum(s.bytes_per_token for s in self.attention.values())
 
     def kv_bytes_per_block(self, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-        """Bytes of one KV block across all attention layers, block scales included: what the pool allocates."""
+        """Bytes of one KV block across all attention layers, scales included: what the pool allocates."""
         return sum(s.bytes_per_block(block_size) for s in self.attention.values())
 
     def kv_bytes_per_token_with_scales(self, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
-        """K/V bytes per token with the block scales spread over the block's tokens."""
+        """K/V bytes per token, scales included (per token since the scales are: :attr:`kv_bytes_per_token`;
+        ``block_size`` is kept for callers that count per block)."""
         return self.kv_bytes_per_block(block_size) / block_size
 
     @property
@@ -151,14 +159,11 @@ class ModelCacheSpec:
     def bytes_per_sequence(self, seq_len: int, block_size: int | None = None) -> int:
         """Cache bytes one sequence of ``seq_len`` tokens holds: its K/V (whole blocks of ``block_size``
         when given, as the paged cache allocates them; a sliding window keeps at most ``window`` tokens)
-        plus its Mamba state. A quantised pool's block scales count per block (of ``block_size``, else of
-        the default 16 spread over the tokens)."""
+        plus its Mamba state; a quantised pool's per-token scales included."""
         held = seq_len if self.window is None else min(seq_len, self.window)
-        scales = sum(s.scale_bytes_per_block for s in self.attention.values())
         if block_size is not None:
-            blocks = -(-held // block_size)
-            return blocks * (block_size * self.kv_bytes_per_token + scales) + self.state_bytes_per_sequence
-        return held * self.kv_bytes_per_token + (held * scales) // DEFAULT_BLOCK_SIZE + self.state_bytes_per_sequence
+            held = -(-held // block_size) * block_size
+        return held * self.kv_bytes_per_token + self.state_bytes_per_sequence
 
 
 def cache_specs(config: HybridConfig, dtypes: CacheDtypes) -> ModelCacheSpec:

@@ -85,7 +85,7 @@ dispatch.register("causal_attention", "torch", _causal_attention_torch)
 def _flash_attn_fwd_kernel(
     Q, K, V, O, cu_q, cu_k, k_lens, block_tables, K_scale, V_scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_bt, stride_sb, scale_log2, window,
+    stride_ot, stride_oh, stride_bt, stride_sb, stride_st, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, QUANT: tl.constexpr,
@@ -132,8 +132,9 @@ def _flash_attn_fwd_kernel(
             v_rows = (k_start + offs_n).to(tl.int64) * stride_vt
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(K + k_rows[:, None] + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if QUANT:  # paged int8 / fp8 codes times their block's scale (kv_quant), dequantised in registers
-            ks = tl.load(K_scale + blk * stride_sb + kvh, mask=n_valid, other=0.0)
+        if QUANT:  # paged int8 / fp8 codes times their token's scale (kv_quant), dequantised in registers
+            s_rows = blk * stride_sb + (offs_n % PAGE) * stride_st + kvh
+            ks = tl.load(K_scale + s_rows, mask=n_valid, other=0.0).to(tl.float32)
             k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
@@ -147,7 +148,7 @@ def _flash_attn_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + v_rows[:, None] + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         if QUANT:
-            vs = tl.load(V_scale + blk * stride_sb + kvh, mask=n_valid, other=0.0)
+            vs = tl.load(V_scale + s_rows, mask=n_valid, other=0.0).to(tl.float32)
             v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -163,7 +164,7 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the flash kernel. q: [T, Hq, D]; either contiguous k, v: [Tk, Hkv, D] with
     ``cu_seqlens_k`` [B+1], or pools [NB, BS, Hkv, D] with ``seq_lens`` [B] and ``block_tables``
-    [B, MB] (int8 / fp8 pools with their block scales ``k_scale, v_scale [NB, Hkv]``). Returns [T, Hq, D].
+    [B, MB] (int8 / fp8 pools with their per-token scales ``k_scale, v_scale [NB, BS, Hkv]``). Returns [T, Hq, D].
     ``max_seqlen_q`` saves a host sync when the caller knows it."""
     quant = k_scale is not None
     if quant and block_tables is None:
@@ -195,7 +196,8 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         q, k, v, out, cu_seqlens_q, dummy if paged else cu_seqlens_k, seq_lens if paged else dummy,
         block_tables if paged else dummy, k_scale, v_scale,
         q.stride(0), q.stride(1), *kv, out.stride(0), out.stride(1),
-        block_tables.stride(0) if paged else 0, k_scale.stride(0) if quant else 0, scale * _LOG2E, window or 0,
+        block_tables.stride(0) if paged else 0, k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0,
+        scale * _LOG2E, window or 0,
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=next_pow2(D, 16), BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, PAGE=page, HAS_WINDOW=window is not None, PRECISION=dot_precision(q.dtype),
         QUANT=quant, num_warps=warps,

@@ -8,9 +8,9 @@ Paged pool: ``k_pool, v_pool: [num_blocks, block_size, Hkv, D]``; ``block_tables
 in the cache *including* the new ones (written with :func:`write_kv` before attending). Token
 ``p`` of sequence ``b`` lives at slot ``block_tables[b, p // block_size] * block_size + p % block_size``.
 
-Quantised pools (int8 / fp8, :mod:`.kv_quant`) come with ``k_scale, v_scale: [num_blocks, Hkv]`` (fp32,
-one per block and KV head): :func:`write_kv` quantises into them, the torch ops dequantise the pages they
-gather, the Triton kernels load codes and scales and dequantise in registers.
+Quantised pools (int8 / fp8, :mod:`.kv_quant`) come with ``k_scale, v_scale: [num_blocks, block_size, Hkv]``
+(one scale per token slot and KV head, fp16): :func:`write_kv` quantises into them, the torch ops dequantise
+the pages they gather, the Triton kernels load each token's codes and scale and dequantise in registers.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: tor
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
     """Scatter new keys/values into the pool. k, v: [T, Hkv, D]; slot_mapping: [T] int64 slots. A quantised
-    pool (with its block scales) gets codes, its scales grown where needed (:func:`.kv_quant.write_kv_quantized`)."""
+    pool gets codes and each token's scales (:func:`.kv_quant.write_kv_quantized`)."""
     if k_scale is not None:
         kv_quant.write_kv_quantized(k_pool, k_scale, k, slot_mapping)
         kv_quant.write_kv_quantized(v_pool, v_scale, v, slot_mapping)
@@ -44,7 +44,7 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: tor
 def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, n: int, scale: torch.Tensor | None = None,
               dtype: torch.dtype | None = None) -> torch.Tensor:
     """The first ``n`` cached tokens of one sequence, contiguous: [n, Hkv, D] (a copy of n tokens), in
-    ``dtype`` when given; a quantised pool's pages are dequantised with their block ``scale`` (default fp32)."""
+    ``dtype`` when given; a quantised pool's pages are dequantised with their per-token ``scale`` (default fp32)."""
     bs = pool.shape[1]
     blocks = block_table[: (n + bs - 1) // bs].long()
     pages = pool[blocks]
@@ -101,9 +101,9 @@ def _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale=None, v_scal
     if kv_quant.is_quantized(k_pool.dtype) != (k_scale is not None) or (k_scale is None) != (v_scale is None):
         raise ValueError(f"paged attention: a quantised (int8/fp8) pool needs k_scale and v_scale, a {k_pool.dtype} "
                          f"pool takes none (got k_scale {k_scale is not None}, v_scale {v_scale is not None})")
-    if k_scale is not None and (k_scale.shape != (k_pool.shape[0], k_pool.shape[2]) or v_scale.shape != k_scale.shape):
-        raise ValueError(f"paged attention: scales must be [blocks, Hkv] = {(k_pool.shape[0], k_pool.shape[2])}, "
-                         f"got {tuple(k_scale.shape)}, {tuple(v_scale.shape)}")
+    if k_scale is not None and (k_scale.shape != k_pool.shape[:3] or v_scale.shape != k_scale.shape):
+        raise ValueError(f"paged attention: scales must be per token, [blocks, block_size, Hkv] = "
+                         f"{tuple(k_pool.shape[:3])}, got {tuple(k_scale.shape)}, {tuple(v_scale.shape)}")
     if k_pool.shape != v_pool.shape or k_pool.dim() != 4 or q.shape[-1] != k_pool.shape[-1]:
         raise ValueError(f"paged attention: pools must be [blocks, block_size, Hkv, D] with D = {q.shape[-1]}, "
                          f"got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
@@ -124,7 +124,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     q: [T, Hq, D]; pools [NB, BS, Hkv, D]; cu_seqlens_q: [B+1]; seq_lens: [B] (history + new);
     block_tables: [B, MB] -> [T, Hq, D]. The new tokens of sequence b are its last
     ``cu_seqlens_q[b+1] - cu_seqlens_q[b]`` positions, so this serves whole prompts, chunks of a
-    prompt on top of earlier chunks, and (one token each) decode. Quantised pools pass their block scales.
+    prompt on top of earlier chunks, and (one token each) decode. Quantised pools pass their per-token scales.
     ``sinks``: the first ``sinks`` tokens stay visible beside the window (StreamingLLM, :mod:`hybrid.kv_pruning`;
     the torch path only: the Triton and flash-attn kernels have no sinks).
     """
@@ -209,27 +209,27 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
             k = k_pool.index_select(0, flat).float().view(B, g * BS, Hkv, D)
             v = v_pool.index_select(0, flat).float().view(B, g * BS, Hkv, D)
         else:
-            # quantised pages: only the codes are converted (one pass, as bf16 pages are); the block scales
-            # multiply the scores and the probabilities instead ([B, Hkv, t], D times smaller than K and V)
+            # quantised pages: only the codes are converted (one pass, as bf16 pages are); the per-token
+            # scales multiply the scores and the probabilities instead ([B, Hkv, t], D times smaller than K, V)
             k, fk = kv_quant.codes_to_float(k_pool.index_select(0, flat))
             v, fv = kv_quant.codes_to_float(v_pool.index_select(0, flat))
             k, v = k.view(B, g * BS, Hkv, D), v.view(B, g * BS, Hkv, D)
-            ks = (k_scale[blocks] * fk).permute(0, 2, 1).repeat_interleave(BS, -1)[:, :, None, :]  # [B, Hkv, 1, t]
-            vs = (v_scale[blocks] * fv).permute(0, 2, 1).repeat_interleave(BS, -1)[:, :, None, :]
+            ks = (k_scale[blocks].float() * fk).view(B, g * BS, Hkv).transpose(1, 2)[:, :, None, :]  # [B, Hkv, 1, t]
+            vs = (v_scale[blocks].float() * fv).view(B, g * BS, Hkv).transpose(1, 2)[:, :, None, :]
         pos = torch.arange(c0 * BS, (c0 + g) * BS, device=q.device)
         visible = (pos[None] < lens[:, None]) & ((pos[None] >= first[:, None]) | (pos[None] < sinks))  # [B, t]
         # one bmm per KV head on K's strided [B, t, D] slice (BLAS takes the row stride Hkv * D): an einsum
         # over [B, t, Hkv, D] would first copy K and V into head-major order, a second pass over them
         s = torch.stack([torch.bmm(qf[:, h], k[:, :, h].transpose(1, 2)) for h in range(Hkv)], 1)
         if k_scale is not None:
-            s = s * ks
+            s.mul_(ks)  # in place: the scores are this loop's own, and a fresh [B, Hkv, rep, t] costs page faults
         s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet
         p = torch.exp(s - m_safe[..., None])
         corr = torch.exp(m - m_safe)
         l = l * corr + p.sum(-1)
-        pv = p if v_scale is None else p * vs
+        pv = p if v_scale is None else p.mul_(vs)
         acc = acc * corr[..., None] + torch.stack([torch.bmm(pv[:, h], v[:, :, h]) for h in range(Hkv)], 1)
         m = m_new
     return (acc / l[..., None]).view(B, Hq, D).to(q.dtype)
@@ -240,7 +240,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            scale: float | None = None, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, sinks: int = 0) -> torch.Tensor:
     """One new token per sequence over its paged history. q: [B, Hq, D] -> [B, Hq, D]. Quantised pools
-    pass their block scales; ``sinks`` as in :func:`paged_prefill_attention` (torch path)."""
+    pass their per-token scales; ``sinks`` as in :func:`paged_prefill_attention` (torch path)."""
     _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale, v_scale)
     if sinks:
         return _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale,
@@ -317,7 +317,8 @@ def _paged_prefill_attention_triton(q, k_pool, v_pool, cu_seqlens_q, seq_lens, b
 def _paged_decode_split_kernel(
     Q, K, V, O_part, LSE_part, seq_lens, block_tables, K_scale, V_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_bt, stride_sb, scale_log2, window, split_len,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_bt, stride_sb, stride_st, scale_log2, window,
+    split_len,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     QUANT: tl.constexpr,
@@ -349,8 +350,9 @@ def _paged_decode_split_kernel(
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(K + (blk * stride_kb + (offs_n % PAGE) * stride_kt)[:, None] + kvh * stride_kh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        if QUANT:  # int8 / fp8 codes times their block's scale, dequantised in registers
-            ks = tl.load(K_scale + blk * stride_sb + kvh, mask=n_valid, other=0.0)
+        if QUANT:  # int8 / fp8 codes times their token's scale, dequantised in registers
+            s_rows = blk * stride_sb + (offs_n % PAGE) * stride_st + kvh
+            ks = tl.load(K_scale + s_rows, mask=n_valid, other=0.0).to(tl.float32)
             k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(n_valid[None, :], s, float("-inf"))
@@ -362,7 +364,7 @@ def _paged_decode_split_kernel(
         v = tl.load(V + (blk * stride_vb + (offs_n % PAGE) * stride_vt)[:, None] + kvh * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
         if QUANT:
-            vs = tl.load(V_scale + blk * stride_sb + kvh, mask=n_valid, other=0.0)
+            vs = tl.load(V_scale + s_rows, mask=n_valid, other=0.0).to(tl.float32)
             v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -405,7 +407,7 @@ def decode_splits(batch: int, kv_heads: int, max_context: int) -> int:
 def paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
                                   num_splits=None, k_scale=None, v_scale=None):
     """The split decode launch. q: [B, Hq, D] -> [B, Hq, D]; ``num_splits`` None picks by shape; quantised
-    pools with their block scales ``k_scale, v_scale [NB, Hkv]``."""
+    pools with their per-token scales ``k_scale, v_scale [NB, BS, Hkv]``."""
     B, Hq, D = q.shape
     page, Hkv = k_pool.shape[1], k_pool.shape[2]
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -428,7 +430,7 @@ def paged_decode_attention_triton(q, k_pool, v_pool, seq_lens, block_tables, *, 
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), block_tables.stride(0), k_scale.stride(0) if quant else 0,
-        scale * _LOG2E, window or 0, split_len,
+        k_scale.stride(1) if quant else 0, scale * _LOG2E, window or 0, split_len,
         GROUP=Hq // Hkv, BLOCK_G=next_pow2(Hq // Hkv, 16), HEAD_DIM=D, BLOCK_D=next_pow2(D, 16), BLOCK_N=block_n,
         PAGE=page, HAS_WINDOW=window is not None, PRECISION=dot_precision(q.dtype), QUANT=quant,
     )

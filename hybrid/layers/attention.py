@@ -60,7 +60,7 @@ class Attention(nn.Module):
         Writes the new K/V into the paged pools, then attends over each sequence's cached history
         through its block table; the batch's one-token sequences (``batch.decode``) take the decode op,
         the rest (``batch.prefill``: prompts and prompt chunks) the prefill op. An int8 / fp8 pool comes
-        with its block scales (``k_scale``, ``v_scale``): the write quantises, the ops dequantise. A KV pruning
+        with its per-token scales (``k_scale``, ``v_scale``): the write quantises, the ops dequantise. A KV pruning
         policy (:mod:`hybrid.kv_pruning`) gives ``visible = (window, sinks)`` in place of the layer's window
         (StreamingLLM), or ``observe(batch, q)``, which keeps the queries of SnapKV's observation window.
         ``batch.seq_lens`` count the tokens in each sequence's blocks, ``batch.positions`` the RoPE positions.
