@@ -123,13 +123,15 @@ class PagedKVCache:
 
     def layer_pools(self, i: int) -> tuple:
         """What attention layer ``i``'s ``forward_packed`` takes: (k_pool, v_pool[, k_scale, v_scale]), and with
-        a pruning policy the scales (or None) and the visible span ``(window, sinks)`` (StreamingLLM), or no
+        a pruning policy the scales (or None) and the visible span ``(window, sinks, renumber)`` (StreamingLLM;
+        ``renumber``: whether positions count within the cache, :mod:`hybrid.kv_pruning`), or no
         span and the layer's query observer (SnapKV: :meth:`hybrid.kv_pruning.QueryCapture.layer`)."""
         if self.pruning is None:
             return (*self.pools[i], *self.scales.get(i, ()))
         if self.capture is not None:
             return (*self.pools[i], *self.scales.get(i, (None, None)), None, self.capture.layer(i))
-        return (*self.pools[i], *self.scales.get(i, (None, None)), (self.window, self.sinks))
+        renumber = bool(self.sinks) and self.pruning.renumber
+        return (*self.pools[i], *self.scales.get(i, (None, None)), (self.window, self.sinks, renumber))
 
     def set_pruning(self, policy) -> None:
         """A :class:`hybrid.kv_pruning.StreamingLLM` attends only to ``policy.sinks`` first tokens and the last
