@@ -1,21 +1,22 @@
 """Does StreamingLLM's position re-numbering matter? A model trained in a short context, run 4x past it.
 
-Setup (cheap, and a model that has learned something positional): the MQAR family's all-attention member
+Setup (cheap, and a model that has learned something): the MQAR family's all-attention member
 (``mqar.build_model("tiny", 1.0, 4)``: 4 GQA attention mixers with RoPE, d_model 64, residual outputs zeroed)
-trained with ``mqar.train`` for ``TrainSetup.steps`` steps on *periodic sequences* of ``context`` tokens: a
-random pattern of P distinct tokens (P drawn from ``periods``) repeated; every token after the first period is
-predictable from the one P back. Then sequences of ``factor * context`` tokens run through the engine's cache
-path (:func:`.pruning_recall.pruned_logits`: a short prompt prefilled, every further token one decode step,
-StreamingLLM trims after each) with
+trained with ``mqar.train`` (plain MQAR, its pair curriculum over ``pairs``) for ``TrainSetup.steps`` steps,
+so on sequences of at most ``context = 4 * max(pairs)`` tokens. Then sequences of ``factor * context`` tokens
+made of MQAR *segments* (:func:`segment_batch`: each segment its own key-value pairs and then its queries,
+keys distinct over the sequence), so every lookup is local, inside any window that covers a segment, run
+through the engine's cache path (:func:`.pruning_recall.pruned_logits`: a short prompt
+prefilled, every further token one decode step, StreamingLLM trims after each) with
 
 - the full cache (every key visible, distances up to the whole length: past what training saw),
 - StreamingLLM(sinks, window) with ``renumber=True`` (the paper: distances to the sinks at most
   ``sinks + window - 1``, inside the trained context),
 - the same with ``renumber=False`` (the sinks at their real distances, up to the whole length),
-- window only (``sinks=0``: the paper's "window attention" baseline).
+- window only (``sinks=0``, the same budget: the paper's "window attention" baseline).
 
-Reported per cache: next-token accuracy and mean NLL on the predictable tokens past the trained context
-(positions ``>= context``) and inside it, and top-1 agreement with the full cache. ``python -m
+Reported per cache: MQAR accuracy and mean NLL of the queried values inside the trained context
+(positions ``< context``) and past it, and top-1 agreement with the full cache there. ``python -m
 hybrid.eval.streaming_positions --threads 2`` (wrap it in ``flock /tmp/bench.lock`` on a shared machine).
 """
 
@@ -35,45 +36,49 @@ from .pruning_recall import pruned_logits
 
 @dataclass(frozen=True)
 class TrainSetup:
-    context: int = 64  # the trained sequence length
-    periods: tuple[int, int] = (2, 24)  # pattern lengths drawn from this range (inclusive)
+    context: int = 32  # the trained sequence length: MQAR of up to 8 pairs
+    pairs: tuple[int, ...] = (2, 4, 8)  # the pair curriculum of training
+    eval_pairs: int = 4  # pairs of an evaluated segment (16 tokens: inside the window)
     steps: int = 300
     factor: int = 4  # evaluated sequences are factor * context tokens long
     sinks: int = 4
-    window: int = 28  # sinks + window = 32: half the trained context
-    sequences: int = 64
+    window: int = 24  # covers a segment; sinks + window - 1 = 27 < context
+    sequences: int = 128
     prompt: int = 8  # tokens prefilled before the decode steps
 
 
-def periodic_batch(n: int, length: int, periods: tuple[int, int], vocab: int, *, generator: torch.Generator):
-    """``n`` sequences of ``length`` tokens, each a pattern of P distinct tokens (P in ``periods``) repeated;
-    labels are the tokens that the one P back predicts (the first period is IGNORE)."""
-    inputs = torch.empty(n, length, dtype=torch.long)
-    labels = torch.full((n, length), mqar.IGNORE, dtype=torch.long)
-    for i in range(n):
-        p = int(torch.randint(periods[0], periods[1] + 1, (1,), generator=generator))
-        pattern = torch.randperm(vocab - 1, generator=generator)[:p] + 1
-        inputs[i] = pattern.repeat(-(-length // p))[:length]
-        labels[i, p:] = inputs[i, p:]
-    return mqar.MQARBatch(inputs, labels, 0)
+def segment_batch(n: int, length: int, pairs: int, vocab: int, *, generator: torch.Generator) -> mqar.MQARBatch:
+    """``n`` sequences of ``length`` tokens (a multiple of ``4 * pairs``): MQAR segments of ``pairs`` key-value
+    pairs each followed by its queries (each of its keys once, in random order); keys are distinct across the
+    whole sequence, so a lookup has one answer, in its own segment. Labels on the queried values."""
+    per = 4 * pairs
+    segs = length // per
+    if length % per:
+        raise ValueError(f"segment_batch: length {length} is not a multiple of a segment's {per} tokens")
+    base = mqar.make_batch(n, pairs * segs, vocab, generator=generator)  # distinct keys, their values
+    kv = base.inputs[:, :2 * pairs * segs].view(n, segs, pairs, 2)
+    order = torch.rand(n, segs, pairs, generator=generator).argsort(-1)
+    queries = kv.gather(2, order[..., None].expand(-1, -1, -1, 2))
+    inputs = torch.cat([kv.reshape(n, segs, 2 * pairs), queries.reshape(n, segs, 2 * pairs)], -1).reshape(n, -1)
+    labels = torch.full_like(inputs, mqar.IGNORE).view(n, segs, per)
+    labels[:, :, 2 * pairs + 1::2] = queries[..., 1]
+    return mqar.MQARBatch(inputs, labels.reshape(n, -1), pairs)
 
 
 def train_model(setup: TrainSetup, progress: bool = True):
-    cfg = mqar.TrainConfig(steps=setup.steps, seed=0, curriculum=0.0)
+    """Plain MQAR (``mqar.train``'s batches and curriculum) on sequences of at most ``context`` tokens."""
+    cfg = mqar.TrainConfig(steps=setup.steps, seed=0, train_kv_pairs=setup.pairs)
+    if 4 * max(setup.pairs) != setup.context:
+        raise ValueError(f"the trained context is 4 * the largest pair count, {4 * max(setup.pairs)}")
     torch.manual_seed(cfg.seed)
     model = mqar.build_model("tiny", 1.0, 4, cfg)
-
-    def draw(_pairs: int, g: torch.Generator) -> mqar.MQARBatch:
-        return periodic_batch(cfg.tokens_per_step // setup.context, setup.context, setup.periods, cfg.vocab_size,
-                              generator=g)
-
-    losses = mqar.train(model, cfg, desc="train periodic", progress=progress, batch_fn=draw)
+    losses = mqar.train(model, cfg, desc="train MQAR", progress=progress)
     return model.float().eval(), losses
 
 
 def score(logits: torch.Tensor, labels: torch.Tensor, full: torch.Tensor, mask: torch.Tensor) -> dict:
     """``logits``/``full`` [B, n, V] predicting ``labels [B, n]``; the positions where ``mask`` is set."""
-    keep = mask & (labels != mqar.IGNORE)
+    keep = mask & (labels != mqar.IGNORE)  # the queried values
     nll = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
     return {"acc_%": round(100 * float((logits.argmax(-1)[keep] == labels[keep]).float().mean()), 2),
             "nll": round(float(nll), 4),
@@ -86,7 +91,7 @@ def run(setup: TrainSetup, progress: bool = True) -> dict:
     train_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(1234)
     L = setup.factor * setup.context
-    batch = periodic_batch(setup.sequences, L, setup.periods, mqar.TrainConfig().vocab_size, generator=g)
+    batch = segment_batch(setup.sequences, L, setup.eval_pairs, mqar.TrainConfig().vocab_size, generator=g)
     labels = batch.labels[:, setup.prompt:]  # the logits after tokens prompt-1 .. L-2 predict these
     pos = torch.arange(setup.prompt, L).expand_as(labels)
     inside, past = pos < setup.context, pos >= setup.context
