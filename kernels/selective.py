@@ -157,8 +157,11 @@ def _selective_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
     # exp(dt A) [t, d_inner, N] in a reused buffer; a bf16 / fp16 state is updated in an fp32 copy of each
     # tile and rounded back once. One gather and one scatter for a slot pool.
     rows, scatter = slot_rows(state, slots)
-    if not rows.is_contiguous():  # a strided state tensor handed in directly
-        return selective_step_ref(rows, x, dt, A, B, C, D=D)
+    if not rows.is_contiguous() or needs_grad(x, dt, A, B, C, D):  # strided, or autograd recording (see ssd's)
+        y = selective_step_ref(rows, x, dt, A, B, C, D=D)
+        if scatter:
+            state.index_copy_(0, slots, rows)
+        return y
     n, Dm, N = rows.shape
     dt, A = dt.float(), A.float()
     dtx, Bf, Cf = (dt * x.float())[..., None], B.float()[:, None, :], C.float()[..., None]

@@ -238,8 +238,13 @@ def _ssd_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
     # are copied to fp32, updated the same way and rounded back once (ssd_step_ref's arithmetic, without its
     # [B, H, P, N] temporaries).
     rows, scatter = slot_rows(state, slots)
-    if not rows.is_contiguous():  # a strided state tensor handed in directly: the reference's broadcasting ops
-        return ssd_step_ref(rows, x, dt, A, B, C, D=D)
+    # a strided state tensor handed in directly, or autograd recording (the tiles write into out= buffers):
+    # the reference's broadcasting ops, the same arithmetic
+    if not rows.is_contiguous() or needs_grad(x, dt, A, B, C, D):
+        y = ssd_step_ref(rows, x, dt, A, B, C, D=D)
+        if scatter:
+            state.index_copy_(0, slots, rows)
+        return y
     n, H, P, N = rows.shape
     G = B.shape[1]
     rep = H // G

@@ -24,7 +24,8 @@ def scratch(numel: int, device: torch.device, role: int = 0) -> torch.Tensor:
     key = (torch.device(device), role)
     buf = _scratch.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _scratch[key] = torch.empty(numel, device=device)
+        with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode alike
+            buf = _scratch[key] = torch.empty(numel, device=device)
     return buf[:numel]
 
 
