@@ -21,6 +21,8 @@ _scratch: dict = {}
 def scratch(numel: int, device: torch.device, role: int = 0) -> torch.Tensor:
     """A reused fp32 buffer of ``numel`` elements (contents undefined); ``role`` tells apart buffers a step
     needs at the same time."""
+    if torch.compiler.is_compiling():  # inside a compiled graph: its own temporary (Inductor plans the memory)
+        return torch.empty(numel, device=device)
     key = (torch.device(device), role)
     buf = _scratch.get(key)
     if buf is None or buf.numel() < numel:
@@ -36,8 +38,10 @@ def tile_rows(n: int, row_numel: int) -> int:
 
 
 def tiles(n: int, row_numel: int, device: torch.device) -> list[tuple[int, int]]:
-    """The ``(start, end)`` sequence ranges of one step."""
-    t = tile_rows(n, row_numel) if torch.device(device).type == "cpu" else n
+    """The ``(start, end)`` sequence ranges of one step: one range off the CPU and under torch.compile (the
+    compiled decode step: Inductor fuses the passes itself, and a loop would be unrolled into the graph)."""
+    on_cpu = torch.device(device).type == "cpu" and not torch.compiler.is_compiling()
+    t = tile_rows(n, row_numel) if on_cpu else n
     return [(i, min(n, i + t)) for i in range(0, n, t)]
 
 
