@@ -60,7 +60,7 @@ class Attention(nn.Module):
 
     def forward_packed(self, x: torch.Tensor, batch, k_pool: torch.Tensor, v_pool: torch.Tensor,
                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                       visible: tuple[int | None, int] | None = None, observe=None) -> torch.Tensor:
+                       visible: tuple[int | None, int, bool] | None = None, observe=None) -> torch.Tensor:
         """Packed inference: x [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
 
         Writes the new K/V into the paged pools, then attends over each sequence's cached history
