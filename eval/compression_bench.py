@@ -200,7 +200,7 @@ def state_step_rows(batch: int = 32, repeats: int = 15, recipe: str = "hybrid-1t
         pools[name].write(torch.arange(batch + 1), start)
     before_int8 = StatePool((H, P, N), torch.int8, batch + 1, H * P)
     before_int8.write(torch.arange(batch + 1), start)
-    before_int8._row_scales = lambda: False  # the generic dequantise / step / quantise path of before
+    before_int8._fused_layout = lambda: False  # the generic dequantise / step / quantise path of before
     bf16_before = pools["bf16"].data.clone()
     args = (x, dt, A, B, C)
 
@@ -209,11 +209,11 @@ def state_step_rows(batch: int = 32, repeats: int = 15, recipe: str = "hybrid-1t
             pools["int8"].step(ssd.ssd_step, *args, D=D, slots=slots)
 
     variants = {
-        "fp32 state, in place": lambda: pools["fp32"].step(ssd.ssd_step, *args, D=D, slots=slots),
-        "bf16 state, in place (now)": lambda: pools["bf16"].step(ssd.ssd_step, *args, D=D, slots=slots),
+        "fp32 state, in place, tiled": lambda: pools["fp32"].step(ssd.ssd_step, *args, D=D, slots=slots),
+        "bf16 state, tiled (now)": lambda: pools["bf16"].step(ssd.ssd_step, *args, D=D, slots=slots),
         "bf16 state, ssd_step_ref (before)": lambda: step_on_slots(ssd.ssd_step_ref, bf16_before, slots, *args,
                                                                    D=D),
-        "int8 state, fused torch (now)": lambda: pools["int8"].step(ssd.ssd_step, *args, D=D, slots=slots),
+        "int8 state, fused tiled torch (now)": lambda: pools["int8"].step(ssd.ssd_step, *args, D=D, slots=slots),
         "int8 state, fused compiled (opt-in)": compiled_int8,
         "int8 state, dequantise/step/quantise (before)": lambda: before_int8.step(ssd.ssd_step, *args, D=D,
                                                                                   slots=slots),
@@ -222,7 +222,7 @@ def state_step_rows(batch: int = 32, repeats: int = 15, recipe: str = "hybrid-1t
         times = _interleaved(variants, repeats)
     import statistics
 
-    base = statistics.median(1e3 * t for t in times["fp32 state, in place"])
+    base = statistics.median(1e3 * t for t in times["fp32 state, in place, tiled"])
     return [{"batch": batch, **_spread_row(k, v, base)} for k, v in times.items()]
 
 

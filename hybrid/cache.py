@@ -126,13 +126,15 @@ class PagedKVCache:
 
     def layer_pools(self, i: int) -> tuple:
         """What attention layer ``i``'s ``forward_packed`` takes: (k_pool, v_pool[, k_scale, v_scale]), and with
-        a pruning policy the scales (or None) and the visible span ``(window, sinks)`` (StreamingLLM), or no
+        a pruning policy the scales (or None) and the visible span ``(window, sinks, renumber)`` (StreamingLLM;
+        ``renumber``: whether positions count within the cache, :mod:`hybrid.kv_pruning`), or no
         span and the layer's query observer (SnapKV: :meth:`hybrid.kv_pruning.QueryCapture.layer`)."""
         if self.pruning is None:
             return (*self.pools[i], *self.scales.get(i, ()))
         if self.capture is not None:
             return (*self.pools[i], *self.scales.get(i, (None, None)), None, self.capture.layer(i))
-        return (*self.pools[i], *self.scales.get(i, (None, None)), (self.window, self.sinks))
+        renumber = bool(self.sinks) and self.pruning.renumber
+        return (*self.pools[i], *self.scales.get(i, (None, None)), (self.window, self.sinks, renumber))
 
     def set_pruning(self, policy) -> None:
         """A :class:`hybrid.kv_pruning.StreamingLLM` attends only to ``policy.sinks`` first tokens and the last
@@ -242,8 +244,8 @@ class StatePool:
     - ``step(op, *args, slots=slots, **kw)`` runs an in-place one-token kernel (``ssd_step``, ...) on the
       rows: on the pool itself for float storage (exactly the kernel call of an uncompressed cache); for
       int8, the op's own int8 step where it has one (``ssd_step`` ->
-      :func:`hybrid.kernels.int8_state_step.ssd_step_int8`, on the codes), else on a dequantised copy that
-      is written back.
+      :func:`hybrid.kernels.int8_state_step.ssd_step_int8`, ``selective_step`` -> ``selective_step_int8``, on
+      the codes), else on a dequantised copy that is written back (the conv step).
 
     ``pool[slots]`` / ``pool[slots] = value`` are ``read`` / ``write``. ``stochastic`` rounds writes of
     int8 and bf16 rows stochastically (unbiased) instead of to nearest.
@@ -287,7 +289,7 @@ class StatePool:
     def step(self, op, *args, slots: torch.Tensor, **kw) -> torch.Tensor:
         if not self.quantized and not self.stochastic:
             return op(self.data, *args, slots=slots, **kw)
-        if self.quantized and not self.stochastic and self._row_scales():
+        if self.quantized and not self.stochastic and self._fused_layout():
             fused = kv_quant.fused_int8_step(op)  # the SSD step on the codes: no dequantised copy of the rows
             if fused is not None:
                 return fused(self.data, self.scale, *args, slots=slots, **kw)
@@ -296,9 +298,12 @@ class StatePool:
         self.write(slots, rows)
         return y
 
-    def _row_scales(self) -> bool:
-        """Whether the scales are one per last-dimension row (what the fused int8 steps take)."""
-        return self.data.dim() == 4 and self.groups == self.data.shape[1] * self.data.shape[2]
+    def _fused_layout(self) -> bool:
+        """Whether the scales have the layout the fused int8 steps take: one per last-dimension row of a Mamba-2
+        state ``[H, P, N]``, or one per group of whole channels of a Mamba-1 state ``[d_inner, N]``."""
+        if self.data.dim() == 4:
+            return self.groups == self.data.shape[1] * self.data.shape[2]
+        return self.data.dim() == 3 and self.data.shape[1] % self.groups == 0
 
     def zero_(self, slot: int) -> None:
         self.data[slot].zero_()

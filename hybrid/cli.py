@@ -84,7 +84,9 @@ def _kv_pruning(text: str):
 def _add_pruning_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pruning", type=_kv_pruning, default=None, metavar="POLICY",
                    help="prune the KV cache: snapkv:budget=N[,window=32,kernel=7,pooling=max|avg] (prompt "
-                        "compression) or streaming:sinks=4,window=1020 (attention sinks + recent window)")
+                        "compression) or streaming:sinks=4,window=1020[,renumber=1] (attention sinks + recent window; "
+                        "renumber=1, the default, numbers positions within the cache as the paper does, 0 keeps "
+                        "the real positions)")
 
 
 def cmd_bench(args) -> None:

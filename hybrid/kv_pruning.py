@@ -7,12 +7,18 @@ sliding window takes, with the sink blocks kept), so a sequence holds at most
 ``ceil(sinks / block_size) + ceil(window / block_size) + 1`` blocks however long it gets. The attention ops
 take ``sinks`` beside ``window`` (:mod:`hybrid.kernels.paged_attention`).
 
-Positions: the cache stores keys with RoPE already applied at their original positions, so a kept token
-keeps its original position; the paper instead re-numbers positions within the cache (rotating keys when
-they are read), which matters once a sequence runs past the model's training context. Inside the trained
-context the two agree on which tokens are seen; re-numbering is not implemented (it needs un-rotated keys
-in the cache). The KV length of a sequence therefore equals its next position, and nothing in the
-metadata changes.
+Positions (``renumber=True``, the default): the paper numbers positions within the cache, not the text: the
+``sinks`` sinks sit at cache positions ``0..sinks-1`` and the window right after them, the query last (a query
+at real position ``p`` sees its last ``window`` tokens, itself included, so from ``p >= sinks + window - 1`` on
+it is at cache position ``sinks + window - 1``). Under RoPE a score depends only on the query position minus
+the key position, and the window keys are contiguous in both numberings: they keep their true distances to
+the query, only the sinks move (the distance to sink ``i`` becomes ``min(p, sinks + window - 1) - i`` instead
+of ``p - i``). So the cache keeps the keys RoPE-rotated at their real positions, and the attention layer rotates
+each query a second time, at :meth:`StreamingLLM.sink_position` ``min(p, sinks + window - 1)``; the attention
+ops score the sink keys with that query and the window keys with the normal one (``q_sinks``). Exact, no cache
+rewrite, and int8 / fp8 pages work unchanged. ``renumber=False`` keeps every token at its real position (what
+this module did before): inside ``sinks + window`` tokens the two agree, past it they differ. The KV length of a
+sequence equals its next position either way, and nothing in the metadata changes.
 
 SnapKV (Li et al., 2024, :class:`SnapKV`): after a sequence's prompt is prefilled, each attention layer scores
 every prompt position, per KV head, by the softmax attention the last ``window`` prompt queries (the observation
@@ -50,19 +56,39 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class StreamingLLM:
-    """Attention sinks + recent window: the first ``sinks`` tokens and the last ``window`` stay visible."""
+    """Attention sinks + recent window: the first ``sinks`` tokens and the last ``window`` stay visible; with
+    ``renumber`` (the paper's way) positions count within the cache (module docstring)."""
 
     sinks: int = 4
     window: int = 1020
+    renumber: bool = True
 
     def __post_init__(self) -> None:
         if self.sinks < 0 or self.window < 1:
             raise ValueError(f"StreamingLLM needs sinks >= 0 and window >= 1, got sinks={self.sinks}, "
                              f"window={self.window}")
+        if not isinstance(self.renumber, bool):
+            raise ValueError(f"StreamingLLM renumber must be True or False (0 or 1 on the command line), "
+                             f"got {self.renumber!r}")
 
     def visible(self, key_pos: int, query_pos: int) -> bool:
         """Whether the token at ``key_pos`` is attended by the query at ``query_pos`` (the reference rule)."""
         return key_pos <= query_pos and (key_pos < self.sinks or query_pos - key_pos < self.window)
+
+    def cache_positions(self, query_pos: int) -> tuple[list[int], list[int]]:
+        """The paper's numbering for the query at ``query_pos``: (the real positions of the keys it sees, in
+        order, and the position each has in the cache); the query's own is the last. Without ``renumber`` the
+        cache positions are the real ones."""
+        seen = [j for j in range(query_pos + 1) if self.visible(j, query_pos)]
+        return seen, (list(range(len(seen))) if self.renumber else seen)
+
+    @staticmethod
+    def sink_position(positions: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+        """Where a query at real position ``positions`` sits in the paper's cache numbering: the position its
+        second rotation (the one that scores the sink keys) takes, ``min(p, sinks + window - 1)``. Keys at
+        ``< sinks`` are then ``p' - i`` away, as in the paper; a query whose window still overlaps the sinks
+        (``p < sinks + window - 1``) sees positions ``0..p`` and is not moved."""
+        return positions.clamp_max(sinks + window - 1)
 
 
 POOLINGS = ("max", "avg")
@@ -158,19 +184,25 @@ _POLICIES = {"snapkv": SnapKV, "streaming": StreamingLLM}
 
 
 def parse_policy(text: str) -> SnapKV | StreamingLLM:
-    """``snapkv:budget=512,window=32,kernel=7,pooling=max`` or ``streaming:sinks=4,window=1020`` (fields left
-    out take their defaults) -> the policy; what ``--kv-pruning`` takes."""
+    """``snapkv:budget=512,window=32,kernel=7,pooling=max`` or ``streaming:sinks=4,window=1020,renumber=1``
+    (fields left out take their defaults) -> the policy; what ``--kv-pruning`` takes."""
     name, _, fields = text.partition(":")
     cls = _POLICIES.get(name.strip().lower())
     if cls is None:
         raise ValueError(f"unknown KV pruning policy {name!r}: write "
-                         "snapkv:budget=N[,window=W,kernel=K,pooling=max|avg] or streaming:sinks=S,window=W")
+                         "snapkv:budget=N[,window=W,kernel=K,pooling=max|avg] or "
+                         "streaming:sinks=S,window=W[,renumber=0|1]")
     known = {f.name: f.type for f in cls.__dataclass_fields__.values()}
     kw = {}
     for item in filter(None, (f.strip() for f in fields.split(","))):
         key, eq, value = item.partition("=")
         if not eq or key not in known:
             raise ValueError(f"{name}: cannot read {item!r}; fields are {', '.join(known)} (as key=value)")
+        if key == "renumber":
+            if value not in ("0", "1"):
+                raise ValueError(f"{name}: renumber must be 0 or 1, got {value!r}")
+            kw[key] = value == "1"
+            continue
         try:
             kw[key] = value if key == "pooling" else int(value)
         except ValueError:

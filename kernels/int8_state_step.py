@@ -29,6 +29,7 @@ import torch
 
 from . import dispatch, kv_quant
 from .packing import slot_rows
+from .state_tiles import quantize_tile, scratch, tiles
 
 
 def _heads(B: torch.Tensor, C: torch.Tensor, H: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,27 +38,65 @@ def _heads(B: torch.Tensor, C: torch.Tensor, H: int) -> tuple[torch.Tensor, torc
 
 
 def _ssd_step_int8_torch(codes, scale, x, dt, A, B, C, *, D=None, slots=None):
-    rows, scatter = slot_rows(codes, slots)
+    rows, scatter = slot_rows(codes, slots)  # a gathered copy for scattered slots: int8, a quarter of fp32
     srows, _ = slot_rows(scale, slots)
     n, H, P, N = rows.shape
-    Bh, Ch = _heads(B, C, H)
+    G = B.shape[1]
+    rep = H // G
     dt = dt.float()
-    f = rows.float()
-    f.mul_(srows.view(n, H, P, 1) * torch.exp(dt * A.float())[..., None, None])  # dequantise and decay at once
-    f.view(n * H, P, N).baddbmm_((dt[..., None] * x.float()).reshape(n * H, P, 1), Bh.reshape(n * H, 1, N))
-    y = torch.matmul(f, Ch[..., None])[..., 0]
-    lo, hi = torch.aminmax(f, dim=-1)
-    new_scale = torch.maximum(hi, lo.neg_()).div_(127.0)
-    safe = torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))
-    q = f.div_(safe[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    factor = (srows.view(n, H, P) * torch.exp(dt * A.float())[..., None])[..., None]  # dequantise and decay
+    dtx = (dt[..., None] * x.float()).view(n * G, rep * P, 1)
+    Bf, Cf = B.float().reshape(n * G, 1, N), C.float().reshape(n * G, N, 1)
+    y = torch.empty(n * G, rep * P, 1, device=x.device)
+    new_scale = torch.empty(n, H * P, device=x.device)
+    for i, j in tiles(n, H * P * N, x.device):  # the fp32 rows of a tile stay in cache (state_tiles)
+        f = scratch((j - i) * H * P * N, x.device).view(j - i, H, P, N)
+        f.copy_(rows[i:j]).mul_(factor[i:j])
+        # one rank-1 update and one mat-vec per sequence and B/C group: the heads of a group share B and C
+        g = slice(i * G, j * G)
+        fg = f.view((j - i) * G, rep * P, N).addcmul_(dtx[g], Bf[g])
+        torch.bmm(fg, Cf[g], out=y[g])
+        quantize_tile(f.view(j - i, H * P, N), rows[i:j], new_scale[i:j])
     if scatter:
-        codes.index_copy_(0, slots, q)
-        scale.index_copy_(0, slots, new_scale.view(n, -1))
+        codes.index_copy_(0, slots, rows)
+        scale.index_copy_(0, slots, new_scale)
     else:
-        rows.copy_(q)
-        srows.copy_(new_scale.view(n, -1))
+        srows.copy_(new_scale)
+    y = y.view(n, H, P)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
+    return y.to(x.dtype)
+
+
+def _selective_step_int8_torch(codes, scale, x, dt, A, B, C, *, D=None, slots=None):
+    """Mamba-1: codes [S, d_inner, N] with one scale per group of ``d_inner / groups`` channels (all their
+    ``N`` values), ``scale [S, groups]``; x, dt [B, d_inner], A [d_inner, N], B/C [B, N]."""
+    rows, scatter = slot_rows(codes, slots)
+    srows, _ = slot_rows(scale, slots)
+    n, Dm, N = rows.shape
+    groups = srows.shape[1]
+    dt, A = dt.float(), A.float()
+    dtx = (dt * x.float())[..., None]
+    Bf, Cf = B.float()[:, None, :], C.float()[..., None]
+    y = torch.empty(n, Dm, 1, device=x.device)
+    new_scale = torch.empty(n, groups, device=x.device)
+    for i, j in tiles(n, Dm * N, x.device):
+        t = j - i
+        # the decay exp(dt A) with the dequantisation folded in, then the rows: one pass each
+        dA = torch.mul(dt[i:j, :, None], A, out=scratch(t * Dm * N, x.device, 1).view(t, Dm, N)).exp_()
+        dA.view(t, groups, -1).mul_(srows[i:j, :, None])
+        f = scratch(t * Dm * N, x.device).view(t, Dm, N)
+        f.copy_(rows[i:j]).mul_(dA).addcmul_(dtx[i:j], Bf[i:j])
+        torch.bmm(f, Cf[i:j], out=y[i:j])
+        quantize_tile(f.view(t, groups, -1), rows[i:j], new_scale[i:j])
+    if scatter:
+        codes.index_copy_(0, slots, rows)
+        scale.index_copy_(0, slots, new_scale)
+    else:
+        srows.copy_(new_scale)
+    y = y[..., 0]
+    if D is not None:
+        y = y + x.float() * D.float()
     return y.to(x.dtype)
 
 
@@ -144,6 +183,20 @@ def ssd_step_int8(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, dt:
     return fn(codes, scale, x, dt, A, B, C, D=D, slots=slots)
 
 
+def selective_step_int8(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                        A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *, D: torch.Tensor | None = None,
+                        slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One Mamba-1 selective-scan decode step on int8 state rows, in place: ``codes [S, d_inner, N]`` (int8)
+    with one scale per group of ``d_inner / groups`` channels, ``scale [S, groups]`` (fp32); rows ``slots``
+    belong to the batch (all rows when None). x, dt [B, d_inner], A [d_inner, N], B/C [B, N] -> y [B, d_inner]."""
+    if codes.dtype != torch.int8 or codes.dim() != 3 or scale.dim() != 2 or scale.shape[0] != codes.shape[0] \
+            or codes.shape[1] % scale.shape[1]:
+        raise ValueError(f"selective_step_int8: need int8 codes [S, d_inner, N] and fp32 scales [S, groups] with "
+                         f"groups dividing d_inner; got {codes.dtype} {tuple(codes.shape)} and {tuple(scale.shape)}")
+    _, fn = dispatch.choose("selective_step_int8", x.device.type)
+    return fn(codes, scale, x, dt, A, B, C, D=D, slots=slots)
+
+
 def _triton_probe() -> str | None:
     from .triton_support import probe
 
@@ -153,13 +206,16 @@ def _triton_probe() -> str | None:
 dispatch.register("ssd_step_int8", "torch", _ssd_step_int8_torch)
 dispatch.register("ssd_step_int8", "inductor", _ssd_step_int8_compiled, _compile_probe)
 dispatch.register("ssd_step_int8", "triton", _ssd_step_int8_triton, _triton_probe)
+dispatch.register("selective_step_int8", "torch", _selective_step_int8_torch)
 
 
 def register_fused_steps() -> None:
     """Tell :class:`hybrid.cache.StatePool` which one-token ops have an int8 step of their own."""
+    from .selective import selective_step
     from .ssd import ssd_step
 
     kv_quant.FUSED_INT8_STEPS[ssd_step] = ssd_step_int8
+    kv_quant.FUSED_INT8_STEPS[selective_step] = selective_step_int8
 
 
 register_fused_steps()

@@ -55,24 +55,30 @@ def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, n: int, scale: torc
     return pages.reshape(-1, *pool.shape[2:])[:n]
 
 
-def sink_attention(q, k, v, *, window=None, scale=None, sinks=0):
+def sink_attention(q, k, v, *, window=None, scale=None, sinks=0, q_sinks=None):
     """Causal attention where each query sees its last ``window`` keys and the first ``sinks`` keys of the
     sequence (StreamingLLM's attention sinks): q [1, Lq, Hq, D], k, v [1, Lk, Hkv, D], the queries the last Lq
-    positions. Naive fp32 softmax; the reference and the torch path of the pruned cache."""
+    positions. ``q_sinks`` (like q): the queries rotated at their position in the paper's cache numbering,
+    which score the sink keys in place of q (StreamingLLM re-numbering, :mod:`hybrid.kv_pruning`). Naive fp32
+    softmax; the reference and the torch path of the pruned cache."""
     _, Lq, Hq, D = q.shape
     Lk = k.shape[1]
     rep = Hq // k.shape[2]
     mask = causal_mask(Lq, Lk, window, q.device)
     kpos = torch.arange(Lk, device=q.device)[None, :]
     mask |= (kpos < sinks) & (kpos <= torch.arange(Lk - Lq, Lk, device=q.device)[:, None])
-    s = torch.einsum("blhd,bshd->bhls", q.float(), k.float().repeat_interleave(rep, dim=2))
+    kf = k.float().repeat_interleave(rep, dim=2)
+    s = torch.einsum("blhd,bshd->bhls", q.float(), kf)
+    if q_sinks is not None and sinks:
+        n = min(sinks, Lk)
+        s[..., :n] = torch.einsum("blhd,bshd->bhls", q_sinks.float(), kf[:, :n])
     s = (s * (D ** -0.5 if scale is None else scale)).masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
     return torch.einsum("bhls,bshd->blhd", p, v.float().repeat_interleave(rep, dim=2)).to(q.dtype)
 
 
 def _per_sequence(attend, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window, scale,
-                  k_scale=None, v_scale=None, sinks=0):
+                  k_scale=None, v_scale=None, sinks=0, q_sinks=None):
     if sinks:
         attend = functools.partial(sink_attention, sinks=sinks)
     out = torch.empty_like(q)
@@ -80,21 +86,29 @@ def _per_sequence(attend, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_table
     for b, n in enumerate(host_values(seq_lens)):
         k = gather_kv(k_pool, block_tables[b], n, k_scale, q.dtype)[None]
         v = gather_kv(v_pool, block_tables[b], n, v_scale, q.dtype)[None]
-        out[cu[b]:cu[b + 1]] = attend(q[None, cu[b]:cu[b + 1]], k, v, window=window, scale=scale)[0]
+        extra = {} if q_sinks is None else {"q_sinks": q_sinks[None, cu[b]:cu[b + 1]]}
+        out[cu[b]:cu[b + 1]] = attend(q[None, cu[b]:cu[b + 1]], k, v, window=window, scale=scale, **extra)[0]
     return out
 
 
 def paged_prefill_attention_ref(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, *, window=None,
-                                scale=None, k_scale=None, v_scale=None, sinks=0):
+                                scale=None, k_scale=None, v_scale=None, sinks=0, q_sinks=None):
     """Naive reference: gather each sequence's history (dequantised), softmax(QK^T)V with the causal mask."""
     return _per_sequence(causal_attention_ref, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables,
-                         window, scale, k_scale, v_scale, sinks)
+                         window, scale, k_scale, v_scale, sinks, q_sinks)
 
 
 def _paged_prefill_attention_torch(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, *, window=None,
-                                   scale=None, k_scale=None, v_scale=None, sinks=0):
+                                   scale=None, k_scale=None, v_scale=None, sinks=0, q_sinks=None):
     return _per_sequence(causal_attention, q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables,
-                         window, scale, k_scale, v_scale, sinks)
+                         window, scale, k_scale, v_scale, sinks, q_sinks)
+
+
+def _check_sinks(q, sinks, q_sinks):
+    if q_sinks is not None and (not sinks or q_sinks.shape != q.shape):
+        raise ValueError(f"paged attention: q_sinks (the queries that score the sink keys, StreamingLLM "
+                         f"re-numbering) needs sinks > 0 and q's shape {tuple(q.shape)}; got sinks={sinks}, "
+                         f"q_sinks {tuple(q_sinks.shape)}")
 
 
 def _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale=None, v_scale=None):
@@ -118,7 +132,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, *,
                             window: int | None = None, scale: float | None = None,
                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                            sinks: int = 0) -> torch.Tensor:
+                            sinks: int = 0, q_sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged history.
 
     q: [T, Hq, D]; pools [NB, BS, Hkv, D]; cu_seqlens_q: [B+1]; seq_lens: [B] (history + new);
@@ -126,12 +140,15 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     ``cu_seqlens_q[b+1] - cu_seqlens_q[b]`` positions, so this serves whole prompts, chunks of a
     prompt on top of earlier chunks, and (one token each) decode. Quantised pools pass their per-token scales.
     ``sinks``: the first ``sinks`` tokens stay visible beside the window (StreamingLLM, :mod:`hybrid.kv_pruning`;
-    the torch path only: the Triton and flash-attn kernels have no sinks).
+    the torch path only: the Triton and flash-attn kernels have no sinks); ``q_sinks`` [T, Hq, D]: the queries
+    that score the sink keys (rotated at the paper's cache positions), q scoring the rest.
     """
     _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale, v_scale)
+    _check_sinks(q, sinks, q_sinks)
     if sinks:
         return _paged_prefill_attention_torch(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window=window,
-                                              scale=scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+                                              scale=scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                                              q_sinks=q_sinks)
     if k_scale is None:
         _, fn = dispatch.choose("paged_prefill_attention", q.device.type)
         return fn(q, k_pool, v_pool, cu_seqlens_q, seq_lens, block_tables, window=window, scale=scale)
@@ -150,11 +167,11 @@ def _quantized_impl(op: str, device_type: str):
 
 
 def paged_decode_attention_ref(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
-                               k_scale=None, v_scale=None, sinks=0):
+                               k_scale=None, v_scale=None, sinks=0, q_sinks=None):
     """Reference: decode is a prefill of one new token per sequence."""
     cu = torch.arange(q.shape[0] + 1, device=q.device, dtype=torch.int32)
     return paged_prefill_attention_ref(q, k_pool, v_pool, cu, seq_lens, block_tables, window=window, scale=scale,
-                                       k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+                                       k_scale=k_scale, v_scale=v_scale, sinks=sinks, q_sinks=q_sinks)
 
 
 # The batched decode walk gathers the K (and V) of this many bytes (fp32) per column group, at most this many
@@ -166,8 +183,15 @@ DECODE_GROUP_BYTES = 4 << 20
 DECODE_GROUP_TOKENS = 1024
 
 
+def _scores_per_head(qf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """qf [B, Hkv, rep, D] against a gathered k [B, t, Hkv, D] -> [B, Hkv, rep, t]: one bmm per KV head on K's
+    strided [B, t, D] slice (BLAS takes the row stride Hkv * D); an einsum over [B, t, Hkv, D] would first copy
+    K into head-major order, a second pass over it."""
+    return torch.stack([torch.bmm(qf[:, h], k[:, :, h].transpose(1, 2)) for h in range(k.shape[2])], 1)
+
+
 def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
-                                  k_scale=None, v_scale=None, sinks=0):
+                                  k_scale=None, v_scale=None, sinks=0, q_sinks=None):
     # Batched over sequences: walk the block tables a group of columns at a time with an online
     # softmax, so K/V are read through the tables and only a group's positions are gathered at once
     # (never a padded copy of every whole history), and there is no Python loop over sequences. A few
@@ -181,10 +205,14 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
     if B < per_sequence_below and not compiling:
         cu = with_host_values(torch.arange(B + 1, device=q.device, dtype=torch.int32), tuple(range(B + 1)))
         return _paged_prefill_attention_torch(q, k_pool, v_pool, cu, seq_lens, block_tables, window=window,
-                                              scale=scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+                                              scale=scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                                              q_sinks=q_sinks)
     BS, Hkv = k_pool.shape[1], k_pool.shape[2]
     rep = Hq // Hkv
-    qf = q.float().view(B, Hkv, rep, D) * (D ** -0.5 if scale is None else scale)
+    sm_scale = D ** -0.5 if scale is None else scale
+    qf = q.float().view(B, Hkv, rep, D) * sm_scale
+    # re-numbered sinks: the sink keys are scored by the queries rotated at their cache positions
+    qf_sinks = None if q_sinks is None else q_sinks.float().view(B, Hkv, rep, D) * sm_scale
     lens = seq_lens.to(device=q.device, dtype=torch.long)
     first = (lens - window).clamp_min(0) if window is not None else torch.zeros_like(lens)
     m = torch.full((B, Hkv, rep), float("-inf"), device=q.device)
@@ -218,9 +246,9 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
             vs = (v_scale[blocks].float() * fv).view(B, g * BS, Hkv).transpose(1, 2)[:, :, None, :]
         pos = torch.arange(c0 * BS, (c0 + g) * BS, device=q.device)
         visible = (pos[None] < lens[:, None]) & ((pos[None] >= first[:, None]) | (pos[None] < sinks))  # [B, t]
-        # one bmm per KV head on K's strided [B, t, D] slice (BLAS takes the row stride Hkv * D): an einsum
-        # over [B, t, Hkv, D] would first copy K and V into head-major order, a second pass over them
-        s = torch.stack([torch.bmm(qf[:, h], k[:, :, h].transpose(1, 2)) for h in range(Hkv)], 1)
+        s = _scores_per_head(qf, k)
+        if qf_sinks is not None and c0 * BS < sinks:  # only the column groups that hold sink keys
+            s = torch.where(pos < sinks, _scores_per_head(qf_sinks, k), s)
         if k_scale is not None:
             s.mul_(ks)  # in place: the scores are this loop's own, and a fresh [B, Hkv, rep, t] costs page faults
         s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
@@ -238,13 +266,15 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, *, window: int | None = None,
                            scale: float | None = None, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None, sinks: int = 0) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, sinks: int = 0,
+                           q_sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence over its paged history. q: [B, Hq, D] -> [B, Hq, D]. Quantised pools
-    pass their per-token scales; ``sinks`` as in :func:`paged_prefill_attention` (torch path)."""
+    pass their per-token scales; ``sinks`` and ``q_sinks`` as in :func:`paged_prefill_attention` (torch path)."""
     _check_paged(q, k_pool, v_pool, seq_lens, block_tables, k_scale, v_scale)
+    _check_sinks(q, sinks, q_sinks)
     if sinks:
         return _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale,
-                                             k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+                                             k_scale=k_scale, v_scale=v_scale, sinks=sinks, q_sinks=q_sinks)
     if k_scale is None:
         _, fn = dispatch.choose("paged_decode_attention", q.device.type)
         return fn(q, k_pool, v_pool, seq_lens, block_tables, window=window, scale=scale)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from . import cuda_backend, dispatch, triton_support
-from .packing import check_cu_seqlens, sequences, slot_rows, step_on_slots
+from .packing import check_cu_seqlens, sequences, slot_rows
+from .state_tiles import scratch, tiles
 from .triton_state_update import selective_state_update
 from .triton_support import needs_grad
 
@@ -152,16 +153,30 @@ def selective_step_ref(state, x, dt, A, B, C, *, D=None):
 
 
 def _selective_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
-    if state.dtype != torch.float32:
-        return step_on_slots(selective_step_ref, state, slots, x, dt, A, B, C, D=D)
-    # in place on the rows, one gather and one scatter for a slot pool (see ssd's step)
+    # in place on the rows, a tile of sequences at a time (.state_tiles; see ssd's step), the decay
+    # exp(dt A) [t, d_inner, N] in a reused buffer; a bf16 / fp16 state is updated in an fp32 copy of each
+    # tile and rounded back once. One gather and one scatter for a slot pool.
     rows, scatter = slot_rows(state, slots)
-    dt = dt.float()
-    rows.mul_(torch.exp(dt[..., None] * A.float()))
-    rows.addcmul_((dt * x.float())[..., None], B.float()[:, None, :])
-    y = torch.matmul(rows, C.float()[..., None])[..., 0]
+    if not rows.is_contiguous() or needs_grad(x, dt, A, B, C, D):  # strided, or autograd recording (see ssd's)
+        y = selective_step_ref(rows, x, dt, A, B, C, D=D)
+        if scatter:
+            state.index_copy_(0, slots, rows)
+        return y
+    n, Dm, N = rows.shape
+    dt, A = dt.float(), A.float()
+    dtx, Bf, Cf = (dt * x.float())[..., None], B.float()[:, None, :], C.float()[..., None]
+    y = torch.empty(n, Dm, 1, device=x.device)
+    low = state.dtype != torch.float32
+    for i, j in tiles(n, Dm * N, x.device):
+        t = j - i
+        dA = torch.mul(dt[i:j, :, None], A, out=scratch(t * Dm * N, x.device, 1).view(t, Dm, N)).exp_()
+        f = scratch(t * Dm * N, x.device).view(t, Dm, N).copy_(rows[i:j]) if low else rows[i:j]
+        torch.bmm(f.mul_(dA).addcmul_(dtx[i:j], Bf[i:j]), Cf[i:j], out=y[i:j])
+        if low:
+            rows[i:j].copy_(f)
     if scatter:
         state.index_copy_(0, slots, rows)
+    y = y[..., 0]
     if D is not None:
         y = y + x.float() * D.float()
     return y.to(x.dtype)

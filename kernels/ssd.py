@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from . import cuda_backend, dispatch, inductor_backend, triton_support
 from .compute_dtype import matmul_dtype
 from .packing import check_cu_seqlens, sequences, slot_rows
+from .state_tiles import scratch, tiles
 from .triton_state_update import ssd_state_update
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl, triton
 
@@ -230,41 +231,39 @@ def ssd_step_ref(state, x, dt, A, B, C, *, D=None):
 
 
 def _ssd_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
-    if state.dtype != torch.float32:
-        return _ssd_step_low_precision(state, x, dt, A, B, C, D=D, slots=slots)
     # Decode is bound by reading and writing the state (H*P*N floats per sequence and layer): update the
-    # rows in place (no [B, H, P, N] temporaries) with one gather and one scatter for a slot pool.
+    # rows in place, a tile of sequences at a time so the passes after the first find them in cache
+    # (.state_tiles), with one rank-1 update and one mat-vec per sequence and B/C group (the heads of a
+    # group share B and C); one gather and one scatter for a slot pool. A bf16 / fp16 state: each tile's rows
+    # are copied to fp32, updated the same way and rounded back once (ssd_step_ref's arithmetic, without its
+    # [B, H, P, N] temporaries).
     rows, scatter = slot_rows(state, slots)
-    rep = x.shape[1] // B.shape[1]
-    Bh = B.float().repeat_interleave(rep, dim=1)
-    Ch = C.float().repeat_interleave(rep, dim=1)
+    # a strided state tensor handed in directly, or autograd recording (the tiles write into out= buffers):
+    # the reference's broadcasting ops, the same arithmetic
+    if not rows.is_contiguous() or needs_grad(x, dt, A, B, C, D):
+        y = ssd_step_ref(rows, x, dt, A, B, C, D=D)
+        if scatter:
+            state.index_copy_(0, slots, rows)
+        return y
+    n, H, P, N = rows.shape
+    G = B.shape[1]
+    rep = H // G
     dt = dt.float()
-    rows.mul_(torch.exp(dt * A.float())[..., None, None])
-    rows.addcmul_((dt[..., None] * x.float())[..., None], Bh[:, :, None, :])
-    y = torch.matmul(rows, Ch[..., None])[..., 0]
+    decay = torch.exp(dt * A.float())[..., None, None]
+    dtx = (dt[..., None] * x.float()).view(n * G, rep * P, 1)
+    Bf, Cf = B.float().reshape(n * G, 1, N), C.float().reshape(n * G, N, 1)
+    y = torch.empty(n * G, rep * P, 1, device=x.device)
+    low = state.dtype != torch.float32
+    for i, j in tiles(n, H * P * N, x.device):
+        f = scratch((j - i) * H * P * N, x.device).view(j - i, H, P, N).copy_(rows[i:j]) if low else rows[i:j]
+        g = slice(i * G, j * G)
+        fg = f.mul_(decay[i:j]).view((j - i) * G, rep * P, N).addcmul_(dtx[g], Bf[g])
+        torch.bmm(fg, Cf[g], out=y[g])
+        if low:
+            rows[i:j].copy_(f)
     if scatter:
         state.index_copy_(0, slots, rows)
-    if D is not None:
-        y = y + x.float() * D.float()[:, None]
-    return y.to(x.dtype)
-
-
-def _ssd_step_low_precision(state, x, dt, A, B, C, *, D=None, slots=None):
-    """A bf16 / fp16 state: one fp32 copy of the rows updated in place (as the fp32 path does), rounded back
-    once; the same arithmetic as ``ssd_step_ref`` without its three [B, H, P, N] temporaries."""
-    rows, scatter = slot_rows(state, slots)
-    rep = x.shape[1] // B.shape[1]
-    Bh = B.float().repeat_interleave(rep, dim=1)
-    Ch = C.float().repeat_interleave(rep, dim=1)
-    dt = dt.float()
-    f = rows.float()
-    f.mul_(torch.exp(dt * A.float())[..., None, None])
-    f.addcmul_((dt[..., None] * x.float())[..., None], Bh[:, :, None, :])
-    y = torch.einsum("bhpn,bhn->bhp", f, Ch)
-    if scatter:
-        state.index_copy_(0, slots, f.to(state.dtype))
-    else:
-        rows.copy_(f)
+    y = y.view(n, H, P)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
     return y.to(x.dtype)

@@ -167,3 +167,70 @@ def test_the_drift_study_simulates_the_real_storage():
     inputs = mqar.make_batch(3, 4, 256, generator=torch.Generator().manual_seed(1)).inputs
     torch.testing.assert_close(sd.decode_logits(model, inputs, sd.Codec()),
                                compression_bench.teacher_forced_logits(model, inputs, "float32", "float32"))
+
+
+def _mamba1_inputs(n=3, Dm=32, N=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, dt = torch.randn(n, Dm, generator=g), torch.rand(n, Dm, generator=g)
+    A = -torch.rand(Dm, N, generator=g) * 4 - 0.1
+    return x, dt, A, torch.randn(n, N, generator=g), torch.randn(n, N, generator=g), torch.randn(Dm, generator=g)
+
+
+@pytest.mark.parametrize("slots", [(4, 0, 2), (1, 2, 3)])  # scattered rows; a run (the pool's rows in place)
+@pytest.mark.parametrize("tile_bytes", [None, 1])  # the default tiles; one sequence per tile
+def test_mamba1_int8_step_equals_dequantise_step_quantise(slots, tile_bytes, monkeypatch):
+    from hybrid.kernels import state_tiles
+    from hybrid.kernels.int8_state_step import selective_step_int8
+    from hybrid.kernels.packing import with_host_values
+    from hybrid.kernels.selective import selective_step, selective_step_ref
+
+    if tile_bytes is not None:
+        monkeypatch.setattr(state_tiles, "TILE_BYTES", tile_bytes)
+    Dm, N, groups = 32, 8, 4  # groups of 8 channels, as the pool of a Mamba-1 layer (16 channels) has them
+    pool, generic = StatePool((Dm, N), torch.int8, 6, groups), StatePool((Dm, N), torch.int8, 6, groups)
+    s = with_host_values(torch.tensor(slots), slots)
+    g = torch.Generator().manual_seed(5)
+    start = torch.randn(3, Dm, N, generator=g) * torch.logspace(-2, 2, Dm)[None, :, None]  # channels apart
+    pool.write(s, start)
+    generic.write(s, start)
+    others = [r for r in range(6) if r not in slots]
+    untouched = pool.data[others].clone()
+    x, dt, A, B, C, D = _mamba1_inputs()
+    rows = generic.read(s).clone()
+    y_ref = selective_step_ref(rows, x, dt, A, B, C, D=D)
+    q_ref, s_ref = kv_quant.quantize_rows(rows, groups)
+    assert kv_quant.fused_int8_step(selective_step) is selective_step_int8
+    y = pool.step(selective_step, x, dt, A, B, C, D=D, slots=s)  # the pool takes the fused step
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.scale[list(slots)], s_ref, atol=1e-7, rtol=1e-5)
+    diff = (pool.data[list(slots)].int() - q_ref.int()).abs()
+    assert diff.max() <= 1 and diff.float().mean() < 1e-2
+    assert torch.equal(pool.data[others], untouched)  # rows of other slots are not written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["ssd", "selective"])
+def test_tiled_float_steps_equal_the_reference(dtype, op, monkeypatch):
+    """fp32 and bf16 state rows, one sequence per tile: the same update as the reference step (bf16: rounded
+    once), in place on the pool's rows (a run of slots) and on scattered ones."""
+    from hybrid.kernels import state_tiles
+    from hybrid.kernels.packing import with_host_values
+    from hybrid.kernels.selective import selective_step, selective_step_ref
+
+    monkeypatch.setattr(state_tiles, "TILE_BYTES", 1)
+    if op == "ssd":
+        args, shape, step, ref = _inputs(), (4, 8, 16), ssd_step, ssd_step_ref
+    else:
+        args, shape, step, ref = _mamba1_inputs(), (32, 8), selective_step, selective_step_ref
+    *args, D = args
+    for slots in ((3, 1, 4), (1, 2, 3)):
+        pool = torch.randn(5, *shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+        s = with_host_values(torch.tensor(slots), slots)
+        ref_rows = pool[list(slots)].clone()
+        y_ref = ref(ref_rows, *args, D=D)
+        y = step(pool, *args, D=D, slots=s)
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+        if dtype == torch.bfloat16:
+            assert torch.equal(pool[list(slots)], ref_rows)
+        else:
+            torch.testing.assert_close(pool[list(slots)], ref_rows, atol=1e-6, rtol=1e-6)
