@@ -132,10 +132,12 @@ def dequantize_pages(pages: torch.Tensor, scale: torch.Tensor | None, dtype: tor
 
 
 # Adding and subtracting 1.5 * 2^23 rounds an fp32 |y| < 2^22 to the nearest integer, ties to even (the sum
-# lies in [2^23, 2^24), where fp32's step is 1): exactly torch.round. Measured on this 2-core machine (torch
-# 2.9, 2 threads): torch.round costs 12-16 ms whatever the size (8K or 100K values; 0.006 ms with 1 thread),
-# these two adds 0.02 ms. Under torch.compile Inductor emits its own rounding, so the compiled step keeps
-# torch.round (and no compiler gets to fold the two adds away).
+# lies in [2^23, 2^24), where fp32's step is 1): exactly torch.round. Why: torch.round goes parallel (OpenMP)
+# from a few thousand values, two elementwise adds only from ~100K; measured with 2 threads while the other
+# core was busy (the usual state of this shared 2-core machine), every parallel region costs 4-8 ms waiting
+# for the descheduled thread (round of 8K values 4-8 ms, add 0.008 ms; 1 thread 0.004 ms each). On a quiet
+# machine the two cost about the same. Under torch.compile Inductor emits its own rounding, so the compiled
+# step keeps torch.round (and no compiler gets to fold the two adds away).
 _ROUND_MAGIC = 1.5 * 2.0 ** 23
 
 
