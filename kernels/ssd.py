@@ -140,16 +140,17 @@ def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
     hpg = H // G
     pad = (-n) % T
     dtf = dt.float()
-    xdt = (x.float() * dtf[..., None]).to(mm)
     Bm, Cm = B.to(mm), C.to(mm)
+    xp = x
     if pad:  # dt = 0 on the padding: decay 1 and no input, so the state leaves the block as at token n-1
-        xdt, Bm, Cm = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xdt, Bm, Cm))
+        xp, Bm, Cm = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, Bm, Cm))
         dtf = F.pad(dtf, (0, 0, 0, pad))
     nc = (n + pad) // T
     cs = (dtf * A).view(b, nc, T, H).cumsum(2)  # [b, nc, T, H]
-    cs_h = cs.transpose(2, 3)  # [b, nc, H, T]
+    cs_h = cs.transpose(2, 3).contiguous()  # [b, nc, H, T], in order for the [T, T] differences
     Bc = Bm.view(b, nc, T, G, N).transpose(2, 3)  # [b, nc, G, T, N]
     Cc = Cm.view(b, nc, T, G, N).transpose(2, 3)
+    xv, dtv = xp.view(b, nc, T, H, P), dtf.view(b, nc, T, H, 1)
 
     with torch.profiler.record_function("ssd.intra_chunk"):
         CB = torch.matmul(Cc, Bc.transpose(-1, -2))  # [b, nc, G, T, T]
@@ -157,12 +158,17 @@ def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
         CB = CB.masked_fill_(above, 0.0) if inplace else CB.masked_fill(above, 0.0)
         decay = _pairwise_decays(cs_h, inplace).view(b, nc, G, hpg, T, T)
         M = decay.mul_(CB[:, :, :, None]) if inplace else decay * CB[:, :, :, None]
-        xdt_h = xdt.view(b, nc, T, H, P).transpose(2, 3)  # [b, nc, H, T, P]
+        # dt x written head-major, [b, nc, H, T, P], the layout the batched matmul reads without a copy
+        if inplace:
+            xdt_h = torch.empty(b, nc, H, T, P, device=x.device, dtype=mm)
+            torch.mul(xv.transpose(2, 3), dtv.transpose(2, 3), out=xdt_h)
+        else:
+            xdt_h = (xv.float() * dtv).to(mm).transpose(2, 3)
         y = torch.matmul(M.view(b, nc, H, T, T).to(mm), xdt_h)  # [b, nc, H, T, P]
 
     with torch.profiler.record_function("ssd.chunk_states"):
         to_end = _decay_exp(cs[:, :, -1:] - cs, True)  # [b, nc, T, H]: decay from each token to its chunk's end
-        xw = (xdt.view(b, nc, T, H, P) * to_end[..., None].to(mm)).view(b, nc, T, G, hpg * P)
+        xw = (xv * (dtv * to_end[..., None])).to(mm).view(b, nc, T, G, hpg * P)  # token-major: dt x to the end
         chunk_decay = _decay_exp(cs[:, :, -1].clone(), True)  # [b, nc, H]
     y_state, state = _scan_chunks(state, xw, Bm, Cm, chunk_decay, mm=mm, inplace=inplace)
 
