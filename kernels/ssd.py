@@ -26,9 +26,9 @@ from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2
 _TORCH_CHUNK = 64
 # Tokens scanned at once (all sequences of the batch together): every temporary is sized by this block,
 # not by the sequence, so a 64K prompt costs the memory of a 2K one (~130 MB of fp32 temporaries at
-# H=24, P=64, N=128). A block costs a fixed number of ops, so fewer, larger blocks mean fewer thread
-# sync points; on a loaded CPU each one can wait a scheduler slice. The engine's 2048-token steps are
-# one block each.
+# H=24, P=64, N=128). A block costs ~25 batched ops plus three small ones per chunk (the walk of the state
+# through its chunks), so fewer, larger blocks mean fewer thread sync points; on a loaded CPU each one can
+# wait a scheduler slice. The engine's 2048-token steps are one block each.
 _TORCH_BLOCK = 2048
 
 
