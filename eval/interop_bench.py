@@ -3,8 +3,11 @@
 Each entry takes one of our ``*-small`` recipes (randomly initialised, ~100M parameters), exports it
 with ``hybrid.save_pretrained(model, dir, format=...)`` and loads that folder with transformers, so both hold identical
 weights; a short forward checks the logits agree before anything is timed. Then, with the same
-thread count, it times the full forward (all logits, no cache) at each length: median of the repeats,
-tokens/s, and the ratio ours / transformers.
+thread count, it times the forward (no cache) at each length, both sides interleaved run by run: min /
+median / max of the repeats, tokens/s at the median, and the ratio ours / transformers. ``--logits last``
+(the default) asks both for the last position's logits only (``logits_to_keep=1``, which transformers'
+Llama, Mamba2, Bamba, NemotronH and Jamba forwards all take): what a prompt needs; ``--logits all`` for
+every position's, as scoring computes them.
 
     python -m hybrid.eval.interop_bench --lengths 2048 8192 --threads 8 --plot interop_bench.png
 
@@ -16,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import statistics
 import tempfile
+import time
 from collections.abc import Callable
 
 import torch
@@ -27,7 +33,7 @@ from ..model import HybridLM
 from ..pretrained import save_pretrained
 from ..recipes import get as get_recipe
 from ..report import format_table
-from .prefill_bench import median_seconds
+from .prefill_bench import LOGITS
 
 
 def _bamba_like(cfg: HybridConfig) -> HybridConfig:
@@ -80,26 +86,58 @@ def logit_gap(ours: HybridLM, theirs: torch.nn.Module, length: int = 64) -> floa
     return float((a - b).abs().max() / b.abs().max())
 
 
+def _check_takes_logits_to_keep(name: str, theirs: torch.nn.Module) -> None:
+    if "logits_to_keep" not in inspect.signature(theirs.forward).parameters:
+        raise LookupError(f"transformers' {type(theirs).__name__}.forward takes no logits_to_keep, so it cannot "
+                          f"compute last-position logits only; compare {name} with --logits all")
+
+
+def _interleaved_seconds(fns: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each of ``repeats`` runs of every fn, the fns taking turns run by run (after ``warmup``
+    turns), so a change in the machine's load falls on both sides alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 @torch.inference_mode()
-def bench(names: list[str], lengths: list[int], warmup: int, repeats: int) -> list[dict]:
+def bench(names: list[str], lengths: list[int], warmup: int, repeats: int, logits: str = "last") -> list[dict]:
+    if logits not in LOGITS:
+        raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
+    keep = 1 if logits == "last" else 0
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         pairs = {}
         for name in names:
             try:
                 pairs[name] = build_pair(name, workdir)
+                _check_takes_logits_to_keep(name, pairs[name][1])
             except (LookupError, ValueError) as e:  # missing exporter, or it refuses the recipe
+                pairs.pop(name, None)
                 print(f"# skipping {name}: {e}")
         todo = [(n, L) for n in pairs for L in lengths]
-        cpu = torch.device("cpu")  # both models run on the CPU here
         for name, L in tqdm(todo, desc="prefill", unit="run"):
             ours, theirs = pairs[name]
             ids = torch.randint(0, ours.config.vocab_size, (1, L))
-            t_ours = median_seconds(lambda: ours(ids), cpu, warmup=warmup, repeats=repeats)  # noqa: B023
-            t_hf = median_seconds(lambda: theirs(ids, use_cache=False).logits, cpu, warmup=warmup,  # noqa: B023
-                                  repeats=repeats)
+            t = _interleaved_seconds({"ours": lambda: ours(ids, logits_to_keep=keep),  # noqa: B023
+                                      "hf": lambda: theirs(ids, use_cache=False,  # noqa: B023
+                                                           logits_to_keep=keep).logits},
+                                     warmup, repeats)
+            t_ours, t_hf = statistics.median(t["ours"]), statistics.median(t["hf"])
             rows.append({"model": name, "params_M": round(ours.num_parameters() / 1e6, 1), "seq_len": L,
-                         "ours_tok_s": round(L / t_ours, 1), "transformers_tok_s": round(L / t_hf, 1),
+                         "logits": logits, "ours_tok_s": round(L / t_ours, 1),
+                         "ours_ms_min_med_max": "/".join(f"{1e3 * v:.0f}" for v in
+                                                         (min(t["ours"]), t_ours, max(t["ours"]))),
+                         "transformers_tok_s": round(L / t_hf, 1),
+                         "transformers_ms_min_med_max": "/".join(f"{1e3 * v:.0f}" for v in
+                                                                 (min(t["hf"]), t_hf, max(t["hf"]))),
                          "ratio": round(t_hf / t_ours, 2), "logit_gap": f"{logit_gap(ours, theirs):.1e}"})
     return rows
 
@@ -129,14 +167,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads for both (0: torch's default)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--logits", choices=list(LOGITS), default="last",
+                   help="last: both compute the last position's logits only (logits_to_keep=1); all: every position's")
     p.add_argument("--plot", default=None, help="write a PNG bar chart here")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    rows = bench(args.models, args.lengths, args.warmup, args.repeats)
-    print(f"# prefill, batch 1, fp32, {torch.get_num_threads()} threads, median of {args.repeats}; "
-          f"ratio = ours tokens/s / transformers tokens/s")
+    rows = bench(args.models, args.lengths, args.warmup, args.repeats, args.logits)
+    print(f"# prefill, batch 1, fp32, {args.logits}-position logits, {torch.get_num_threads()} threads, the two "
+          f"sides interleaved, median of {args.repeats}; ratio = ours tokens/s / transformers tokens/s")
     print(format_table(rows))
     if args.plot and rows:
         plot(rows, args.plot)

@@ -9,7 +9,8 @@ frequency changes) while it ran. On GPU each run is bracketed by CUDA events aft
 the number is device time, not launch time. A length that runs out of memory is recorded as skipped,
 and the model's longer lengths are skipped with it.
 
-Two prefill paths: :func:`time_prefill` times the plain forward ``model(ids)`` (``hybrid bench``);
+Two prefill paths: :func:`time_prefill` times the plain forward ``model(ids, logits_to_keep=1)`` (``hybrid
+bench``; ``logits="all"`` for every position's logits, as scoring computes them);
 :func:`time_engine_prefill` times a prompt through :class:`hybrid.Engine` — paged KV cache, state
 slots, chunked prefill of ``chunk`` tokens per step, last-token logits — the path a served prompt
 takes (the tradeoff report).
@@ -144,8 +145,28 @@ def _is_oom(err: BaseException) -> bool:
         or "can't allocate memory" in str(err).lower()
 
 
-def _rates(model: HybridLM, seq_len: int, batch: int, seconds: float, peak_flops: float | None) -> dict:
-    flops_s = model.flops_per_token(seq_len) * seq_len * batch / seconds
+LOGITS = ("last", "all")
+
+
+def _check_logits(logits: str) -> None:
+    if logits not in LOGITS:
+        raise ValueError(f"logits must be one of {LOGITS} (last: the last position's, what a prompt needs; "
+                         f"all: every position's, as scoring does), got {logits!r}")
+
+
+def prefill_flops(model: HybridLM, seq_len: int, batch: int = 1, logits: str = "all") -> float:
+    """FLOPs of one prefill of ``batch`` prompts of ``seq_len`` tokens: ``flops_per_token`` over every
+    token, less the LM head of the positions whose logits are not computed (``logits="last"``)."""
+    _check_logits(logits)
+    total = model.flops_per_token(seq_len) * seq_len * batch
+    if logits == "last":
+        total -= 2.0 * model.config.vocab_size * model.config.d_model * (seq_len - 1) * batch
+    return total
+
+
+def _rates(model: HybridLM, seq_len: int, batch: int, seconds: float, peak_flops: float | None,
+           logits: str = "all") -> dict:
+    flops_s = prefill_flops(model, seq_len, batch, logits) / seconds
     row = {"tokens_per_s": round(batch * seq_len / seconds, 1), "GFLOP/s": round(flops_s / 1e9, 3)}
     if peak_flops:
         row["of_peak"] = round(flops_s / peak_flops, 4)
@@ -154,17 +175,23 @@ def _rates(model: HybridLM, seq_len: int, batch: int, seconds: float, peak_flops
 
 @torch.inference_mode()
 def time_prefill(model: HybridLM, seq_len: int, *, batch: int = 1, warmup: int = 1, repeats: int = 3,
-                 peak_flops: float | None = None, max_spread: float = MAX_SPREAD) -> dict:
+                 peak_flops: float | None = None, max_spread: float = MAX_SPREAD, logits: str = "last") -> dict:
     """Latency of the plain forward ``model(ids)`` for ``batch`` random prompts of ``seq_len`` tokens
-    (min / median / max over ``repeats``), the achieved FLOP/s at the median (from
-    ``flops_per_token``: every token's logits), its share of ``peak_flops``, and the cache bytes a
-    sequence of this length holds (KV in the model's dtype, plus Mamba state)."""
+    (min / median / max over ``repeats``), the achieved FLOP/s at the median, its share of ``peak_flops``,
+    and the cache bytes a sequence of this length holds (KV in the model's dtype, plus Mamba state).
+
+    ``logits="last"`` (the default) computes the last position's logits only (``logits_to_keep=1``: what a
+    prompt needs, as ``llama-bench -p`` times it); ``"all"`` every position's. The FLOPs follow: the LM
+    head of positions not computed is not counted."""
+    _check_logits(logits)
     param = next(model.parameters())
     device = param.device
     ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=device)
-    timing = measure(lambda: model(ids), device, warmup=warmup, repeats=repeats, max_spread=max_spread)
-    row = {"seq_len": seq_len, "batch": batch, **timing.row(), **_rates(model, seq_len, batch, timing.median,
-                                                                        peak_flops)}
+    keep = 1 if logits == "last" else 0
+    timing = measure(lambda: model(ids, logits_to_keep=keep), device, warmup=warmup, repeats=repeats,
+                     max_spread=max_spread)
+    row = {"seq_len": seq_len, "batch": batch, "logits": logits, **timing.row(),
+           **_rates(model, seq_len, batch, timing.median, peak_flops, logits)}
     # what the engine's cache holds for this sequence (K/V and conv state in the model dtype, SSM state fp32)
     row["cache_MB/seq"] = round(model.cache_spec().bytes_per_sequence(seq_len) / 2**20, 3)
     return row
@@ -197,7 +224,8 @@ def time_engine_prefill(model: HybridLM, seq_len: int, *, chunk: int = 2048, blo
 
 
 def sweep(models: dict[str, HybridLM], lengths: list[int], *, batch: int = 1, warmup: int = 1, repeats: int = 3,
-          peak_flops: float | None = None, max_spread: float = MAX_SPREAD, progress: bool = True) -> list[dict]:
+          peak_flops: float | None = None, max_spread: float = MAX_SPREAD, progress: bool = True,
+          logits: str = "last") -> list[dict]:
     """``time_prefill`` for every model at every length (shortest first); a length that runs out of
     memory gives a row marked skipped and skips that model's longer lengths."""
     rows = []
@@ -210,7 +238,7 @@ def sweep(models: dict[str, HybridLM], lengths: list[int], *, batch: int = 1, wa
         try:
             rows.append({"model": name, **time_prefill(models[name], L, batch=batch, warmup=warmup,
                                                        repeats=repeats, peak_flops=peak_flops,
-                                                       max_spread=max_spread)})
+                                                       max_spread=max_spread, logits=logits)})
         except (RuntimeError, MemoryError) as err:
             if not _is_oom(err) and not isinstance(err, MemoryError):
                 raise

@@ -96,12 +96,14 @@ def _label_modules(model: nn.Module) -> list:
     return handles
 
 
-def _run_fn(model, seq_len: int, engine_chunk: int | None):
-    """The prefill to profile: one forward, or one prompt through the engine in chunks of ``engine_chunk``."""
+def _run_fn(model, seq_len: int, engine_chunk: int | None, logits: str = "last"):
+    """The prefill to profile: one forward (the last position's logits, or with ``logits="all"`` every
+    position's), or one prompt through the engine in chunks of ``engine_chunk`` (last-token logits)."""
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
     if engine_chunk is None:
-        return lambda: model(ids)
+        keep = 1 if logits == "last" else 0
+        return lambda: model(ids, logits_to_keep=keep)
     from .. import Engine, SamplingParams
 
     def run():
@@ -173,9 +175,12 @@ def top_ops(prof, n: int = 12) -> list[tuple[str, float, int]]:
 
 
 @torch.inference_mode()
-def profile_one(model, seq_len: int, *, engine_chunk: int | None = None, repeats: int = 1) -> dict:
-    fn = _run_fn(model, seq_len, engine_chunk)
-    _run_fn(model, min(seq_len, 256), engine_chunk)()  # warm-up (one-time setup) at a short length
+def profile_one(model, seq_len: int, *, engine_chunk: int | None = None, repeats: int = 1,
+                logits: str = "last") -> dict:
+    from .prefill_bench import prefill_flops
+
+    fn = _run_fn(model, seq_len, engine_chunk, logits)
+    _run_fn(model, min(seq_len, 256), engine_chunk, logits)()  # warm-up (one-time setup) at a short length
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
     for _ in range(repeats):
@@ -191,11 +196,12 @@ def profile_one(model, seq_len: int, *, engine_chunk: int | None = None, repeats
     finally:
         for h in handles:
             h.remove()
-    flops = model.flops_per_token(seq_len) * seq_len
+    flops = prefill_flops(model, seq_len, 1, "last" if engine_chunk else logits)
     best = min(times)
     parts = breakdown(prof)
     total = sum(parts.values())
-    return {"seq_len": seq_len, "engine_chunk": engine_chunk, "seconds": [round(t, 4) for t in times],
+    return {"seq_len": seq_len, "engine_chunk": engine_chunk, "logits": "last" if engine_chunk else logits,
+            "seconds": [round(t, 4) for t in times],
             "tokens_per_s": round(seq_len / best, 1), "GFLOP/s": round(flops / best / 1e9, 2),
             "peak_rss_growth_MB": round(peak_mb, 1), "peak_rss_MB": round(rss1 / 1024, 1),
             "profiled_ms": round(total, 1),
@@ -205,7 +211,8 @@ def profile_one(model, seq_len: int, *, engine_chunk: int | None = None, repeats
 
 def format_report(name: str, dtype: str, row: dict) -> str:
     total = row["profiled_ms"] or 1.0
-    how = f"engine, chunks of {row['engine_chunk']}" if row["engine_chunk"] else "forward"
+    how = (f"engine, chunks of {row['engine_chunk']}" if row["engine_chunk"]
+           else f"forward, {row.get('logits', 'all')}-position logits")
     lines = [f"## {name}, {row['seq_len']} tokens, {dtype}, {how}: {row['tokens_per_s']} tok/s, "
              f"{row['GFLOP/s']} GFLOP/s, peak RSS {row['peak_rss_MB']} MB (+{row['peak_rss_growth_MB']} MB in this "
              f"run; runs {row['seconds']} s)",
@@ -252,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="timed runs after the warm-up (the best is reported)")
     p.add_argument("--engine-chunk", type=int, default=None, help="prefill through the engine in chunks of N")
+    p.add_argument("--logits", choices=["last", "all"], default="last",
+                   help="the forward computes the last position's logits only (default) or every position's")
     p.add_argument("--isolate", action="store_true", help="each (recipe, length) in its own process")
     p.add_argument("--json", help="also write the rows here (JSON lines)")
     args = p.parse_args(argv)
@@ -271,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 if name != model_name:
                     model_name, model = name, _build(name, dtype)
-                row = profile_one(model, L, engine_chunk=args.engine_chunk, repeats=args.repeats)
+                row = profile_one(model, L, engine_chunk=args.engine_chunk, repeats=args.repeats, logits=args.logits)
             tqdm.write(format_report(name, args.dtype, row) + "\n")
             if args.json:
                 f.write(json.dumps({"model": name, "dtype": args.dtype, "threads": args.threads, **row}) + "\n")
@@ -285,7 +294,7 @@ def _in_subprocess(name: str, L: int, args) -> dict:
            f"torch.set_num_threads({args.threads})\n"
            f"m = _build({name!r}, torch.{args.dtype})\n"
            f"print('ROW' + json.dumps(profile_one(m, {L}, engine_chunk={args.engine_chunk!r}, "
-           f"repeats={args.repeats})))\n"]
+           f"repeats={args.repeats}, logits={args.logits!r})))\n"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(next(line[3:] for line in out.splitlines() if line.startswith("ROW")))
 

@@ -108,7 +108,7 @@ def cmd_bench(args) -> None:
     dtype = getattr(torch, args.dtype)
     peak = matmul_peak_flops(args.device, dtype) if args.peak else None
     rows = sweep(models, args.lengths, batch=args.batch, warmup=args.warmup, repeats=args.repeats, peak_flops=peak,
-                 max_spread=args.max_spread)
+                 max_spread=args.max_spread, logits=args.logits)
     decode = []
     for name, model in models.items() if args.decode_tokens else ():
         # one engine per model: compiled shapes compile in the warm-up steps, never inside the timed ones
@@ -119,9 +119,11 @@ def cmd_bench(args) -> None:
         decode.append({"model": name, "decode_ctx": args.decode_ctx, "mode": "compiled" if args.compile else "eager",
                        "kv_dtype": r.kv_dtype, "state_dtype": r.ssm_dtype, **row,
                        "compile_s": round(engine.stats.compile_seconds, 1)})
-    header = {"device": args.device, "threads": threads, "dtype": args.dtype, "repeats": args.repeats,
+    header = {"device": args.device, "threads": threads, "dtype": args.dtype, "logits": args.logits,
+              "repeats": args.repeats,
               "max_spread": args.max_spread, "matmul_peak_GFLOP/s": round(peak / 1e9, 2) if peak else None}
-    print(f"# prefill (plain forward) on {args.device}, {threads} threads, dtype {args.dtype}; min / median / max "
+    print(f"# prefill (plain forward, {args.logits}-position logits{'' if args.logits == 'all' else ' only'}) on "
+          f"{args.device}, {threads} threads, dtype {args.dtype}; min / median / max "
           f"of {args.repeats} runs, spread = (max-min)/median, re-measured once above {args.max_spread:.0%}, "
           f"wide = still above" + (f"; matmul peak {header['matmul_peak_GFLOP/s']} GFLOP/s" if peak else ""))
     print(markdown(rows))
@@ -372,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per CPU core this process may use)")
     p.add_argument("--max-spread", type=float, default=0.25,
                    help="re-measure a timing whose (max-min)/median exceeds this, then mark it wide")
+    p.add_argument("--logits", choices=["last", "all"], default="last",
+                   help="last: the last position's logits only (what a prompt needs; llama-bench -p), all: every "
+                        "position's (as scoring); FLOP/s counts the LM head only where it runs")
     p.add_argument("--decode-tokens", type=int, default=0,
                    help="also time decoding this many tokens per sequence through the engine (0: skip)")
     p.add_argument("--decode-ctx", type=int, default=512, help="prompt length before the timed decode")

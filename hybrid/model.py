@@ -33,6 +33,25 @@ class Block(nn.Module):
         return x + self.mixer.forward_packed(h, batch, *cache.layer_pools[self.index])
 
 
+def _kept_positions(logits_to_keep, length: int) -> slice | torch.Tensor:
+    """``HybridLM.forward``'s ``logits_to_keep`` -> the index of the kept positions along the sequence."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        if logits_to_keep.dim() != 1 or logits_to_keep.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"logits_to_keep as a tensor must be 1-D integer positions, got shape "
+                             f"{tuple(logits_to_keep.shape)} of {logits_to_keep.dtype}")
+        if logits_to_keep.numel() and not bool(((logits_to_keep >= -length) & (logits_to_keep < length)).all()):
+            raise ValueError(f"logits_to_keep has positions outside the {length} input positions "
+                             f"(valid: -{length}..{length - 1})")
+        return logits_to_keep
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+        raise TypeError(f"logits_to_keep must be an int (the last N positions; 0 for all) or a 1-D tensor of "
+                        f"positions, got {type(logits_to_keep).__name__}")
+    if not 0 <= logits_to_keep <= length:
+        raise ValueError(f"logits_to_keep={logits_to_keep} for a {length}-token input: give 0 (every position) "
+                         f"or 1..{length} (that many last positions)")
+    return slice(length - logits_to_keep if logits_to_keep else 0, None)
+
+
 class HybridLM(nn.Module):
     def __init__(self, config: HybridConfig):
         super().__init__()
@@ -80,15 +99,22 @@ class HybridLM(nn.Module):
         h = self.norm_f(hidden)
         return F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, L] -> logits [B, L, vocab] (no cache; training and scoring)."""
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """input_ids [B, L] -> logits [B, L, vocab] (no cache; training and scoring).
+
+        ``logits_to_keep`` (transformers' name and meaning): an int N > 0 computes the logits of the last N
+        positions only, [B, N, vocab] — a prompt needs just the last one, and at 8K tokens with a 32K vocab
+        the full [L, vocab] fp32 output is 1 GB and the LM head a sixth of the prefill; 0 (the default)
+        keeps every position; a 1-D integer tensor keeps those positions (in that order).
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
         self.check_token_ids(input_ids)
+        keep = _kept_positions(logits_to_keep, input_ids.shape[1])
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x)
-        return self.logits(x)
+        return self.logits(x[:, keep])
 
     def forward_packed(self, batch, cache, *, all_logits: bool = False) -> torch.Tensor:
         """Inference over a packed batch of many sequences (a :class:`hybrid.packed_batch.PackedBatch`)

@@ -35,22 +35,56 @@ def _causal_conv1d_torch(x, weight, bias=None, *, initial_state=None, activation
 
     A depthwise conv has K multiply-adds per element: it is bound by memory, not arithmetic. oneDNN's
     grouped conv wants channels first, so it paid a transpose of the input and of the output (and ran a
-    slow depthwise kernel): ~10x the time of these K contiguous passes.
+    slow depthwise kernel): ~10x the time of these K contiguous passes. Without autograd the taps read
+    the input where it lies (no concatenated copy of state and input) and the bias rides on the first
+    multiply-add: K passes and the activation, where the concatenated form made K + 3.
     """
     b, L, Cn = x.shape
     K = weight.shape[1]
     cd = matmul_dtype(x.dtype, x.device)  # bf16 arithmetic only where the CPU has it
+    w = weight.to(cd).t()  # [K, C]
+    if needs_grad(x, weight, bias, initial_state):
+        return _causal_conv1d_concat(x, w, bias, initial_state, activation, cd)
+    xc = x.to(cd)
+    prev = None if initial_state is None else initial_state.to(cd).transpose(1, 2)  # [B, K-1, C]
+    # tap K-1 is the token itself; tap k reads the token K-1-k back, from the state for the first rows
+    y = xc * w[K - 1] if bias is None else torch.addcmul(bias.to(cd), xc, w[K - 1])
+    for k in range(K - 1):
+        back = K - 1 - k
+        if back < L:
+            y[:, back:].addcmul_(xc[:, :L - back], w[k])
+        if prev is not None:
+            rows = min(back, L)
+            y[:, :rows].addcmul_(prev[:, k:k + rows], w[k])
+    if activation == "silu":
+        y = F.silu(y, inplace=True)
+    return y.to(x.dtype), _final_conv_state(x, initial_state, K)
+
+
+def _final_conv_state(x, initial_state, K):
+    """The last K-1 inputs (oldest first) of state followed by x: [B, C, K-1] in x's dtype."""
+    b, L, Cn = x.shape
+    tail = x[:, max(0, L - (K - 1)):]
+    if tail.shape[1] < K - 1:  # a prompt shorter than the window: the state's newest entries come first
+        prev = (x.new_zeros(b, K - 1, Cn) if initial_state is None
+                else initial_state.to(x.dtype).transpose(1, 2))
+        tail = torch.cat([prev, tail], 1)[:, -(K - 1):]
+    return tail.transpose(1, 2).contiguous()
+
+
+def _causal_conv1d_concat(x, w, bias, initial_state, activation, cd):
+    """The out-of-place form autograd records: state and input concatenated, then the K taps."""
+    b, L, Cn = x.shape
+    K = w.shape[0]
     prev = x.new_zeros(b, K - 1, Cn) if initial_state is None else initial_state.to(x.dtype).transpose(1, 2)
     xs = torch.cat([prev, x], dim=1).to(cd)  # [B, K-1+L, C]: the taps before the start come from the state
-    w = weight.to(cd).t()  # [K, C]
-    inplace = not needs_grad(x, weight, bias, initial_state)
     y = xs[:, :L] * w[0]
     for k in range(1, K):
-        y = y.addcmul_(xs[:, k:k + L], w[k]) if inplace else y + xs[:, k:k + L] * w[k]
+        y = y + xs[:, k:k + L] * w[k]
     if bias is not None:
-        y = y.add_(bias.to(cd)) if inplace else y + bias.to(cd)
+        y = y + bias.to(cd)
     if activation == "silu":
-        y = F.silu(y, inplace=inplace)
+        y = F.silu(y)
     final = xs[:, xs.shape[1] - (K - 1):].transpose(1, 2).to(x.dtype).contiguous()  # [B, C, K-1]
     return y.to(x.dtype), final
 

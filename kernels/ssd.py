@@ -27,9 +27,9 @@ from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2
 _TORCH_CHUNK = 64
 # Tokens scanned at once (all sequences of the batch together): every temporary is sized by this block,
 # not by the sequence, so a 64K prompt costs the memory of a 2K one (~130 MB of fp32 temporaries at
-# H=24, P=64, N=128). A block costs a fixed number of ops, so fewer, larger blocks mean fewer thread
-# sync points; on a loaded CPU each one can wait a scheduler slice. The engine's 2048-token steps are
-# one block each.
+# H=24, P=64, N=128). A block costs ~25 batched ops plus three small ones per chunk (the walk of the state
+# through its chunks), so fewer, larger blocks mean fewer thread sync points; on a loaded CPU each one can
+# wait a scheduler slice. The engine's 2048-token steps are one block each.
 _TORCH_BLOCK = 2048
 
 
@@ -56,6 +56,13 @@ def ssd_scan_ref(x, dt, A, B, C, *, D=None, initial_state=None):
 # ~100x on x86 without flush-to-zero. Such a decay is set to exactly 0 instead: it differs from the true
 # value by less than 1.2e-38 of the state it scales, far below fp32 rounding of anything it is added to.
 _LOG_TINY = math.log(torch.finfo(torch.float32).tiny)
+# The [T, T] decays clamp their exponent to [_LOG_FLUSH, 0] before the exp and flush what lands at the
+# bottom (<= _FLUSH) to exact zeros after it: CPU exp takes a slow path on -inf inputs (2.5x here) and
+# on denormal results (15x), so the exp must see neither. The margin of 2 e-folds above the smallest
+# normal keeps every result of the clamped exp normal; decays below e^-85.3 count as zero (as above:
+# less than 1e-37 of what they scale).
+_LOG_FLUSH = _LOG_TINY + 2.0
+_FLUSH = math.exp(_LOG_FLUSH) * 1.01
 
 
 def _decay_exp(t: torch.Tensor, inplace: bool) -> torch.Tensor:
@@ -65,17 +72,57 @@ def _decay_exp(t: torch.Tensor, inplace: bool) -> torch.Tensor:
     return t.masked_fill(t < _LOG_TINY, -math.inf).exp()
 
 
-def _chunk_decays(chunk_total: torch.Tensor) -> torch.Tensor:
-    """[b, nc, H] log-decay of each chunk -> [b, H, nc+1, nc+1] with entry (i, j) = e^{sum of chunks j..i-1}
-    (1 on the diagonal, 0 above it). Summed as a masked cumsum, not as a difference of running sums, so
-    a long block's large running sums cost no precision; it is tiny (nc+1 squared per head)."""
-    b, nc, H = chunk_total.shape
-    x = F.pad(chunk_total.transpose(1, 2), (1, 0))  # [b, H, nc+1]: x_k = chunk k-1's log-decay, x_0 = 0
-    x = x[..., :, None].expand(b, H, nc + 1, nc + 1)  # [.., i, j] = x_i
-    below = torch.ones(nc + 1, nc + 1, dtype=torch.bool, device=x.device).tril_(-1)
-    seg = x.masked_fill(~below, 0.0).cumsum(-2)  # [.., i, j] = sum_{j < k <= i} x_k
-    on_or_below = torch.ones(nc + 1, nc + 1, dtype=torch.bool, device=x.device).tril_()
-    return _decay_exp(seg.masked_fill_(~on_or_below, -math.inf), True)
+def _pairwise_decays(cs_h: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """[..., T] running log-decays -> [..., T, T] with (l, s) = e^{cs_l - cs_s} on and below the diagonal
+    (flushed to 0 below e^-85.3) and exactly 1 above it (s > l: there the caller's causal mask is zero).
+    Four passes over the [T, T] tensor, the exp on its fast path (see ``_LOG_FLUSH``)."""
+    d = cs_h[..., :, None] - cs_h[..., None, :]  # <= 0 on and below the diagonal (dt A <= 0), >= 0 above
+    if inplace:
+        return F.threshold_(d.clamp_(_LOG_FLUSH, 0.0).exp_(), _FLUSH, 0.0)
+    return F.threshold(d.clamp(_LOG_FLUSH, 0.0).exp(), _FLUSH, 0.0)
+
+
+def _scan_chunks(state, xw, Bm, Cm, chunk_decay, *, mm, inplace):
+    """Walk the block's chunks in order, holding the [H, P, N] state: per chunk c, with S the state
+    entering it,
+      y_c = C_c S^T                                  (the entering state's output, before its decay)
+      S   = e^{chunk c's log-decay} S + xw_c^T B_c     (xw: dt x decayed to the chunk's end)
+    ``state`` [b, H, P, N] fp32 (never written), xw [b, nc, T, G, hpg*P], Bm/Cm [b, nc*T, G, N] (``mm``),
+    chunk_decay [b, nc, H]. Returns (y [b, nc, T, G, hpg*P] in ``mm``, the state leaving the block).
+
+    Three ops per chunk, each on data a core's cache holds (the 0.8 MB state at mamba2-small's H=24,
+    P=64, N=128; one chunk's xw, B, C). The chunk states, hand-over and state output as batched ops over
+    all chunks instead materialised every chunk's state ([nc, H, P, N], 25 MB per 2K block) and passed
+    over it three more times, and the hand-over as one matmul over all chunk pairs cost nc times the
+    multiply-adds of this recurrence."""
+    b, nc, T, G, GP = xw.shape
+    H, P, N = state.shape[1:]
+    Bv, Cv = Bm.view(b, nc, T, G, N), Cm.view(b, nc, T, G, N)
+    S = state.clone() if inplace else state
+    ys = torch.empty(nc, b * G, T, GP, device=xw.device, dtype=mm) if inplace else []
+    for c in range(nc):
+        S3 = S.view(b * G, GP, N)
+        with torch.profiler.record_function("ssd.state_output"):
+            C_c = Cv[:, c].transpose(1, 2).reshape(b * G, T, N)
+            if inplace:
+                torch.bmm(C_c, S3.transpose(1, 2).to(mm), out=ys[c])
+            else:
+                ys.append(torch.bmm(C_c, S3.transpose(1, 2).to(mm)))
+        xwT = xw[:, c].permute(0, 2, 3, 1).reshape(b * G, GP, T)
+        B_c = Bv[:, c].transpose(1, 2).reshape(b * G, T, N)
+        w = chunk_decay[:, c, :, None, None]
+        if not inplace:
+            S = S * w + torch.bmm(xwT, B_c).float().view(b, H, P, N)
+            continue
+        with torch.profiler.record_function("ssd.state_passing"):
+            S.mul_(w)
+        with torch.profiler.record_function("ssd.chunk_states"):
+            if mm == torch.float32:
+                S3.baddbmm_(xwT, B_c)
+            else:
+                S3.add_(torch.bmm(xwT, B_c).float())
+    y = ys if inplace else torch.stack(ys)
+    return y.view(nc, b, G, T, GP).permute(1, 0, 3, 2, 4), S
 
 
 def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
@@ -84,56 +131,50 @@ def _ssd_block(x, dt, A, B, C, state, *, T, mm, D, inplace):
     Per chunk of T tokens with cs = cumsum(dt A) (fp32, restarted at the chunk start):
       y_l   = sum_{s<=l} (C_l . B_s) e^{cs_l - cs_s} dt_s x_s  +  e^{cs_l} C_l . state  +  D x_l
       state = e^{cs_T} state + sum_s e^{cs_T - cs_s} dt_s x_s B_s^T
-    Every term is one batched op over all the block's chunks, the hand-over of the state from chunk to
-    chunk too: the state entering chunk c is sum_{c' <= c} e^{(decay of chunks c'..c-1)} (states made in
-    chunk c'-1, or the block's entering state for c' = 0), one small matmul per head. A block is a fixed
-    number of ops (~30) whatever its length: on a shared CPU each op is a sync point of the threads, so
-    the count of ops, not only their FLOPs, sets the time.
+    The intra-chunk term and the scalings are each one batched op over all the block's chunks; the terms
+    through the state walk the chunks in order, three small ops per chunk on cache-resident data
+    (:func:`_scan_chunks`). The causal mask lives on the per-group C.B product ([G, T, T] per chunk), not
+    on the per-head decays ([H, T, T]).
     """
     b, n, H, P = x.shape
     G, N = B.shape[2:]
     hpg = H // G
     pad = (-n) % T
     dtf = dt.float()
-    xdt = (x.float() * dtf[..., None]).to(mm)
     Bm, Cm = B.to(mm), C.to(mm)
+    xp = x
     if pad:  # dt = 0 on the padding: decay 1 and no input, so the state leaves the block as at token n-1
-        xdt, Bm, Cm = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xdt, Bm, Cm))
+        xp, Bm, Cm = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, Bm, Cm))
         dtf = F.pad(dtf, (0, 0, 0, pad))
     nc = (n + pad) // T
     cs = (dtf * A).view(b, nc, T, H).cumsum(2)  # [b, nc, T, H]
-    cs_h = cs.transpose(2, 3)  # [b, nc, H, T]
+    cs_h = cs.transpose(2, 3).contiguous()  # [b, nc, H, T], in order for the [T, T] differences
     Bc = Bm.view(b, nc, T, G, N).transpose(2, 3)  # [b, nc, G, T, N]
     Cc = Cm.view(b, nc, T, G, N).transpose(2, 3)
+    xv, dtv = xp.view(b, nc, T, H, P), dtf.view(b, nc, T, H, 1)
 
     with torch.profiler.record_function("ssd.intra_chunk"):
         CB = torch.matmul(Cc, Bc.transpose(-1, -2))  # [b, nc, G, T, T]
-        # e^{cs_l - cs_s} for s <= l; the upper triangle (s > l) is -inf before the exp, so exactly 0
-        # (and no inf ever meets a 0)
-        decay = cs_h[..., :, None] - cs_h[..., None, :]  # [b, nc, H, T, T]
-        upper = torch.ones(T, T, dtype=torch.bool, device=x.device).triu_(1)
-        decay = decay.masked_fill_(upper, -math.inf) if inplace else decay.masked_fill(upper, -math.inf)
-        decay = _decay_exp(decay, inplace).view(b, nc, G, hpg, T, T)
+        above = torch.ones(T, T, dtype=torch.bool, device=x.device).triu_(1)
+        CB = CB.masked_fill_(above, 0.0) if inplace else CB.masked_fill(above, 0.0)
+        decay = _pairwise_decays(cs_h, inplace).view(b, nc, G, hpg, T, T)
         M = decay.mul_(CB[:, :, :, None]) if inplace else decay * CB[:, :, :, None]
-        xdt_h = xdt.view(b, nc, T, H, P).transpose(2, 3)  # [b, nc, H, T, P]
+        # dt x written head-major, [b, nc, H, T, P], the layout the batched matmul reads without a copy
+        if inplace:
+            xdt_h = torch.empty(b, nc, H, T, P, device=x.device, dtype=mm)
+            torch.mul(xv.transpose(2, 3), dtv.transpose(2, 3), out=xdt_h)
+        else:
+            xdt_h = (xv.float() * dtv).to(mm).transpose(2, 3)
         y = torch.matmul(M.view(b, nc, H, T, T).to(mm), xdt_h)  # [b, nc, H, T, P]
 
     with torch.profiler.record_function("ssd.chunk_states"):
         to_end = _decay_exp(cs[:, :, -1:] - cs, True)  # [b, nc, T, H]: decay from each token to its chunk's end
-        xw = (xdt.view(b, nc, T, H, P) * to_end[..., None].to(mm)).view(b, nc, T, G, hpg * P)
-        states = torch.matmul(xw.permute(0, 1, 3, 4, 2), Bc).float()  # [b, nc, G, hpg*P, N]
-
-    with torch.profiler.record_function("ssd.state_passing"):
-        made = torch.cat([state.reshape(b, 1, H, P * N), states.view(b, nc, H, P * N)], 1)  # [b, nc+1, H, PN]
-        # [b, H, nc+1, PN]: row c is the state entering chunk c (row nc: leaving the block)
-        passed = torch.matmul(_chunk_decays(cs[:, :, -1]), made.transpose(1, 2))
-        state = passed[:, :, -1].reshape(b, H, P, N)
-        entering = passed[:, :, :-1].transpose(1, 2).reshape(b, nc, G, hpg * P, N)
+        xw = (xv * (dtv * to_end[..., None])).to(mm).view(b, nc, T, G, hpg * P)  # token-major: dt x to the end
+        chunk_decay = _decay_exp(cs[:, :, -1].clone(), True)  # [b, nc, H]
+    y_state, state = _scan_chunks(state, xw, Bm, Cm, chunk_decay, mm=mm, inplace=inplace)
 
     with torch.profiler.record_function("ssd.state_output"):
-        y_state = torch.matmul(Cc, entering.transpose(-1, -2).to(mm))  # [b, nc, G, T, hpg*P]
-        y_tok = y_state.view(b, nc, G, T, hpg, P).permute(0, 1, 3, 2, 4, 5).float().contiguous()
-        y_tok = y_tok.view(b, nc, T, H, P)
+        y_tok = y_state.float().contiguous().view(b, nc, T, H, P)  # a copy only for G > 1 or b > 1
         at_start = _decay_exp(cs.clone(), True)[..., None]  # [b, nc, T, H, 1]
         y_tok = y_tok.mul_(at_start) if inplace else y_tok * at_start
         y_tok = y_tok.add_(y.transpose(2, 3)) if inplace else y_tok + y.transpose(2, 3)
@@ -153,6 +194,9 @@ def _ssd_chunk_scan_torch(x, dt, A, B, C, *, chunk_size, D=None, initial_state=N
     state = (torch.zeros(b, H, P, N, device=x.device) if initial_state is None
              else initial_state.float().reshape(b, H, P, N))
     Af = A.float()
+    if L <= block:  # one block (every 2K forward, every engine step): its output is the result, no copy
+        y, state = _ssd_block(x, dt, Af, B, C, state, T=T, mm=mm, D=D, inplace=inplace)
+        return y.to(x.dtype), state
     # without autograd each block writes its rows of one output; with it the blocks are concatenated
     y_out = torch.empty_like(x, memory_format=torch.contiguous_format) if inplace else None
     ys = []
