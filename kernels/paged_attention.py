@@ -183,11 +183,13 @@ DECODE_GROUP_BYTES = 4 << 20
 DECODE_GROUP_TOKENS = 1024
 
 
-def _scores_per_head(qf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """qf [B, Hkv, rep, D] against a gathered k [B, t, Hkv, D] -> [B, Hkv, rep, t]: one bmm per KV head on K's
-    strided [B, t, D] slice (BLAS takes the row stride Hkv * D); an einsum over [B, t, Hkv, D] would first copy
-    K into head-major order, a second pass over it."""
-    return torch.stack([torch.bmm(qf[:, h], k[:, :, h].transpose(1, 2)) for h in range(k.shape[2])], 1)
+def _bmm_per_kv_head(a: torch.Tensor, kv: torch.Tensor, *, scores: bool) -> torch.Tensor:
+    """``a [B, Hkv, rep, x]`` with a gathered ``kv [B, t, Hkv, D]``, one bmm per KV head on kv's strided
+    [B, t, D] slice (BLAS takes the row stride Hkv * D; an einsum over [B, t, Hkv, D] would first copy K or V
+    into head-major order, a second pass over it): ``scores`` a = queries (x = D) -> a kv^T [B, Hkv, rep, t];
+    else a = probabilities (x = t) -> a kv [B, Hkv, rep, D]."""
+    return torch.stack([torch.bmm(a[:, h], kv[:, :, h].transpose(1, 2) if scores else kv[:, :, h])
+                        for h in range(kv.shape[2])], 1)
 
 
 def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
@@ -246,9 +248,9 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
             vs = (v_scale[blocks].float() * fv).view(B, g * BS, Hkv).transpose(1, 2)[:, :, None, :]
         pos = torch.arange(c0 * BS, (c0 + g) * BS, device=q.device)
         visible = (pos[None] < lens[:, None]) & ((pos[None] >= first[:, None]) | (pos[None] < sinks))  # [B, t]
-        s = _scores_per_head(qf, k)
+        s = _bmm_per_kv_head(qf, k, scores=True)
         if qf_sinks is not None and c0 * BS < sinks:  # only the column groups that hold sink keys
-            s = torch.where(pos < sinks, _scores_per_head(qf_sinks, k), s)
+            s = torch.where(pos < sinks, _bmm_per_kv_head(qf_sinks, k, scores=True), s)
         if k_scale is not None:
             s.mul_(ks)  # in place: the scores are this loop's own, and a fresh [B, Hkv, rep, t] costs page faults
         s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
@@ -258,7 +260,7 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
         corr = torch.exp(m - m_safe)
         l = l * corr + p.sum(-1)
         pv = p if v_scale is None else p.mul_(vs)
-        acc = acc * corr[..., None] + torch.stack([torch.bmm(pv[:, h], v[:, :, h]) for h in range(Hkv)], 1)
+        acc = acc * corr[..., None] + _bmm_per_kv_head(pv, v, scores=False)
         m = m_new
     return (acc / l[..., None]).view(B, Hq, D).to(q.dtype)
 
