@@ -48,6 +48,7 @@ from ..model import HybridLM
 from ..packed_batch import SeqChunk, build_batch
 from ..report import format_table
 from . import mqar
+from .prefill_bench import interleaved_seconds
 
 PAIRS = [("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("int8", "int8"), ("fp8", "bfloat16")]
 EXTRA_PAIRS = [("int8", "float32"), ("float32", "int8"), ("fp8", "float32")]  # one part compressed at a time
@@ -154,20 +155,6 @@ def layer_decode_rows(batch: int, context: int, repeats: int, dtype: torch.dtype
 
 # ---- per-op decode speed (interleaved) ---------------------------------------------------------------
 
-def _interleaved(variants: dict, repeats: int) -> dict[str, list[float]]:
-    """Time each variant ``repeats`` times, round-robin (so load from other work on a shared machine lands
-    on all of them alike), after one untimed call each (a compiled variant compiles there)."""
-    for fn in variants.values():
-        fn()
-    times = {k: [] for k in variants}
-    for _ in range(repeats):
-        for k, fn in variants.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return times
-
-
 def _spread_row(name: str, ts: list[float], base: float | None) -> dict:
     import statistics
 
@@ -219,7 +206,7 @@ def state_step_rows(batch: int = 32, repeats: int = 15, recipe: str = "hybrid-1t
                                                                                   slots=slots),
     }
     with torch.inference_mode():
-        times = _interleaved(variants, repeats)
+        times = interleaved_seconds(variants, 1, repeats)
     import statistics
 
     base = statistics.median(1e3 * t for t in times["fp32 state, in place, tiled"])
@@ -305,7 +292,7 @@ def kv_write_rows(batch: int = 32, context: int = 1024, repeats: int = 30, recip
             op = torch.compile(kv_quant.write_kv_quantized, fullgraph=True, dynamic=False)
             variants[f"{name} per-token, compiled"] = lambda now=now, op=op: now(op=op)
     with torch.inference_mode():
-        times = _interleaved(variants, repeats)
+        times = interleaved_seconds(variants, 1, repeats)
     base = statistics.median(1e3 * t for t in times["bfloat16 index_copy_"])
     return [{"batch": batch, "context": context, **_spread_row(n, t, base)} for n, t in times.items()]
 
@@ -349,7 +336,7 @@ def paged_decode_rows(batch: int = 32, context: int = 1024, repeats: int = 15,
     variants = {"bfloat16": run("bfloat16"), "int8": run("int8"), "fp8": run("fp8"),
                 "fp8, native cast (before)": native_fp8}
     with torch.inference_mode():
-        times = _interleaved(variants, repeats)
+        times = interleaved_seconds(variants, 1, repeats)
     base = statistics.median(1e3 * t for t in times["bfloat16"])
     return [{"batch": batch, "context": context, **_spread_row(k, v, base)} for k, v in times.items()]
 

@@ -22,7 +22,6 @@ import dataclasses
 import inspect
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
@@ -33,7 +32,7 @@ from ..model import HybridLM
 from ..pretrained import save_pretrained
 from ..recipes import get as get_recipe
 from ..report import format_table
-from .prefill_bench import LOGITS
+from .prefill_bench import LOGITS, interleaved_seconds
 
 
 def _bamba_like(cfg: HybridConfig) -> HybridConfig:
@@ -92,21 +91,6 @@ def _check_takes_logits_to_keep(name: str, theirs: torch.nn.Module) -> None:
                           f"compute last-position logits only; compare {name} with --logits all")
 
 
-def _interleaved_seconds(fns: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each of ``repeats`` runs of every fn, the fns taking turns run by run (after ``warmup``
-    turns), so a change in the machine's load falls on both sides alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return times
-
-
 @torch.inference_mode()
 def bench(names: list[str], lengths: list[int], warmup: int, repeats: int, logits: str = "last") -> list[dict]:
     if logits not in LOGITS:
@@ -126,7 +110,7 @@ def bench(names: list[str], lengths: list[int], warmup: int, repeats: int, logit
         for name, L in tqdm(todo, desc="prefill", unit="run"):
             ours, theirs = pairs[name]
             ids = torch.randint(0, ours.config.vocab_size, (1, L))
-            t = _interleaved_seconds({"ours": lambda: ours(ids, logits_to_keep=keep),  # noqa: B023
+            t = interleaved_seconds({"ours": lambda: ours(ids, logits_to_keep=keep),  # noqa: B023
                                       "hf": lambda: theirs(ids, use_cache=False,  # noqa: B023
                                                            logits_to_keep=keep).logits},
                                      warmup, repeats)

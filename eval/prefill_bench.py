@@ -109,6 +109,21 @@ class Timing:
                 "runs": len(self.seconds), "attempts": self.attempts, "wide": self.wide}
 
 
+def interleaved_seconds(fns: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each of ``repeats`` runs of every fn, the fns taking turns run by run (after ``warmup``
+    turns: a compiled variant compiles there), so a change in the machine's load falls on all of them alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def measure(fn: Callable[[], object], device: torch.device, *, warmup: int, repeats: int,
             max_spread: float = MAX_SPREAD) -> Timing:
     """Time ``fn``; if the spread exceeds ``max_spread``, time it again (no new warm-up) and keep the

@@ -1,15 +1,16 @@
-"""interop_bench's parts: both sides take turns run by run, and a transformers model that cannot keep
-only the last logits is refused with what to do instead."""
+"""interop_bench's parts: both sides take turns run by run (the timing helper it shares with
+compression_bench), and a transformers model that cannot keep only the last logits is refused with what to do
+instead."""
 
 import pytest
 import torch
-from hybrid.eval import interop_bench
+from hybrid.eval import interop_bench, prefill_bench
 
 
 def test_sides_take_turns_and_each_gets_every_repeat():
     calls = []
-    times = interop_bench._interleaved_seconds({"ours": lambda: calls.append("o"), "hf": lambda: calls.append("h")},
-                                               warmup=1, repeats=3)
+    times = prefill_bench.interleaved_seconds({"ours": lambda: calls.append("o"), "hf": lambda: calls.append("h")},
+                                              warmup=1, repeats=3)
     assert calls == ["o", "h"] * 4 and [len(v) for v in times.values()] == [3, 3]
 
 
