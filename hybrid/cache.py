@@ -42,13 +42,12 @@ class CacheFullError(RuntimeError):
 class BlockAllocator:
     """Block ids ``1..num_blocks`` (0 is the null block) with a free list and per-block reference counts."""
 
-    def __init__(self, num_blocks: int, on_allocate=None):
+    def __init__(self, num_blocks: int):
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * (num_blocks + 1)
         self._free: deque[int] = deque(range(1, num_blocks + 1))
-        self.on_allocate = on_allocate  # called with each batch of fresh blocks (a quantised pool resets scales)
 
     @property
     def num_free(self) -> int:
@@ -64,8 +63,6 @@ class BlockAllocator:
         blocks = [self._free.popleft() for _ in range(n)]
         for b in blocks:
             self.ref_counts[b] = 1
-        if blocks and self.on_allocate is not None:
-            self.on_allocate(blocks)
         return blocks
 
     def share(self, block: int) -> None:
