@@ -531,7 +531,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .kernels.host_memory import keep_freed_memory
+
     args = build_parser().parse_args(argv)
+    keep_freed_memory()  # the CLI owns its process: large temporaries reuse mapped memory (see host_memory)
     args.func(args)
 
 
