@@ -300,8 +300,10 @@ def kv_write_rows(batch: int = 32, context: int = 1024, repeats: int = 30, recip
 def paged_decode_rows(batch: int = 32, context: int = 1024, repeats: int = 15,
                       recipe: str = "hybrid-1to7-small") -> list[dict]:
     """The torch paged decode attention of one layer of ``recipe`` over ``batch`` sequences of ``context``
-    tokens, per page dtype (bf16 queries), interleaved; ``fp8, native cast`` is the fp8 -> fp32 conversion
-    the pages had before (``Tensor.float()``, element by element on CPU)."""
+    tokens, per page dtype (bf16 queries), interleaved: the walk as it runs (pages gathered and converted into
+    reused buffers), the walk before it (``fresh temporaries``: a new tensor per pass, and fp8 through
+    :func:`~hybrid.kernels.kv_quant.fp8_codes_as_fp16`), and ``fp8, native cast`` (``Tensor.float()``, element
+    by element on CPU)."""
     import statistics
 
     from ..kernels import kv_quant as kq
@@ -325,16 +327,25 @@ def paged_decode_rows(batch: int = 32, context: int = 1024, repeats: int = 15,
         k, v, ks, vs = pages[name]
         return lambda: paged_decode_attention(q, k, v, lens, tables, k_scale=ks, v_scale=vs)
 
-    def native_fp8():
-        saved = kq.codes_to_float
-        kq.codes_to_float = lambda t: (t.float(), 1.0)
-        try:
-            run("fp8")()
-        finally:
-            kq.codes_to_float = saved
+    def with_gather(name, gather):
+        def go():
+            saved = kq.gather_pages_as_float
+            kq.gather_pages_as_float = gather
+            try:
+                run(name)()
+            finally:
+                kq.gather_pages_as_float = saved
+        return go
+
+    def fresh(pool, flat, role):  # the walk before reused buffers: a fresh temporary per pass
+        return kq.codes_to_float(pool.index_select(0, flat))
 
     variants = {"bfloat16": run("bfloat16"), "int8": run("int8"), "fp8": run("fp8"),
-                "fp8, native cast (before)": native_fp8}
+                "bfloat16, fresh temporaries (before)": with_gather("bfloat16", fresh),
+                "int8, fresh temporaries (before)": with_gather("int8", fresh),
+                "fp8, fresh temporaries (before)": with_gather("fp8", fresh),
+                "fp8, native cast": with_gather("fp8", lambda pool, flat, role: (pool.index_select(0, flat).float(),
+                                                                                  1.0))}
     with torch.inference_mode():
         times = interleaved_seconds(variants, 1, repeats)
     base = statistics.median(1e3 * t for t in times["bfloat16"])

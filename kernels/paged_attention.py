@@ -192,6 +192,15 @@ def _bmm_per_kv_head(a: torch.Tensor, kv: torch.Tensor, *, scores: bool) -> torc
                         for h in range(kv.shape[2])], 1)
 
 
+def _gather_group(pool: torch.Tensor, flat: torch.Tensor, role: str, buffered: bool) -> tuple[torch.Tensor, float]:
+    """One column group's pages of ``pool`` as fp32 and the factor their values still need. ``buffered`` (eager,
+    CPU, no autograd): gathered and converted into reused buffers (:func:`.kv_quant.gather_pages_as_float`: no
+    fresh multi-MB temporaries, which page-fault); else plain tensor ops (torch.compile plans its own memory)."""
+    if buffered:
+        return kv_quant.gather_pages_as_float(pool, flat, role)
+    return kv_quant.codes_to_float(pool.index_select(0, flat))
+
+
 def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
                                   k_scale=None, v_scale=None, sinks=0, q_sinks=None):
     # Batched over sequences: walk the block tables a group of columns at a time with an online
@@ -231,19 +240,18 @@ def _paged_decode_attention_torch(q, k_pool, v_pool, seq_lens, block_tables, *, 
         start = max(lo // BS, sink_cols) if sinks else lo // BS
         spans = ([(c0, min(c0 + cols, sink_cols, hi)) for c0 in range(0, min(sink_cols, hi), cols)]
                  + [(c0, min(c0 + cols, hi)) for c0 in range(start, hi, cols)])
+    # eager on CPU: each group's pages land in reused buffers (no autograd through an out= gather)
+    buffered = not compiling and q.device.type == "cpu" and not (torch.is_grad_enabled() and k_pool.requires_grad)
     for c0, c1 in spans:
         blocks = block_tables[:, c0:c1].long()
         g = blocks.shape[1]
         flat = blocks.flatten()  # index_select on dim 0: whole contiguous blocks, memcpy-fast
-        if k_scale is None:
-            k = k_pool.index_select(0, flat).float().view(B, g * BS, Hkv, D)
-            v = v_pool.index_select(0, flat).float().view(B, g * BS, Hkv, D)
-        else:
-            # quantised pages: only the codes are converted (one pass, as bf16 pages are); the per-token
-            # scales multiply the scores and the probabilities instead ([B, Hkv, t], D times smaller than K, V)
-            k, fk = kv_quant.codes_to_float(k_pool.index_select(0, flat))
-            v, fv = kv_quant.codes_to_float(v_pool.index_select(0, flat))
-            k, v = k.view(B, g * BS, Hkv, D), v.view(B, g * BS, Hkv, D)
+        k, fk = _gather_group(k_pool, flat, "k", buffered)
+        v, fv = _gather_group(v_pool, flat, "v", buffered)
+        k, v = k.view(B, g * BS, Hkv, D), v.view(B, g * BS, Hkv, D)
+        if k_scale is not None:
+            # quantised pages: only the codes are converted (as bf16 pages are cast); the per-token scales
+            # multiply the scores and the probabilities instead ([B, Hkv, t], D times smaller than K, V)
             ks = (k_scale[blocks].float() * fk).view(B, g * BS, Hkv).transpose(1, 2)[:, :, None, :]  # [B, Hkv, 1, t]
             vs = (v_scale[blocks].float() * fv).view(B, g * BS, Hkv).transpose(1, 2)[:, :, None, :]
         pos = torch.arange(c0 * BS, (c0 + g) * BS, device=q.device)
