@@ -4,7 +4,9 @@ versions): work a few sequences at a time so the fp32 rows of an update stay in 
 At batch 32 one Mamba-2 layer of ``mamba2-small`` holds a 25 MB fp32 state (24 heads x 64 x 128 per
 sequence). A step makes several elementwise / reduction passes over it (decay, rank-1 update, mat-vec; for
 int8 also dequantise, |max|, divide, round, cast); over the whole batch each pass goes to memory, over a tile
-of about :data:`TILE_BYTES` only the first read and the last write do. The per-tile mat-vec is also a handful
+of about :data:`TILE_BYTES` only the first read and the last write do. The int8 steps tile by
+:func:`row_tiles`: chunks of a sequence's rows when one sequence's fp32 rows alone would spill out of L2.
+The per-tile mat-vec is also a handful
 of large ``bmm`` calls (one per sequence and B/C group) instead of one over every head (measured: 40 us per
 sequence in cache against 13-17 ms for the whole batch at once). One fp32 scratch buffer per device and role
 is reused across steps and layers (a fresh 25 MB temporary per step was page faults as well).
@@ -59,14 +61,3 @@ def row_tiles(blocks: int, block_rows: int, row_numel: int, device: torch.device
         k = max(d for d in range(1, block_rows + 1) if block_rows % d == 0 and d <= fit)
     chunks = blocks * (block_rows // k)
     return k, (max(1, min(chunks, TILE_BYTES // (4 * row_numel * k))) if on_cpu else chunks)
-
-
-def quantize_tile(f: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
-    """fp32 rows ``f [t, groups, group_numel]`` (overwritten) -> int8 ``codes`` (same number of elements) and
-    ``scale [t, groups]``: the exact |max| / 127 of each group and round-to-nearest codes, as
-    :func:`.kv_quant.quantize_rows` does. No clamp: ``|f| / (|f|max / 127)`` is at most 127 and one rounding
-    error, which rounds to 127. (``amax`` and ``amin`` beat one ``aminmax``, which is not vectorised on CPU:
-    42 against 337 us for a sequence's row set.)"""
-    torch.maximum(f.amax(-1), f.amin(-1).neg_(), out=scale).div_(127.0)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes.copy_(f.div_(safe[..., None]).round_().view(codes.shape))
