@@ -1,15 +1,14 @@
 """Tiles and scratch for the eager one-token Mamba state steps (``ssd_step``, ``selective_step`` and their int8
 versions): work a few sequences at a time so the fp32 rows of an update stay in the CPU cache between its passes.
 
-At batch 32 one Mamba-2 layer of ``mamba2-small`` holds a 25 MB fp32 state (24 heads x 64 x 128 per
-sequence). A step makes several elementwise / reduction passes over it (decay, rank-1 update, mat-vec; for
-int8 also dequantise, |max|, divide, round, cast); over the whole batch each pass goes to memory, over a tile
-of about :data:`TILE_BYTES` only the first read and the last write do. The int8 steps tile by
-:func:`row_tiles`: chunks of a sequence's rows when one sequence's fp32 rows alone would spill out of L2.
-The per-tile mat-vec is also a handful
+At batch 32 one Mamba-2 layer of ``mamba2-small`` holds a 25 MB fp32 state (24 heads x 64 x 128 per sequence). A
+step makes several elementwise / reduction passes over it (decay, rank-1 update, mat-vec; for int8 also the cast
+in, |max|, rescale, round, cast out); over the whole batch each pass goes to memory, over a tile of about
+:data:`TILE_BYTES` only the first read and the last write do. The int8 steps tile by :func:`row_tiles`: chunks of a
+sequence's rows when one sequence's fp32 rows alone would spill out of L2. The per-tile mat-vec is also a handful
 of large ``bmm`` calls (one per sequence and B/C group) instead of one over every head (measured: 40 us per
-sequence in cache against 13-17 ms for the whole batch at once). One fp32 scratch buffer per device and role
-is reused across steps and layers (a fresh 25 MB temporary per step was page faults as well).
+sequence in cache against 13-17 ms for the whole batch at once). One fp32 scratch buffer per device and role is
+reused across steps and layers (a fresh 25 MB temporary per step was page faults as well).
 """
 
 from __future__ import annotations
