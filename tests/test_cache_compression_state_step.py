@@ -288,3 +288,19 @@ def test_mamba1_int8_step_on_zero_rows():
     torch.testing.assert_close(pool.scale[slots], s_ref, atol=1e-7, rtol=1e-5)
     assert (pool.data[slots].int() - q_ref.int()).abs().max() <= 1
     assert torch.equal(pool.scale[1], torch.zeros(4)) and not pool.data[1].any()
+
+
+def test_row_tiles_cut_blocks_to_fit_and_scale_with_threads(monkeypatch):
+    from hybrid.kernels import state_tiles
+
+    monkeypatch.setattr(state_tiles, "TILE_BYTES", 1 << 20)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    # mamba2-small: 1536 rows of 128 fp32 values (768 KB) a sequence: one whole block per tile
+    assert state_tiles.row_tiles(32, 1536, 128, torch.device("cpu")) == (1536, 1)
+    # a block of 2 MB: cut into the largest chunks dividing it that fit (1024 of 2048 rows)
+    assert state_tiles.row_tiles(4, 2048, 256, torch.device("cpu")) == (1024, 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # 1 MB per thread: two blocks a tile
+    assert state_tiles.row_tiles(32, 1536, 128, torch.device("cpu")) == (1536, 2)
+    assert state_tiles.row_tiles(4, 2048, 256, torch.device("cpu")) == (2048, 1)
+    assert state_tiles.row_tiles(3, 7, 1 << 20, torch.device("cpu")) == (1, 1)  # a row above the tile: one row
+    assert state_tiles.row_tiles(32, 1536, 128, torch.device("meta")) == (1536, 32)  # off the CPU: one tile
