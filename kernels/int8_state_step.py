@@ -14,7 +14,8 @@ rounding, and the cast back (the fp32 step makes three, over 4x the bytes):
 - ``inductor``: the same arithmetic as one ``torch.compile``'d function (opt-in: ``HYBRID_BACKEND=inductor``
   or ``dispatch.use_backend("inductor")``). Batches are padded to a power of two (static shapes); the first
   call of each of those shapes compiles. Measured on this 2-core machine (1 thread, batch 32,
-  ``mamba2-small``): 22 ms a step against 11.7 ms for the torch path, 10-26 s to compile; Inductor keeps the
+  ``mamba2-small``): 22 ms a step against 13.8 ms for the previous torch path in the same run (this one:
+  9-12 ms), 10-26 s to compile; Inductor keeps the
   whole batch's fp32 rows in memory between its loops, and with them fused per row (tried) it was slower
   still (its int8 loads are 8-lane partial loads). Not the default;
 - ``triton``: :func:`.triton_state_update.ssd_state_update_int8`, the state-update kernel reading and
