@@ -4,9 +4,10 @@ For each state layout (``mamba2-small``'s Mamba-2 SSM state ``[24, 64, 128]``, `
 state ``[1536, 16]``) and storage dtype (fp32, bf16, int8) one decode step of ``batch`` sequences through
 :class:`hybrid.cache.StatePool.step`, exactly as a layer calls it (rows ``slots`` of a pool of ``batch + 1``
 rows, the slots one increasing run as the engine hands them out, or shuffled with ``--scatter``):
-min / median / max milliseconds per layer over ``repeats`` timed runs, each stepping ``layers`` pools in
-turn (a state is not in cache from its own last step, as in a model's forward). ``python -m hybrid.eval.state_step_bench
---threads 2`` (wrap it in ``flock /tmp/bench.lock``; a shared machine's timings are noisy).
+min / median / max milliseconds per layer over ``repeats`` timed runs (the dtypes' runs interleaved), each
+stepping ``layers`` pools in turn (a state is not in cache from its own last step, as in a model's
+forward). ``python -m hybrid.eval.state_step_bench --threads 2`` (wrap it in ``flock /tmp/bench.lock``; a
+shared machine's timings are noisy).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import time
 
 import torch
+from tqdm import tqdm
 
 from .. import recipes
 from ..cache import StatePool
@@ -55,30 +57,41 @@ def backend_of(op, dtype: str) -> str:
     return f"{fused.__name__}: " + dispatch.choose(fused.__name__, "cpu")[0]
 
 
-def time_step(recipe: str, dtype: str, batch: int, repeats: int, warmup: int = 3, scatter: bool = False,
-              layers: int = 8) -> dict:
-    """Milliseconds of one layer's step: each timed run steps ``layers`` pools (as many layers of a model)
-    in turn, so a state is not still in cache from its own previous step, as in a real forward."""
-    g = torch.Generator().manual_seed(0)
-    op, shape, groups, args, D = step_inputs(recipe, batch, g)
+def _pools(recipe: str, dtype: str, batch: int, layers: int, g: torch.Generator):
+    op, shape, groups, args, D = step_inputs(recipe, batch, torch.Generator().manual_seed(0))
     pools = []
     for _ in range(layers):
         pool = StatePool(shape, DTYPES[dtype], batch + 1, groups)
         pool.write(torch.arange(batch + 1), torch.randn(batch + 1, *shape, generator=g))
         pools.append(pool)
+    return op, shape, args, D, pools
+
+
+def time_steps(recipe: str, dtypes: list[str], batch: int, repeats: int, warmup: int = 3, scatter: bool = False,
+               layers: int = 8) -> list[dict]:
+    """Milliseconds of one layer's step per storage dtype: each timed run steps ``layers`` pools (as many
+    layers of a model) in turn, so a state is not still in cache from its own previous step, as in a real
+    forward; the dtypes take their runs in turn (a burst of load from other work hits them alike)."""
+    g = torch.Generator().manual_seed(1)
+    setups = {d: _pools(recipe, d, batch, layers, g) for d in dtypes}
     order = torch.randperm(batch, generator=g) if scatter else torch.arange(batch)
     slots = with_host_values(order, tuple(order.tolist()))
-    times = []
-    for i in range(warmup + repeats):
-        t = time.perf_counter()
-        for pool in pools:
-            pool.step(op, *args, D=D, slots=slots)
-        if i >= warmup:
-            times.append(1e3 * (time.perf_counter() - t) / layers)
-    times.sort()
-    return {"recipe": recipe, "state": f"{op.__name__} {list(shape)}", "dtype": dtype, "batch": batch,
-            "backend": backend_of(op, dtype), "ms_min": round(times[0], 3),
-            "ms_median": round(times[len(times) // 2], 3), "ms_max": round(times[-1], 3)}
+    times = {d: [] for d in dtypes}
+    for i in tqdm(range(warmup + repeats), desc=f"{recipe} state steps", unit="round", leave=False):
+        for d, (op, _, args, D, pools) in setups.items():
+            t = time.perf_counter()
+            for pool in pools:
+                pool.step(op, *args, D=D, slots=slots)
+            if i >= warmup:
+                times[d].append(1e3 * (time.perf_counter() - t) / layers)
+    rows = []
+    for d, ts in times.items():
+        op, shape = setups[d][0], setups[d][1]
+        ts.sort()
+        rows.append({"recipe": recipe, "state": f"{op.__name__} {list(shape)}", "dtype": d, "batch": batch,
+                     "backend": backend_of(op, d), "ms_min": round(ts[0], 3),
+                     "ms_median": round(ts[len(ts) // 2], 3), "ms_max": round(ts[-1], 3)})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     for recipe in args.recipes.split(","):
-        for dtype in args.dtypes.split(","):
-            print(json.dumps(time_step(recipe, dtype, args.batch, args.repeats, scatter=args.scatter)), flush=True)
+        for row in time_steps(recipe, args.dtypes.split(","), args.batch, args.repeats, scatter=args.scatter):
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

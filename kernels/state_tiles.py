@@ -1,13 +1,14 @@
 """Tiles and scratch for the eager one-token Mamba state steps (``ssd_step``, ``selective_step`` and their int8
 versions): work a few sequences at a time so the fp32 rows of an update stay in the CPU cache between its passes.
 
-At batch 32 one Mamba-2 layer of ``mamba2-small`` holds a 25 MB fp32 state (24 heads x 64 x 128 per
-sequence). A step makes several elementwise / reduction passes over it (decay, rank-1 update, mat-vec; for
-int8 also dequantise, |max|, divide, round, cast); over the whole batch each pass goes to memory, over a tile
-of about :data:`TILE_BYTES` only the first read and the last write do. The per-tile mat-vec is also a handful
+At batch 32 one Mamba-2 layer of ``mamba2-small`` holds a 25 MB fp32 state (24 heads x 64 x 128 per sequence). A
+step makes several elementwise / reduction passes over it (decay, rank-1 update, mat-vec; for int8 also the cast
+in, |max|, rescale, round, cast out); over the whole batch each pass goes to memory, over a tile of about
+:data:`TILE_BYTES` only the first read and the last write do. The int8 steps tile by :func:`row_tiles`: chunks of a
+sequence's rows when one sequence's fp32 rows alone would spill out of L2. The per-tile mat-vec is also a handful
 of large ``bmm`` calls (one per sequence and B/C group) instead of one over every head (measured: 40 us per
-sequence in cache against 13-17 ms for the whole batch at once). One fp32 scratch buffer per device and role
-is reused across steps and layers (a fresh 25 MB temporary per step was page faults as well).
+sequence in cache against 13-17 ms for the whole batch at once). One fp32 scratch buffer per device and role is
+reused across steps and layers (a fresh 25 MB temporary per step was page faults as well).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def scratch(numel: int, device: torch.device, role: int = 0) -> torch.Tensor:
     return buf[:numel]
 
 
+def tile_budget() -> int:
+    """Bytes of fp32 rows per tile: TILE_BYTES for each intra-op thread, since the elementwise passes of a
+    tile split it across the threads and each core has its own L2 (measured at 2 threads, ``mamba2-small``
+    int8 step: 12.7 ms with 2 MB tiles, 17.6 ms with 1 MB ones, 20.7 ms with 0.5 MB)."""
+    return TILE_BYTES * max(1, torch.get_num_threads())
+
+
 def tile_rows(n: int, row_numel: int) -> int:
     """Sequences per tile: as many state rows of ``row_numel`` fp32 values as fit in TILE_BYTES, at least one
     (everything at once off the CPU, where the cache argument does not hold and launches cost)."""
@@ -45,12 +53,17 @@ def tiles(n: int, row_numel: int, device: torch.device) -> list[tuple[int, int]]
     return [(i, min(n, i + t)) for i in range(0, n, t)]
 
 
-def quantize_tile(f: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
-    """fp32 rows ``f [t, groups, group_numel]`` (overwritten) -> int8 ``codes`` (same number of elements) and
-    ``scale [t, groups]``: the exact |max| / 127 of each group and round-to-nearest codes, as
-    :func:`.kv_quant.quantize_rows` does. No clamp: ``|f| / (|f|max / 127)`` is at most 127 and one rounding
-    error, which rounds to 127. (``amax`` and ``amin`` beat one ``aminmax``, which is not vectorised on CPU:
-    42 against 337 us for a sequence's row set.)"""
-    torch.maximum(f.amax(-1), f.amin(-1).neg_(), out=scale).div_(127.0)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes.copy_(f.div_(safe[..., None]).round_().view(codes.shape))
+def row_tiles(blocks: int, block_rows: int, row_numel: int, device: torch.device) -> tuple[int, int]:
+    """How an int8 step tiles ``blocks`` blocks of ``block_rows`` state rows of ``row_numel`` values (a block:
+    the rows of one sequence that share B and C): ``(k, t)``, ``k`` rows per chunk (a divisor of
+    ``block_rows``: the largest whose fp32 rows fit TILE_BYTES) and ``t`` chunks per tile. A block larger
+    than a tile is cut into chunks instead of taking a whole tile that spills out of L2 (measured: 1.5 MB
+    tiles ran the ``mamba2-small`` step 1.5x slower than 0.75 MB ones). One tile off the CPU and under
+    torch.compile, as :func:`tiles`."""
+    on_cpu = torch.device(device).type == "cpu" and not torch.compiler.is_compiling()
+    k = block_rows
+    if on_cpu:
+        fit = max(1, tile_budget() // (4 * row_numel))
+        k = max(d for d in range(1, block_rows + 1) if block_rows % d == 0 and d <= fit)
+    chunks = blocks * (block_rows // k)
+    return k, (max(1, min(chunks, tile_budget() // (4 * row_numel * k))) if on_cpu else chunks)

@@ -55,8 +55,31 @@ def _check_against_reference(backend: str | None):
     assert torch.equal(pool.data[[1, 3, 5]], untouched)  # rows of other slots are not written
 
 
-def test_int8_step_equals_dequantise_step_quantise():
+@pytest.mark.parametrize("tile_bytes", [None, 1, 4096])  # one block per tile; 1-row chunks; 4 blocks, a short last tile
+def test_int8_step_equals_dequantise_step_quantise(tile_bytes, monkeypatch):
+    from hybrid.kernels import state_tiles
+
+    if tile_bytes is not None:
+        monkeypatch.setattr(state_tiles, "TILE_BYTES", tile_bytes)
     _check_against_reference(None)
+
+
+def test_int8_step_on_zero_rows_and_zero_inputs():
+    """A fresh (all-zero) row takes the update alone; a zero row with a zero input stays zero with a zero
+    scale (the code-unit factor is floored, so nothing divides by zero)."""
+    pool = StatePool((4, 8, 16), torch.int8, 3, 32)
+    x, dt, A, B, C, D = _inputs(n=2)
+    x[1] = 0.0
+    slots = torch.tensor([0, 1])
+    y = ssd_step_int8(pool.data, pool.scale, x, dt, A, B, C, D=D, slots=slots)
+    rows = torch.zeros(2, 4, 8, 16)
+    y_ref = ssd_step_ref(rows, x, dt, A, B, C, D=D)
+    q_ref, s_ref = kv_quant.quantize_rows(rows, 32)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.scale[slots], s_ref, atol=1e-7, rtol=1e-5)
+    assert (pool.data[slots].int() - q_ref.int()).abs().max() <= 1
+    assert torch.equal(pool.data[1], torch.zeros_like(pool.data[1])) and torch.equal(pool.scale[1], torch.zeros(32))
+    assert torch.isfinite(pool.scale).all()
 
 
 def test_state_pool_step_takes_the_fused_int8_step_and_matches_the_generic_one():
@@ -234,3 +257,50 @@ def test_tiled_float_steps_equal_the_reference(dtype, op, monkeypatch):
             assert torch.equal(pool[list(slots)], ref_rows)
         else:
             torch.testing.assert_close(pool[list(slots)], ref_rows, atol=1e-6, rtol=1e-6)
+
+
+def test_int8_step_when_the_decay_underflows():
+    """exp(dt A) = 0 in fp32 (a very large dt): the old row is gone and the new one is the update alone, as
+    in the reference (the code-unit factor's floor keeps dt x / factor finite)."""
+    pool, slots = _int8_pool(), torch.tensor([4, 0, 2])
+    x, dt, A, B, C, D = _inputs()
+    dt = dt + 500.0  # dt * A < -50: exp underflows for the heads with |A| > 0.2, and is tiny for the rest
+    y_ref, q_ref, s_ref = _reference(pool, slots, x, dt, A, B, C, D)
+    y = ssd_step_int8(pool.data, pool.scale, x, dt, A, B, C, D=D, slots=slots)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.scale[slots], s_ref, atol=1e-7, rtol=1e-5)
+    assert (pool.data[slots].int() - q_ref.int()).abs().max() <= 1
+
+
+def test_mamba1_int8_step_on_zero_rows():
+    from hybrid.kernels.int8_state_step import selective_step_int8
+    from hybrid.kernels.selective import selective_step_ref
+
+    pool = StatePool((32, 8), torch.int8, 3, 4)
+    x, dt, A, B, C, D = _mamba1_inputs(n=2)
+    x[1] = 0.0
+    slots = torch.tensor([0, 1])
+    y = selective_step_int8(pool.data, pool.scale, x, dt, A, B, C, D=D, slots=slots)
+    rows = torch.zeros(2, 32, 8)
+    y_ref = selective_step_ref(rows, x, dt, A, B, C, D=D)
+    q_ref, s_ref = kv_quant.quantize_rows(rows, 4)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.scale[slots], s_ref, atol=1e-7, rtol=1e-5)
+    assert (pool.data[slots].int() - q_ref.int()).abs().max() <= 1
+    assert torch.equal(pool.scale[1], torch.zeros(4)) and not pool.data[1].any()
+
+
+def test_row_tiles_cut_blocks_to_fit_and_scale_with_threads(monkeypatch):
+    from hybrid.kernels import state_tiles
+
+    monkeypatch.setattr(state_tiles, "TILE_BYTES", 1 << 20)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    # mamba2-small: 1536 rows of 128 fp32 values (768 KB) a sequence: one whole block per tile
+    assert state_tiles.row_tiles(32, 1536, 128, torch.device("cpu")) == (1536, 1)
+    # a block of 2 MB: cut into the largest chunks dividing it that fit (1024 of 2048 rows)
+    assert state_tiles.row_tiles(4, 2048, 256, torch.device("cpu")) == (1024, 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # 1 MB per thread: two blocks a tile
+    assert state_tiles.row_tiles(32, 1536, 128, torch.device("cpu")) == (1536, 2)
+    assert state_tiles.row_tiles(4, 2048, 256, torch.device("cpu")) == (2048, 1)
+    assert state_tiles.row_tiles(3, 7, 1 << 20, torch.device("cpu")) == (1, 1)  # a row above the tile: one row
+    assert state_tiles.row_tiles(32, 1536, 128, torch.device("meta")) == (1536, 32)  # off the CPU: one tile
