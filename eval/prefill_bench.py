@@ -273,12 +273,12 @@ def time_prefill(model: HybridLM, seq_len: int, *, batch: int = 1, warmup: int =
     return row
 
 
-def time_engine_prefill(model: HybridLM, seq_len: int, *, chunk: int = 2048, block_size: int = 16,
-                        warmup: int = 1, repeats: int = 3, max_spread: float = MAX_SPREAD, seed: int = 0) -> dict:
-    """Latency of one ``seq_len``-token prompt through :class:`hybrid.Engine` with
-    ``max_batch_tokens=chunk`` (longer prompts are prefilled in chunks) and one new token: the
-    engine's own prompt path, cache writes and last-token logits included. One engine, sized for
-    the prompt, serves the warm-up and every timed run (a finished request frees its blocks)."""
+def engine_prefill_fn(model: HybridLM, seq_len: int, *, chunk: int = 2048, block_size: int = 16,
+                      seed: int = 0) -> Callable[[], None]:
+    """A function that runs one ``seq_len``-token prompt through :class:`hybrid.Engine` with
+    ``max_batch_tokens=chunk`` (longer prompts are prefilled in chunks) and one new token: the engine's
+    own prompt path, cache writes and last-token logits included. One engine, sized for the prompt,
+    serves every call (a finished request frees its blocks)."""
     from ..engine import Engine
     from ..sampling import SamplingParams
 
@@ -295,6 +295,15 @@ def time_engine_prefill(model: HybridLM, seq_len: int, *, chunk: int = 2048, blo
         engine.forget(rid)
         _sync(device)
 
+    return prefill
+
+
+def time_engine_prefill(model: HybridLM, seq_len: int, *, chunk: int = 2048, block_size: int = 16,
+                        warmup: int = 1, repeats: int = 3, max_spread: float = MAX_SPREAD, seed: int = 0) -> dict:
+    """Latency of one ``seq_len``-token prompt through :class:`hybrid.Engine` (:func:`engine_prefill_fn`):
+    min / median / max over ``repeats`` after ``warmup``, and tokens/s at the median."""
+    device = next(model.parameters()).device
+    prefill = engine_prefill_fn(model, seq_len, chunk=chunk, block_size=block_size, seed=seed)
     timing = measure(prefill, device, warmup=warmup, repeats=repeats, max_spread=max_spread)
     return {"seq_len": seq_len, "chunk": chunk, **timing.row(), "tokens_per_s": round(seq_len / timing.median, 1)}
 
