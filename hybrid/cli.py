@@ -93,7 +93,7 @@ def cmd_bench(args) -> None:
     import torch
 
     from .eval.engine_bench import decode_engine, decode_speed
-    from .eval.prefill_bench import matmul_peak_flops, set_threads, sweep
+    from .eval.prefill_bench import matmul_peak, peak_exceeded, set_threads, sweep
     from .eval.tables import markdown, write_rows
 
     threads = set_threads(args.threads)
@@ -106,7 +106,8 @@ def cmd_bench(args) -> None:
         print(json.dumps(run_models(models, ["shared", "chat"], ["--shared", str(args.lengths[-1])]), indent=1))
         return
     dtype = getattr(torch, args.dtype)
-    peak = matmul_peak_flops(args.device, dtype) if args.peak else None
+    probe = matmul_peak(args.device, dtype) if args.peak else None
+    peak = probe.flops if probe else None
     rows = sweep(models, args.lengths, batch=args.batch, warmup=args.warmup, repeats=args.repeats, peak_flops=peak,
                  max_spread=args.max_spread, logits=args.logits)
     decode = []
@@ -121,12 +122,17 @@ def cmd_bench(args) -> None:
                        "compile_s": round(engine.stats.compile_seconds, 1)})
     header = {"device": args.device, "threads": threads, "dtype": args.dtype, "logits": args.logits,
               "repeats": args.repeats,
-              "max_spread": args.max_spread, "matmul_peak_GFLOP/s": round(peak / 1e9, 2) if peak else None}
+              "max_spread": args.max_spread, "matmul_peak_GFLOP/s": round(peak / 1e9, 2) if peak else None,
+              "matmul_peak_shape": list(probe.shape) if probe else None}
     print(f"# prefill (plain forward, {args.logits}-position logits{'' if args.logits == 'all' else ' only'}) on "
           f"{args.device}, {threads} threads, dtype {args.dtype}; min / median / max "
           f"of {args.repeats} runs, spread = (max-min)/median, re-measured once above {args.max_spread:.0%}, "
-          f"wide = still above" + (f"; matmul peak {header['matmul_peak_GFLOP/s']} GFLOP/s" if peak else ""))
+          f"wide = still above" + (f"; matmul peak {probe.describe()} (best of {len(probe.per_shape)} shapes)"
+                                   if probe else ""))
     print(markdown(rows))
+    if peak_exceeded(rows):
+        print("warning: a model achieved more than the matmul peak measured before the sweep (of_peak > 1): the "
+              "machine was busier while the probe ran; its shares of peak read high, rerun on a quiet machine")
     if any(r.get("wide") for r in rows):
         print("warning: rows marked wide=True kept a spread above the limit after a re-measure; "
               "the machine was busy, rerun them on a quiet one")

@@ -1,7 +1,9 @@
 """Named model configs: ``hybrid.recipes.get("hybrid-1to7-small")``.
 
-Each family comes at two sizes: ``tiny`` (d_model 64, byte vocab; for tests, seconds on a CPU)
-and ``small`` (d_model 768, 32k vocab, ~90-115M parameters, like mamba-130m / GPT-2 small).
+Each family comes at three sizes: ``tiny`` (d_model 64, byte vocab; for tests, seconds on a CPU),
+``small`` (d_model 768, 32k vocab, ~90-115M parameters, like mamba-130m / GPT-2 small) and ``d512``
+(d_model 512, 32k vocab, 8 blocks / 8 Mamba layers, untied head: the weights the llama.cpp comparison,
+``hybrid.eval.llamacpp_bench``, runs on both sides).
 
 | family        | pattern                                   | after                         |
 |---------------|-------------------------------------------|-------------------------------|
@@ -33,10 +35,17 @@ _SIZES = {
                   mamba2=Mamba2Config(d_state=128, head_dim=64, chunk_size=256),
                   mamba1=Mamba1Config(d_state=16),
                   mlp=MLPConfig(d_ff=2048)),
+    # GQA 8/2 x 64 as llama.cpp's Llama runs it; the head untied so every exporter and llama.cpp converter
+    # writes the same separate output matrix; d_ff 1408 ~ 8/3 d_model, rounded to 64
+    "d512": dict(d_model=512, vocab_size=32000, tie_embeddings=False,
+                 attention=AttentionConfig(n_heads=8, n_kv_heads=2, head_dim=64),
+                 mamba2=Mamba2Config(d_state=128, head_dim=64, chunk_size=256),
+                 mamba1=Mamba1Config(d_state=16),
+                 mlp=MLPConfig(d_ff=1408)),
 }
 # Depth per size: (blocks for families with MLPs, layers for pure Mamba stacks)
-_DEPTH = {"tiny": (4, 4), "small": (12, 24)}
-_WINDOW = {"tiny": 16, "small": 2048}
+_DEPTH = {"tiny": (4, 4), "small": (12, 24), "d512": (8, 8)}
+_WINDOW = {"tiny": 16, "small": 2048, "d512": 2048}
 
 
 def _make(size: str, pattern: str, **changes) -> HybridConfig:
@@ -81,7 +90,7 @@ def _jamba_moe(size):
 
 def _nemotronh(size):
     base = _SIZES[size]
-    d_ff = 4 * base["d_model"] if size == "small" else 256
+    d_ff = 256 if size == "tiny" else 4 * base["d_model"]
     return _make(size, "M-M-M-M*-" * (1 if size == "tiny" else 2),
                  attention=AttentionConfig(n_heads=base["attention"].n_heads,
                                            n_kv_heads=base["attention"].n_kv_heads,

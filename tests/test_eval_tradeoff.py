@@ -16,6 +16,14 @@ from hybrid.cache import sequences_that_fit
 from hybrid.cli import main
 
 
+@pytest.fixture(autouse=True)
+def quick_peak_probe(monkeypatch):
+    """The real probe times several large matmuls for seconds; these tests check the plumbing around it
+    (tests/test_matmul_peak.py checks the probe itself), so it times one small shape without a warm-up."""
+    monkeypatch.setattr(prefill_bench, "CPU_PEAK_SHAPES", ((256, 256, 256),))
+    monkeypatch.setattr(prefill_bench, "PEAK_WARMUP_S", 0.0)
+
+
 def test_tradeoff_micro_writes_json_csv_markdown_png(tmp_path, capsys):
     out = tmp_path / "report"
     main(["tradeoff", "--shares", "0", "0.5", "1", "--n-blocks", "2", "--seeds", "0", "1", "--steps", "2",
@@ -67,6 +75,7 @@ def test_bench_writes_json_and_csv_with_spread(tmp_path, capsys):
           "--warmup", "0", "--threads", "1", "--output", str(tmp_path / "bench.json")])
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["matmul_peak_GFLOP/s"] > 0 and report["threads"] == 1
+    assert report["matmul_peak_shape"] == [256, 256, 256]  # the probe's only shape here, recorded with the rate
     assert [(r["model"], r["seq_len"]) for r in report["rows"]] == [
         ("llama-tiny", 16), ("llama-tiny", 32), ("mamba2-tiny", 16), ("mamba2-tiny", 32)]
     for r in report["rows"]:
