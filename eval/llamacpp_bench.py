@@ -47,6 +47,7 @@ from types import SimpleNamespace
 import torch
 from tqdm import tqdm
 
+from ..kernels import host_memory
 from ..model import HybridLM
 from ..pretrained import save_pretrained
 from ..recipes import get as get_recipe
@@ -362,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lock", default="/tmp/bench.lock", help="flock file held while timing ('' for none)")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     args = ap.parse_args(argv)
+    host_memory.keep_freed_memory()  # as interop_bench: our side reuses freed large blocks (llama.cpp plans its own)
     if min(args.lengths) < 1 or args.repeats < 1 or args.warmup < 0 or args.chunk < 1:
         ap.error("--lengths, --repeats and --chunk must be >= 1 and --warmup >= 0")
     try:
