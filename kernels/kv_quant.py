@@ -31,9 +31,10 @@ rows has its own kernel (:mod:`.int8_state_step`, found through :func:`fused_int
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
+
+from . import state_tiles
 
 FP8 = torch.float8_e4m3fn
 
@@ -113,20 +114,12 @@ def fp8_codes_as_fp16(q: torch.Tensor) -> torch.Tensor:
 
 
 _FP8_SIGN_EXP_MANTISSA = -16512  # 0xBF80 as int16: bit 15 (sign) and bits 13..7 (exponent, mantissa)
-_scratch = threading.local()  # per thread: two engines stepping in two threads never share a buffer
-
-
 def scratch(numel: int, dtype: torch.dtype, role: str) -> torch.Tensor:
-    """A reused flat CPU buffer of ``numel`` elements (contents undefined), one per (dtype, role): a fresh
-    multi-MB temporary per column group and layer page-faults on first touch (~1 GB/s here). The buffers
-    are bounded by the decode walk's column groups (``DECODE_GROUP_BYTES``), so they stay a few MB."""
-    buffers = _scratch.__dict__
-    key = (dtype, role)
-    buf = buffers.get(key)
-    if buf is None or buf.numel() < numel:
-        with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode alike
-            buf = buffers[key] = torch.empty(numel, dtype=dtype)
-    return buf[:numel]
+    """A reused flat CPU buffer of ``numel`` elements (contents undefined), one per thread, dtype and role
+    (:func:`.state_tiles.scratch`): a fresh multi-MB temporary per column group and layer page-faults on first
+    touch (~1 GB/s here). The buffers are bounded by the decode walk's column groups (``DECODE_GROUP_BYTES``),
+    so they stay a few MB."""
+    return state_tiles.scratch(numel, torch.device("cpu"), role, dtype)
 
 
 def fp8_codes_to_float_into(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

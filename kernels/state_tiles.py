@@ -13,22 +13,25 @@ reused across steps and layers (a fresh 25 MB temporary per step was page faults
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 TILE_BYTES = 1 << 20  # about a CPU core's L2 (512 KB - 1 MB on the machines measured), one tile per step pass
-_scratch: dict = {}
+_scratch = threading.local()  # per thread: two engines stepping in two threads never share a buffer
 
 
-def scratch(numel: int, device: torch.device, role: int = 0) -> torch.Tensor:
-    """A reused fp32 buffer of ``numel`` elements (contents undefined); ``role`` tells apart buffers a step
-    needs at the same time."""
+def scratch(numel: int, device: torch.device, role: object = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A reused buffer of ``numel`` elements of ``dtype`` (contents undefined), one per thread, device, dtype
+    and ``role`` (which tells apart buffers a step needs at the same time)."""
     if torch.compiler.is_compiling():  # inside a compiled graph: its own temporary (Inductor plans the memory)
-        return torch.empty(numel, device=device)
-    key = (torch.device(device), role)
-    buf = _scratch.get(key)
+        return torch.empty(numel, device=device, dtype=dtype)
+    buffers = _scratch.__dict__
+    key = (torch.device(device), dtype, role)
+    buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
         with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode alike
-            buf = _scratch[key] = torch.empty(numel, device=device)
+            buf = buffers[key] = torch.empty(numel, device=device, dtype=dtype)
     return buf[:numel]
 
 
