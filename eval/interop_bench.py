@@ -10,6 +10,7 @@ Llama, Mamba2, Bamba, NemotronH and Jamba forwards all take): what a prompt need
 every position's, as scoring computes them.
 
     python -m hybrid.eval.interop_bench --lengths 2048 8192 --threads 8 --plot interop_bench.png
+    python -m hybrid.eval.interop_bench --dtype bfloat16     # both sides in bf16 (the same rounded weights)
 
 An architecture whose exporter is missing (or refuses the recipe) is skipped with the reason; adding one
 is one line in ``ENTRIES``.
@@ -62,8 +63,8 @@ ENTRIES: dict[str, tuple[str, str, Callable[[HybridConfig], HybridConfig] | None
 }
 
 
-def build_pair(name: str, workdir: str) -> tuple[HybridLM, torch.nn.Module]:
-    """Our model and the transformers model loaded from its export: the same weights."""
+def build_pair(name: str, workdir: str, dtype: torch.dtype = torch.float32) -> tuple[HybridLM, torch.nn.Module]:
+    """Our model and the transformers model loaded from its export: the same weights, both in ``dtype``."""
     import transformers
 
     from ..interop import export_formats
@@ -75,14 +76,14 @@ def build_pair(name: str, workdir: str) -> tuple[HybridLM, torch.nn.Module]:
     cfg = adjust(cfg) if adjust else cfg
     ours = HybridLM(cfg).eval()
     save_pretrained(ours, f"{workdir}/{name}", format=fmt)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(f"{workdir}/{name}", dtype=torch.float32).eval()
-    return ours, theirs
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(f"{workdir}/{name}", dtype=dtype).eval()
+    return ours.to(dtype), theirs
 
 
 @torch.inference_mode()
 def logit_gap(ours: HybridLM, theirs: torch.nn.Module, length: int = 64) -> float:
     ids = torch.randint(0, ours.config.vocab_size, (1, length))
-    a, b = ours(ids), theirs(ids, use_cache=False).logits
+    a, b = ours(ids).float(), theirs(ids, use_cache=False).logits.float()
     return float((a - b).abs().max() / b.abs().max())
 
 
@@ -93,7 +94,8 @@ def _check_takes_logits_to_keep(name: str, theirs: torch.nn.Module) -> None:
 
 
 @torch.inference_mode()
-def bench(names: list[str], lengths: list[int], warmup: int, repeats: int, logits: str = "last") -> list[dict]:
+def bench(names: list[str], lengths: list[int], warmup: int, repeats: int, logits: str = "last",
+          dtype: torch.dtype = torch.float32) -> list[dict]:
     if logits not in LOGITS:
         raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
     keep = 1 if logits == "last" else 0
@@ -102,7 +104,7 @@ def bench(names: list[str], lengths: list[int], warmup: int, repeats: int, logit
         pairs = {}
         for name in names:
             try:
-                pairs[name] = build_pair(name, workdir)
+                pairs[name] = build_pair(name, workdir, dtype)
                 _check_takes_logits_to_keep(name, pairs[name][1])
             except (LookupError, ValueError) as e:  # missing exporter, or it refuses the recipe
                 pairs.pop(name, None)
@@ -117,7 +119,7 @@ def bench(names: list[str], lengths: list[int], warmup: int, repeats: int, logit
                                      warmup, repeats)
             t_ours, t_hf = statistics.median(t["ours"]), statistics.median(t["hf"])
             rows.append({"model": name, "params_M": round(ours.num_parameters() / 1e6, 1), "seq_len": L,
-                         "logits": logits, "ours_tok_s": round(L / t_ours, 1),
+                         "dtype": str(dtype).removeprefix("torch."), "logits": logits, "ours_tok_s": round(L / t_ours, 1),
                          "ours_ms_min_med_max": "/".join(f"{1e3 * v:.0f}" for v in
                                                          (min(t["ours"]), t_ours, max(t["ours"]))),
                          "transformers_tok_s": round(L / t_hf, 1),
@@ -139,7 +141,8 @@ def plot(rows: list[dict], path: str) -> None:
     ax.bar([i + 0.2 for i in x], [r["transformers_tok_s"] for r in rows], width=0.4, label="transformers")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("prefill tokens/s")
-    ax.set_title(f"Prefill, same weights, {torch.get_num_threads()} threads")
+    dtype = rows[0]["dtype"] if rows else "float32"
+    ax.set_title(f"Prefill, same weights, {dtype}, {torch.get_num_threads()} threads")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -154,14 +157,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--logits", choices=list(LOGITS), default="last",
                    help="last: both compute the last position's logits only (logits_to_keep=1); all: every position's")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="both models' weights and activations (bf16: the same weights rounded once, on both sides)")
     p.add_argument("--plot", default=None, help="write a PNG bar chart here")
     args = p.parse_args(argv)
     host_memory.keep_freed_memory()  # this process is the benchmark's: reuse freed large blocks
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    rows = bench(args.models, args.lengths, args.warmup, args.repeats, args.logits)
-    print(f"# prefill, batch 1, fp32, {args.logits}-position logits, {torch.get_num_threads()} threads, the two "
+    rows = bench(args.models, args.lengths, args.warmup, args.repeats, args.logits, getattr(torch, args.dtype))
+    print(f"# prefill, batch 1, {args.dtype}, {args.logits}-position logits, {torch.get_num_threads()} threads, the two "
           f"sides interleaved, median of {args.repeats}; ratio = ours tokens/s / transformers tokens/s")
     print(format_table(rows))
     if args.plot and rows:

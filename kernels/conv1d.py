@@ -6,6 +6,8 @@ conv state ``[B, C, K-1]``: the last K-1 inputs, oldest first.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -30,8 +32,48 @@ def causal_conv1d_ref(x, weight, bias=None, *, initial_state=None, activation=No
     return y.transpose(1, 2).to(x.dtype), xs[:, :, xs.shape[-1] - (K - 1):].to(x.dtype)
 
 
+@functools.cache
+def _onednn_conv_available() -> bool:
+    """oneDNN's fused convolution + activation op (``mkldnn::_convolution_pointwise``), in torch's x86 and
+    aarch64 CPU builds."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return torch.ops.mkldnn._convolution_pointwise.default is not None
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _conv_onednn(x4, w4, bias, left_pad, activation):
+    return torch.ops.mkldnn._convolution_pointwise(x4, w4, bias, [0, left_pad], [1, 1], [1, 1], x4.shape[1],
+                                                   "swish" if activation == "silu" else "none", [], "")
+
+
+def _causal_conv1d_onednn(x, weight, bias, initial_state, activation):
+    """oneDNN's depthwise convolution with the activation fused (inference, fp32 or native bf16).
+
+    [B, L, C] read as [B, C, 1, L] is a channels-last (NHWC) image, so oneDNN convolves the tensor where it lies
+    (the in_proj output's column slice, no copy) and writes a channels-last output whose first L columns are
+    [B, L, C] rows: one pass in, one out, silu applied before the single rounding. 2 threads, a mamba2-small
+    layer's [2048, 1792] slice: fp32 9.9 -> 2.5 ms, bf16 18.5 -> 1.4 ms against the K shifted multiply-adds
+    (bf16 elementwise ops convert every element both ways). Zero padding on the left; with a state, the first
+    K-1 outputs are recomputed from the state's taps (a [K-1+r, C] convolution) instead of copying the input
+    behind the state."""
+    b, L, Cn = x.shape
+    K = weight.shape[1]
+    w4 = weight.to(x.dtype)[:, None, None, :]
+    bias = None if bias is None else bias.to(x.dtype)
+    y = _conv_onednn(x.transpose(1, 2).unsqueeze(2), w4, bias, K - 1, activation)[:, :, 0, :L].transpose(1, 2)
+    if initial_state is not None:
+        r = min(K - 1, L)
+        head = torch.cat([initial_state.to(x.dtype).transpose(1, 2), x[:, :r]], 1)  # [B, K-1+r, C]
+        y[:, :r] = _conv_onednn(head.transpose(1, 2).unsqueeze(2), w4, bias, 0, activation)[:, :, 0].transpose(1, 2)
+    return y, _final_conv_state(x, initial_state, K)
+
+
 def _causal_conv1d_torch(x, weight, bias=None, *, initial_state=None, activation=None):
-    """K shifted multiply-adds in the model's channels-last layout [B, L, C].
+    """K shifted multiply-adds in the model's channels-last layout [B, L, C]; in inference, oneDNN's fused
+    depthwise convolution where the CPU computes the dtype natively (:func:`_causal_conv1d_onednn`).
 
     A depthwise conv has K multiply-adds per element: it is bound by memory, not arithmetic. oneDNN's
     grouped conv wants channels first, so it paid a transpose of the input and of the output (and ran a
@@ -42,8 +84,11 @@ def _causal_conv1d_torch(x, weight, bias=None, *, initial_state=None, activation
     b, L, Cn = x.shape
     K = weight.shape[1]
     cd = matmul_dtype(x.dtype, x.device)  # bf16 arithmetic only where the CPU has it
+    grad = needs_grad(x, weight, bias, initial_state)
+    if not grad and x.device.type == "cpu" and cd == x.dtype and _onednn_conv_available():
+        return _causal_conv1d_onednn(x, weight, bias, initial_state, activation)
     w = weight.to(cd).t()  # [K, C]
-    if needs_grad(x, weight, bias, initial_state):
+    if grad:
         return _causal_conv1d_concat(x, w, bias, initial_state, activation, cd)
     xc = x.to(cd)
     prev = None if initial_state is None else initial_state.to(cd).transpose(1, 2)  # [B, K-1, C]
