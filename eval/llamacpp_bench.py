@@ -220,7 +220,8 @@ def write_report(rows: list[dict], settings: dict, out_dir: Path) -> tuple[Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     js = out_dir / "llamacpp_bench.json"
     js.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")
-    title = (f"Prefill, fp32, {settings.get('threads')} threads: hybrid-lm vs llama.cpp, same weights")
+    title = (f"Prefill, {settings.get('dtype', 'float32')}, {settings.get('threads')} threads: hybrid-lm vs "
+             "llama.cpp, same weights")
     return js, plot(rows, out_dir / "llamacpp_bench.png", title)
 
 
@@ -237,8 +238,12 @@ def _serving_modules():
     return check, families
 
 
-def prepare(name: str, tree: Path, llama_greedy: Path, work: Path, seed: int = 0) -> tuple[HybridLM, Path, dict]:
-    """Our model, its fp32 GGUF, and the same-model check: greedy tokens ours vs llama.cpp's."""
+def prepare(name: str, tree: Path, llama_greedy: Path, work: Path, seed: int = 0,
+            dtype: torch.dtype = torch.float32) -> tuple[HybridLM, Path, dict]:
+    """Our model, its GGUF, and the same-model check: greedy tokens ours vs llama.cpp's, in fp32. For
+    ``dtype`` bf16 the checked fp32 weights are then rounded to bf16 on both sides (our ``model.to(bf16)``, the
+    converter's ``--outtype bf16``) and the same greedy check runs again; it is reported, not required, since
+    the two round their activations differently (fp32 identity says the graphs are the same)."""
     check, families = _serving_modules()
     recipe, fmt = MODELS[name]
     cfg = get_recipe(recipe)
@@ -255,7 +260,30 @@ def prepare(name: str, tree: Path, llama_greedy: Path, work: Path, seed: int = 0
     verdict = {"recipe": recipe, "format": fmt, "prompt_lengths": list(check.PROMPT_LENGTHS), "new_tokens": check.N_NEW,
                "tokens_identical": same, "error": res.get("error"),
                "divergence": check.first_divergence(ours, res["tokens"]) if res.get("serves") else None}
-    return model, mdir / "model-f32.gguf", verdict
+    if dtype == torch.float32:
+        return model, mdir / "model-f32.gguf", verdict
+    gguf = mdir / "model-bf16.gguf"
+    conv = check.run([sys.executable, str(SERVING / "gguf_convert.py"), str(tree), str(export), str(gguf),
+                      "--outtype", "bf16"], mdir / "convert-bf16.log")
+    if conv.returncode != 0 or not gguf.is_file():
+        raise RuntimeError(f"converting {export} to a bf16 GGUF failed: {check.tail_error(mdir / 'convert-bf16.log')}")
+    model = model.to(dtype)
+    ours16 = hybrid.generate(model, ids, max_new_tokens=check.N_NEW, ignore_eos=True)
+    res16 = llama_greedy_tokens(check, llama_greedy, gguf, ids, mdir)
+    verdict["bf16_tokens_identical"] = res16 == ours16
+    verdict["bf16_divergence"] = None if res16 == ours16 else check.first_divergence(ours16, res16)
+    return model, gguf, verdict
+
+
+def llama_greedy_tokens(check, llama_greedy: Path, gguf: Path, ids: list[list[int]], work: Path) -> list | None:
+    """Greedy continuations of ``ids`` through libllama (``llama_greedy``) on ``gguf``, or None if it fails."""
+    (work / "prompts.txt").write_text("\n".join(" ".join(map(str, p)) for p in ids) + "\n")
+    with open(work / "prompts.txt") as stdin:
+        res = subprocess.run([str(llama_greedy), str(gguf), str(check.N_NEW)], stdin=stdin, capture_output=True,
+                             text=True, timeout=LLAMA_BENCH_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    if res.returncode != 0:
+        return None
+    return [[int(x) for x in line.split()] for line in res.stdout.strip().splitlines()]
 
 
 # ---- timing ----------------------------------------------------------------------------------------
@@ -313,18 +341,18 @@ def _load() -> list[float] | None:
 
 def run(names: list[str], lengths: list[int], *, tree: Path, llama_bench: Path, llama_greedy: Path, work: Path,
         threads: int, repeats: int, warmup: int, chunk: int, paths: tuple[str, ...], lock: str | None,
-        progress: bool = True) -> tuple[list[dict], dict]:
+        progress: bool = True, dtype: torch.dtype = torch.float32) -> tuple[list[dict], dict]:
     from .tradeoff import timing_lock
 
     threads = set_threads(threads)
     settings: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "threads": threads,
-                      "dtype": "float32", "repeats": repeats, "warmup": warmup, "engine_chunk": chunk,
+                      "dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "warmup": warmup, "engine_chunk": chunk,
                       "lengths": lengths, "cpu": platform.processor() or platform.machine(),
                       "torch": torch.__version__, "llama_cpp_tree": str(tree), "llama_bench_path": str(llama_bench),
                       "lock": lock, "checks": {}}
     prepared = {}
     for name in tqdm(names, desc="export, convert, check", disable=not progress):
-        model, gguf, verdict = prepare(name, tree, llama_greedy, work)
+        model, gguf, verdict = prepare(name, tree, llama_greedy, work, dtype=dtype)
         settings["checks"][name] = verdict
         if verdict["tokens_identical"]:
             prepared[name] = (model, gguf)
@@ -360,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("SCRATCH", "/tmp")) / "llamacpp-bench",
                     help="exports and GGUFs (~200 MB per model)")
     ap.add_argument("--output", type=Path, help="folder for llamacpp_bench.json / .png (default: --work)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="weights and activations on both sides (bf16: our model.to(bf16), a bf16 GGUF), after the "
+                         "fp32 same-model check")
     ap.add_argument("--lock", default="/tmp/bench.lock", help="flock file held while timing ('' for none)")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     args = ap.parse_args(argv)
@@ -377,12 +408,16 @@ def main(argv: list[str] | None = None) -> int:
                              "against libllama) and pass --llama-greedy PATH")
     rows, settings = run(args.models, args.lengths, tree=tree, llama_bench=llama_bench, llama_greedy=llama_greedy,
                          work=args.work, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
-                         chunk=args.chunk, paths=tuple(args.paths), lock=args.lock or None, progress=args.progress)
-    print(f"# prefill tokens/s, fp32, {settings['threads']} threads both sides, median (min-max) of {args.repeats} "
+                         chunk=args.chunk, paths=tuple(args.paths), lock=args.lock or None, progress=args.progress,
+                         dtype=getattr(torch, args.dtype))
+    print(f"# prefill tokens/s, {args.dtype}, {settings['threads']} threads both sides, median (min-max) of {args.repeats} "
           f"interleaved turns; engine in chunks of {args.chunk}; llama-bench {settings.get('llama_bench')}")
     for name, v in settings["checks"].items():
         print(f"# {name} ({v['recipe']} as {v['format']}): greedy tokens identical to llama.cpp's: "
-              f"{v['tokens_identical']}" + ("" if v["tokens_identical"] else f" — {v['divergence'] or v['error']}"))
+              f"{v['tokens_identical']}" + ("" if v["tokens_identical"] else f" — {v['divergence'] or v['error']}")
+              + ("" if "bf16_tokens_identical" not in v else
+                 f"; in bf16: {v['bf16_tokens_identical']}" + (f" ({v['bf16_divergence']})" if v["bf16_divergence"]
+                                                               else "")))
     print(markdown(rows))
     js, png = write_report(rows, settings, args.output or args.work)
     print(f"wrote {js} and {png}")

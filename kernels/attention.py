@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from . import cuda_backend, dispatch, triton_support
+from .attention_blocked import blocked_causal_attention
+from .compute_dtype import matmul_dtype
 from .packing import host_values
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl, triton
 
@@ -41,7 +43,18 @@ def causal_attention_ref(q, k, v, *, window=None, scale=None):
     return torch.einsum("bhls,bshd->blhd", p, v.float()).to(q.dtype)
 
 
+def _use_blocked(q, k, v, window) -> bool:
+    """The CPU cases SDPA serves badly (:mod:`.attention_blocked`): bf16 where the CPU multiplies it natively
+    (SDPA runs it at its fp32 speed), and a window shorter than the keys (SDPA scores every masked pair)."""
+    if q.device.type != "cpu" or needs_grad(q, k, v):
+        return False
+    native_low = q.dtype != torch.float32 and matmul_dtype(q.dtype, q.device) == q.dtype
+    return native_low or (window is not None and window < k.shape[1])
+
+
 def _causal_attention_torch(q, k, v, *, window=None, scale=None):
+    if _use_blocked(q, k, v, window):
+        return blocked_causal_attention(q, k, v, window=window, scale=scale)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
     gqa = q.shape[2] != k.shape[2]
     # SDPA's is_causal aligns the mask top-left; queries that are the last Lq of Lk keys need ours.

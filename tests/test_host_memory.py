@@ -51,6 +51,7 @@ def test_kept_memory_is_reused_without_page_faults():
 
 
 def test_environment_turns_it_off(monkeypatch):
+    host_memory.keep_freed_memory(False, respect_env=False)  # whatever earlier tests in this process left
     monkeypatch.setenv(host_memory.ENV, "0")
     try:
         assert host_memory.disabled_by_env()
