@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from . import cuda_backend, dispatch, triton_support
+from . import cpu_scan, cuda_backend, dispatch, triton_support
 
 
 def _version(dist: str) -> str:
@@ -28,6 +28,9 @@ def report() -> str:
     lines += [f"{dist}: {note}" for dist, note in cuda_backend.versions().items()]
     mode = "run by the interpreter on the CPU" if triton_support.INTERPRET else "compiled for the GPU"
     lines.append(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '<unset>')} (Triton kernels {mode})")
+    scan_note = cpu_scan.available()
+    lines.append("compiled CPU selective scan (Mamba-1 prefill, inference): "
+                 + ("in use" if scan_note is None else f"not in use ({scan_note}); the torch token steps run"))
     forced = os.environ.get("HYBRID_BACKEND")
     lines.append(f"HYBRID_BACKEND={forced or '<unset>'}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cuda_backend, dispatch, triton_support
+from . import cpu_scan, cuda_backend, dispatch, triton_support
 from .packing import check_cu_seqlens, sequences, slot_rows
 from .state_tiles import scratch, tiles
 from .triton_state_update import selective_state_update
@@ -105,6 +105,9 @@ def _selective_scan_torch(x, dt, A, B, C, *, D=None, initial_state=None):
     h = torch.zeros(b, Dm, N, device=x.device) if initial_state is None else initial_state.float()
     Af = A.float()
     if not needs_grad(x, dt, A, B, C, D, initial_state):
+        if cpu_scan.supports(x, A) is None:  # the compiled loop (kernels/cpu_scan.py), D folded in
+            y, h = cpu_scan.selective_scan_cpu(x, dt, Af, B, C, D, h)
+            return y.to(x.dtype), h
         # Inference: token steps on an in-cache state beat the chunked form on a CPU (1 thread, jamba-small
         # widths, 2K tokens: 0.61 s against 1.7-3.7 s): the chunked form's [T, D, N] work tensors cost a dozen
         # passes through memory, a step touches its state while it is in cache.
