@@ -11,8 +11,8 @@ the N states, two fused multiply-adds and a dot product with C_t, and x, dt, B, 
 split across threads (each call releases the GIL); the arithmetic is the reference's, in fp32.
 
 Built with the system C compiler (``cc``, else ``gcc``) as ``-O3 -march=native -ffast-math`` into
-``$HYBRID_CACHE_DIR`` (default ``~/.cache/hybrid-lm``), keyed by the source, the flags and the compiler's
-version; ``HYBRID_NATIVE_SCAN=0`` turns it off. Any failure to build or load leaves :func:`available` saying
+``$HYBRID_CACHE_DIR`` (default ``~/.cache/hybrid-lm``), keyed by the source, the flags, the CPU's features
+and the compiler's version; ``HYBRID_NATIVE_SCAN=0`` turns it off. Any failure to build or load leaves :func:`available` saying
 why (``hybrid doctor`` shows it) and the torch path in charge.
 """
 
@@ -22,6 +22,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -128,6 +129,18 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("HYBRID_CACHE_DIR") or Path.home() / ".cache" / "hybrid-lm")
 
 
+def _cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's feature flags (a cache shared by machines with other
+    CPUs must not hand one a library with instructions it lacks)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     """(the loaded library, None), or (None, why not)."""
@@ -138,7 +151,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "no C compiler (cc / gcc) on PATH"
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), version]).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), version, _cpu_identity()]).encode()).hexdigest()[:16]
         lib_path = _cache_dir() / f"selective_scan_{key}.so"
         if not lib_path.is_file():
             lib_path.parent.mkdir(parents=True, exist_ok=True)
