@@ -119,7 +119,8 @@ def bench(names: list[str], lengths: list[int], warmup: int, repeats: int, logit
                                      warmup, repeats)
             t_ours, t_hf = statistics.median(t["ours"]), statistics.median(t["hf"])
             rows.append({"model": name, "params_M": round(ours.num_parameters() / 1e6, 1), "seq_len": L,
-                         "dtype": str(dtype).removeprefix("torch."), "logits": logits, "ours_tok_s": round(L / t_ours, 1),
+                         "dtype": str(dtype).removeprefix("torch."), "logits": logits,
+                         "ours_tok_s": round(L / t_ours, 1),
                          "ours_ms_min_med_max": "/".join(f"{1e3 * v:.0f}" for v in
                                                          (min(t["ours"]), t_ours, max(t["ours"]))),
                          "transformers_tok_s": round(L / t_hf, 1),
@@ -166,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = bench(args.models, args.lengths, args.warmup, args.repeats, args.logits, getattr(torch, args.dtype))
-    print(f"# prefill, batch 1, {args.dtype}, {args.logits}-position logits, {torch.get_num_threads()} threads, the two "
-          f"sides interleaved, median of {args.repeats}; ratio = ours tokens/s / transformers tokens/s")
+    print(f"# prefill, batch 1, {args.dtype}, {args.logits}-position logits, {torch.get_num_threads()} threads, "
+          f"the two sides interleaved, median of {args.repeats}; ratio = ours tokens/s / transformers tokens/s")
     print(format_table(rows))
     if args.plot and rows:
         plot(rows, args.plot)

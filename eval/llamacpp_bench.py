@@ -346,7 +346,8 @@ def run(names: list[str], lengths: list[int], *, tree: Path, llama_bench: Path, 
 
     threads = set_threads(threads)
     settings: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "threads": threads,
-                      "dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "warmup": warmup, "engine_chunk": chunk,
+                      "dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "warmup": warmup,
+                      "engine_chunk": chunk,
                       "lengths": lengths, "cpu": platform.processor() or platform.machine(),
                       "torch": torch.__version__, "llama_cpp_tree": str(tree), "llama_bench_path": str(llama_bench),
                       "lock": lock, "checks": {}}
@@ -410,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                          work=args.work, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
                          chunk=args.chunk, paths=tuple(args.paths), lock=args.lock or None, progress=args.progress,
                          dtype=getattr(torch, args.dtype))
-    print(f"# prefill tokens/s, {args.dtype}, {settings['threads']} threads both sides, median (min-max) of {args.repeats} "
-          f"interleaved turns; engine in chunks of {args.chunk}; llama-bench {settings.get('llama_bench')}")
+    print(f"# prefill tokens/s, {args.dtype}, {settings['threads']} threads both sides, median (min-max) of "
+          f"{args.repeats} interleaved turns; engine in chunks of {args.chunk}; llama-bench {settings.get('llama_bench')}")
     for name, v in settings["checks"].items():
         print(f"# {name} ({v['recipe']} as {v['format']}): greedy tokens identical to llama.cpp's: "
               f"{v['tokens_identical']}" + ("" if v["tokens_identical"] else f" — {v['divergence'] or v['error']}")

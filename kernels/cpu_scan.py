@@ -12,8 +12,8 @@ split across threads (each call releases the GIL); the arithmetic is the referen
 
 Built with the system C compiler (``cc``, else ``gcc``) as ``-O3 -march=native -ffast-math`` into
 ``$HYBRID_CACHE_DIR`` (default ``~/.cache/hybrid-lm``), keyed by the source, the flags, the CPU's features
-and the compiler's version; ``HYBRID_NATIVE_SCAN=0`` turns it off. Any failure to build or load leaves :func:`available` saying
-why (``hybrid doctor`` shows it) and the torch path in charge.
+and the compiler's version; ``HYBRID_NATIVE_SCAN=0`` turns it off. Any failure to build or load leaves
+:func:`available` saying why (``hybrid doctor`` shows it) and the torch path in charge.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ of the exact result even when scores are large, which an unshifted bf16 score ma
 import pytest
 import torch
 from conftest import rel_err
-
-from hybrid import kernels
 from hybrid.kernels import attention_blocked
 from hybrid.kernels.compute_dtype import cpu_has_native_bf16
+
+from hybrid import kernels
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ the torch path takes it in inference and falls back to its token steps when it i
 import pytest
 import torch
 from conftest import rel_err
+from hybrid.kernels import cpu_scan, selective
 
 from hybrid import kernels
-from hybrid.kernels import cpu_scan, selective
 
 pytestmark = pytest.mark.skipif(cpu_scan.available() is not None,
                                 reason=f"no compiled scan here: {cpu_scan.available()}")

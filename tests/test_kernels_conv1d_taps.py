@@ -5,9 +5,9 @@ a state, bias and activation, prompts shorter than the window, strided input."""
 import pytest
 import torch
 from conftest import rel_err
+from hybrid.kernels import conv1d
 
 from hybrid import kernels
-from hybrid.kernels import conv1d
 
 
 @pytest.mark.parametrize("L", [1, 3, 4, 17])
