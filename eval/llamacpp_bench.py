@@ -412,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                          chunk=args.chunk, paths=tuple(args.paths), lock=args.lock or None, progress=args.progress,
                          dtype=getattr(torch, args.dtype))
     print(f"# prefill tokens/s, {args.dtype}, {settings['threads']} threads both sides, median (min-max) of "
-          f"{args.repeats} interleaved turns; engine in chunks of {args.chunk}; llama-bench {settings.get('llama_bench')}")
+          f"{args.repeats} interleaved turns; engine in chunks of {args.chunk}; "
+          f"llama-bench {settings.get('llama_bench')}")
     for name, v in settings["checks"].items():
         print(f"# {name} ({v['recipe']} as {v['format']}): greedy tokens identical to llama.cpp's: "
               f"{v['tokens_identical']}" + ("" if v["tokens_identical"] else f" — {v['divergence'] or v['error']}")
