@@ -66,6 +66,8 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Lk, Hkv = k.shape[1], k.shape[2]
     rep = Hq // Hkv
     off = Lk - Lq
+    if window is not None and window >= Lk:  # no query can have a key beyond its window
+        window = None
     shift = q.dtype != torch.float32 if shift is None else shift
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     # The scale's power of two goes onto the queries (exact in any float dtype); the rest, r in [1, 2), onto
