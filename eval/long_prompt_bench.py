@@ -11,7 +11,9 @@ constant. This runs each (recipe, length) in its own process, so the peak reside
     python -m hybrid.eval.long_prompt_bench --lengths 32768 65536 --output out/long_prompts
 
 The table's ``work MB`` column (peak minus baseline minus cache) is the prefill's own working set: bounded
-memory means it stays flat from 32K to 64K. ``--forward`` times one ``model(ids)`` forward instead (where it
+memory would keep it flat from 32K to 64K. It is not flat where attention layers run: a chunk on top of a
+long cache gathers that sequence's K/V history and SDPA takes a dense [chunk, context] mask, temporaries
+that grow with the context (measured: see the README's long-prompt table). ``--forward`` times one ``model(ids)`` forward instead (where it
 fits). JSON rows and a PNG plot (peak memory against prompt length, one line per recipe) go to ``--output``.
 """
 
@@ -46,8 +48,7 @@ def measure(recipe: str, seq_len: int, *, chunk: int, dtype: torch.dtype, forwar
     torch.manual_seed(0)
     model = HybridLM(get_recipe(recipe)).to(dtype).eval()
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    spec = model.cache_spec()
-    cache = (spec.kv_bytes_per_token * seq_len + spec.state_bytes_per_sequence) / 2**20
+    cache = model.cache_spec().bytes_per_sequence(seq_len) / 2**20  # a sliding window holds only its tokens
     with torch.inference_mode():
         if forward:
             ids = torch.randint(0, model.config.vocab_size, (1, seq_len))
@@ -95,7 +96,7 @@ def plot(rows: list[dict], path: Path) -> None:
                 label=f"{recipe}: baseline + cache")
     ax.set_xlabel("prompt length (K tokens)")
     ax.set_ylabel("memory (MB)")
-    ax.set_title(f"Long prompts through the engine ({rows[0]['path']}, {rows[0]['dtype']}): peak memory")
+    ax.set_title(f"Long prompts: peak memory per prompt\n({rows[0]['path']}, {rows[0]['dtype']})")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
