@@ -4,7 +4,6 @@ beside the cache the specs say it needs."""
 import json
 
 import pytest
-
 from hybrid.eval import long_prompt_bench
 
 
