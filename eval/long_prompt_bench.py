@@ -13,8 +13,9 @@ constant. This runs each (recipe, length) in its own process, so the peak reside
 The table's ``work MB`` column (peak minus baseline minus cache) is the prefill's own working set: bounded
 memory would keep it flat from 32K to 64K. It is not flat where attention layers run: a chunk on top of a
 long cache gathers that sequence's K/V history and SDPA takes a dense [chunk, context] mask, temporaries
-that grow with the context (measured: see the README's long-prompt table). ``--forward`` times one ``model(ids)`` forward instead (where it
-fits). JSON rows and a PNG plot (peak memory against prompt length, one line per recipe) go to ``--output``.
+that grow with the context (measured: see the README's long-prompt table). ``--forward`` times one
+``model(ids)`` forward instead (where it fits). JSON rows and a PNG plot (peak memory against prompt length,
+one line per recipe) go to ``--output``.
 """
 
 from __future__ import annotations
