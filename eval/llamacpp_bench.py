@@ -260,30 +260,16 @@ def prepare(name: str, tree: Path, llama_greedy: Path, work: Path, seed: int = 0
     verdict = {"recipe": recipe, "format": fmt, "prompt_lengths": list(check.PROMPT_LENGTHS), "new_tokens": check.N_NEW,
                "tokens_identical": same, "error": res.get("error"),
                "divergence": check.first_divergence(ours, res["tokens"]) if res.get("serves") else None}
-    if dtype == torch.float32:
+    if dtype == torch.float32 or not same:  # a model that fails the fp32 check is not timed at all
         return model, mdir / "model-f32.gguf", verdict
-    gguf = mdir / "model-bf16.gguf"
-    conv = check.run([sys.executable, str(SERVING / "gguf_convert.py"), str(tree), str(export), str(gguf),
-                      "--outtype", "bf16"], mdir / "convert-bf16.log")
-    if conv.returncode != 0 or not gguf.is_file():
-        raise RuntimeError(f"converting {export} to a bf16 GGUF failed: {check.tail_error(mdir / 'convert-bf16.log')}")
     model = model.to(dtype)
+    res16 = check.llama_cpp_row(args, export, ids, mdir, outtype="bf16")  # converts to mdir/model-bf16.gguf
+    if not res16.get("serves"):
+        raise RuntimeError(f"the bf16 GGUF of {export} does not run in llama.cpp: {res16.get('error')}")
     ours16 = hybrid.generate(model, ids, max_new_tokens=check.N_NEW, ignore_eos=True)
-    res16 = llama_greedy_tokens(check, llama_greedy, gguf, ids, mdir)
-    verdict["bf16_tokens_identical"] = res16 == ours16
-    verdict["bf16_divergence"] = None if res16 == ours16 else check.first_divergence(ours16, res16)
-    return model, gguf, verdict
-
-
-def llama_greedy_tokens(check, llama_greedy: Path, gguf: Path, ids: list[list[int]], work: Path) -> list | None:
-    """Greedy continuations of ``ids`` through libllama (``llama_greedy``) on ``gguf``, or None if it fails."""
-    (work / "prompts.txt").write_text("\n".join(" ".join(map(str, p)) for p in ids) + "\n")
-    with open(work / "prompts.txt") as stdin:
-        res = subprocess.run([str(llama_greedy), str(gguf), str(check.N_NEW)], stdin=stdin, capture_output=True,
-                             text=True, timeout=LLAMA_BENCH_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    if res.returncode != 0:
-        return None
-    return [[int(x) for x in line.split()] for line in res.stdout.strip().splitlines()]
+    verdict["bf16_tokens_identical"] = res16["tokens"] == ours16
+    verdict["bf16_divergence"] = check.first_divergence(ours16, res16["tokens"])
+    return model, mdir / "model-bf16.gguf", verdict
 
 
 # ---- timing ----------------------------------------------------------------------------------------

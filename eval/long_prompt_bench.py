@@ -1,12 +1,12 @@
 """Long prompts (32K, 64K tokens) through the engine: speed and peak memory, each in a fresh process.
 
 A prompt longer than one forward should hold is prefilled by :class:`hybrid.Engine` in chunks of ``--chunk``
-tokens (its ``max_batch_tokens``): every chunk's temporaries are sized by the chunk, so what grows with the
-prompt is only the cache itself — attention K/V (bytes per token from the specs) — while Mamba states stay
-constant. This runs each (recipe, length) in its own process, so the peak resident memory it reports
-(``ru_maxrss``) belongs to that prompt alone, and sets it beside what the model and the cache must hold:
+tokens (its ``max_batch_tokens``): the Mamba layers' temporaries are sized by the chunk and their states stay
+constant, the attention K/V cache grows by its bytes per token (from the specs). This runs each (recipe,
+length) in its own process, so the peak resident memory it reports (``ru_maxrss``) belongs to that prompt
+alone, and sets it beside what the model and the cache must hold:
 
-    peak RSS  ~=  process baseline (torch, the weights)  +  cache (specs)  +  one chunk's working set
+    peak RSS  ~=  process baseline (torch, the weights)  +  cache (specs)  +  the prefill's working set
 
     python -m hybrid.eval.long_prompt_bench --lengths 32768 65536 --output out/long_prompts
 

@@ -84,13 +84,15 @@ def vllm_row(args, export_dir: Path, spec: Path, flags: list[str], work: Path) -
     return res
 
 
-def llama_cpp_row(args, export_dir: Path, ids: list[list[int]], work: Path) -> dict:
-    gguf = work / "model-f32.gguf"
-    conv = run([sys.executable, str(HERE / "gguf_convert.py"), str(args.llama_cpp), str(export_dir), str(gguf)],
-               work / "convert.log")
+def llama_cpp_row(args, export_dir: Path, ids: list[list[int]], work: Path, outtype: str = "f32") -> dict:
+    """Convert ``export_dir`` to ``work/model-{outtype}.gguf`` with llama.cpp's converter and run the greedy
+    continuations of ``ids`` through libllama on it."""
+    gguf = work / f"model-{outtype}.gguf"
+    conv = run([sys.executable, str(HERE / "gguf_convert.py"), str(args.llama_cpp), str(export_dir), str(gguf),
+                "--outtype", outtype], work / f"convert-{outtype}.log")
     if conv.returncode != 0 or not gguf.is_file():
         return {"loads": False, "serves": False, "tokens": None,
-                "error": "convert_hf_to_gguf: " + tail_error(work / "convert.log")}
+                "error": "convert_hf_to_gguf: " + tail_error(work / f"convert-{outtype}.log")}
     (work / "prompts.txt").write_text("\n".join(" ".join(map(str, p)) for p in ids) + "\n")
     with open(work / "prompts.txt") as stdin, open(work / "llama.log", "w") as err:
         try:
