@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import HybridConfig
+from .layers.linear import Linear
 from .layers.norm import RMSNorm
 from .layers.registry import layer_class
 from .specs import CacheDtypes, cache_specs
@@ -61,7 +63,7 @@ class HybridLM(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(kind, config, i) for i, kind in enumerate(config.layer_kinds))
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
         self.tokenizer = None  # set by hybrid.from_pretrained when the checkpoint folder has one
         # every attention layer shares one RoPE config: the packed forward computes cos/sin once per step
         attn = [b.mixer for b in self.layers if b.kind == "attention"]
@@ -97,7 +99,7 @@ class HybridLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.norm_f(hidden)
-        return F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
+        return kernels.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, input_ids: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
         """input_ids [B, L] -> logits [B, L, vocab] (no cache; training and scoring).

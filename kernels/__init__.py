@@ -9,6 +9,7 @@ Ops, by module:
 - ``ssd``: ``ssd_chunk_scan`` (batched), ``ssd_varlen_scan`` (packed), ``ssd_step``
 - ``selective_scan``: ``selective_scan``, ``selective_varlen_scan``, ``selective_step``
 - ``conv1d``: ``causal_conv1d``, ``causal_conv1d_varlen``, ``causal_conv1d_step``
+- ``projection``: ``linear`` (the layers' projections; decode-sized ones through the native matrix-vector product)
 """
 
 from . import dispatch
@@ -32,6 +33,7 @@ from .paged_attention import (
                      varlen_attention_ref,
                      write_kv,
 )
+from .projection import linear, linear_ref
 from .selective import (
                      selective_scan,
                      selective_scan_ref,
@@ -45,7 +47,8 @@ from .ssd import ssd_chunk_scan, ssd_scan_ref, ssd_step, ssd_step_ref, ssd_varle
 __all__ = [
     "BackendError", "causal_attention", "causal_attention_ref", "causal_conv1d", "causal_conv1d_ref",
     "causal_conv1d_step", "causal_conv1d_step_ref", "causal_conv1d_varlen", "causal_conv1d_varlen_ref",
-    "causal_mask", "dispatch", "gather_kv", "paged_decode_attention", "paged_decode_attention_ref",
+    "causal_mask", "dispatch", "gather_kv", "linear", "linear_ref", "paged_decode_attention",
+    "paged_decode_attention_ref",
     "paged_prefill_attention", "paged_prefill_attention_ref", "selective_scan", "selective_scan_ref",
     "selective_step", "selective_step_ref", "selective_varlen_scan", "selective_varlen_scan_ref",
     "ssd_chunk_scan", "ssd_scan_ref", "ssd_step", "ssd_step_ref", "ssd_varlen_scan", "ssd_varlen_scan_ref",

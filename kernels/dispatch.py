@@ -24,12 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("cuda", "triton", "inductor", "torch")
+BACKENDS = ("cuda", "triton", "inductor", "native", "torch")
 # Preferred order per device type; CPU runs the pure-torch paths (Triton on CPU is only the
 # interpreter, which is for tests, and must be asked for explicitly). ``inductor`` (a torch.compile'd
 # fusion of a torch path: the SSD / selective scans, kernels/inductor_backend.py, and the int8 state step,
 # kernels/int8_state_step.py) compiles per shape, so it too runs only when asked for.
-DEFAULT_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("torch",)}
+# ``native`` (our C kernels, kernels/native/: built once per machine with the system compiler) runs first on a CPU
+# for the ops that have it, each with a per-call check that hands other inputs to torch.
+DEFAULT_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("native", "torch")}
 
 
 class BackendError(RuntimeError):

@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# -P: not the repo root on sys.path. Its top-level kernels/ (installed as hybrid.kernels) would shadow the
+# Hugging Face `kernels` package that transformers imports when it is installed.
+exec .venv/bin/python -P -m pytest -q "$@"

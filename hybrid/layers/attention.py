@@ -9,6 +9,7 @@ from .. import kernels
 from ..config import AttentionConfig, HybridConfig
 from ..kv_pruning import StreamingLLM
 from ..specs import AttentionSpec, CacheDtypes
+from .linear import Linear
 from .rope import RotaryEmbedding
 
 
@@ -28,10 +29,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, d_model, bias=cfg.out_bias)
+        self.q_proj = Linear(d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.n_heads * cfg.head_dim, d_model, bias=cfg.out_bias)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor,

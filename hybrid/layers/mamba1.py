@@ -11,6 +11,7 @@ from .. import kernels
 from ..config import HybridConfig, Mamba1Config
 from ..kernels.kv_quant import state_step
 from ..specs import CacheDtypes, MambaStateSpec, state_scale_groups
+from .linear import Linear
 from .mamba2 import init_dt_bias
 from .norm import RMSNorm
 
@@ -34,13 +35,13 @@ class Mamba1(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.d_inner, self.d_state, self.dt_rank = cfg.d_inner, cfg.d_state, cfg.dt_rank
-        self.in_proj = nn.Linear(d_model, 2 * cfg.d_inner, bias=cfg.proj_bias)
+        self.in_proj = Linear(d_model, 2 * cfg.d_inner, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(cfg.d_inner, cfg.d_inner, cfg.d_conv, groups=cfg.d_inner, bias=cfg.conv_bias)
-        self.x_proj = nn.Linear(cfg.d_inner, cfg.dt_rank + 2 * cfg.d_state, bias=False)
-        self.dt_proj = nn.Linear(cfg.dt_rank, cfg.d_inner, bias=True)
+        self.x_proj = Linear(cfg.d_inner, cfg.dt_rank + 2 * cfg.d_state, bias=False)
+        self.dt_proj = Linear(cfg.dt_rank, cfg.d_inner, bias=True)
         self.A_log = nn.Parameter(torch.empty(cfg.d_inner, cfg.d_state))
         self.D = nn.Parameter(torch.ones(cfg.d_inner))
-        self.out_proj = nn.Linear(cfg.d_inner, d_model, bias=cfg.proj_bias)
+        self.out_proj = Linear(cfg.d_inner, d_model, bias=cfg.proj_bias)
         if cfg.inner_norms:
             self.dt_norm = RMSNorm(cfg.dt_rank, norm_eps)
             self.B_norm = RMSNorm(cfg.d_state, norm_eps)

@@ -17,6 +17,7 @@ from ..config import HybridConfig, Mamba2Config
 from ..kernels import mamba2_verify
 from ..kernels.kv_quant import state_step
 from ..specs import CacheDtypes, MambaStateSpec, state_scale_groups
+from .linear import Linear
 from .norm import GatedRMSNorm
 
 
@@ -47,7 +48,7 @@ class Mamba2(nn.Module):
         self.cfg = cfg
         self.d_inner, self.n_heads, self.head_dim = cfg.d_inner, cfg.n_heads, cfg.head_dim
         self.n_groups, self.d_state = cfg.n_groups, cfg.d_state
-        self.in_proj = nn.Linear(d_model, 2 * cfg.d_inner + 2 * cfg.n_groups * cfg.d_state + cfg.n_heads,
+        self.in_proj = Linear(d_model, 2 * cfg.d_inner + 2 * cfg.n_groups * cfg.d_state + cfg.n_heads,
                                  bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim, bias=cfg.conv_bias)
         self.dt_bias = nn.Parameter(init_dt_bias(cfg.n_heads, cfg.dt_min, cfg.dt_max, cfg.dt_init_floor))
@@ -56,7 +57,7 @@ class Mamba2(nn.Module):
         self.D = nn.Parameter(torch.ones(cfg.n_heads))
         self.norm = GatedRMSNorm(cfg.d_inner, eps=norm_eps, groups=cfg.norm_groups,
                                  norm_before_gate=cfg.norm_before_gate)
-        self.out_proj = nn.Linear(cfg.d_inner, d_model, bias=cfg.proj_bias)
+        self.out_proj = Linear(cfg.d_inner, d_model, bias=cfg.proj_bias)
 
     def reset_special_parameters(self, std: float | None = None) -> None:
         """Re-draw the SSM parameters after a model-wide init has overwritten them (``std``, the

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import HybridConfig, MLPConfig
+from .linear import Linear
 
 
 def activation_fn(name: str):
@@ -33,9 +34,9 @@ class MLP(nn.Module):
     def __init__(self, d_model: int, cfg: MLPConfig):
         super().__init__()
         self.act = activation_fn(cfg.activation)
-        self.gate_proj = nn.Linear(d_model, cfg.d_ff, bias=cfg.bias) if cfg.gated else None
-        self.up_proj = nn.Linear(d_model, cfg.d_ff, bias=cfg.bias)
-        self.down_proj = nn.Linear(cfg.d_ff, d_model, bias=cfg.bias)
+        self.gate_proj = Linear(d_model, cfg.d_ff, bias=cfg.bias) if cfg.gated else None
+        self.up_proj = Linear(d_model, cfg.d_ff, bias=cfg.bias)
+        self.down_proj = Linear(cfg.d_ff, d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up_proj(x)

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..config import HybridConfig, MoEConfig
+from .linear import Linear
 from .mlp import activation_fn
 
 
@@ -32,7 +34,7 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.act = activation_fn(cfg.activation)
         E, Fd = cfg.n_experts, cfg.d_ff
-        self.router = nn.Linear(d_model, E, bias=False)
+        self.router = Linear(d_model, E, bias=False)
         self.gate_proj = nn.Parameter(torch.empty(E, Fd, d_model)) if cfg.gated else None
         self.up_proj = nn.Parameter(torch.empty(E, Fd, d_model))
         self.down_proj = nn.Parameter(torch.empty(E, d_model, Fd))
@@ -53,9 +55,9 @@ class MoE(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s MLP on x [n, D] -> [n, D]."""
-        h = F.linear(x, self.up_proj[e])
-        h = self.act(F.linear(x, self.gate_proj[e])) * h if self.gate_proj is not None else self.act(h)
-        return F.linear(h, self.down_proj[e])
+        h = kernels.linear(x, self.up_proj[e])
+        h = self.act(kernels.linear(x, self.gate_proj[e])) * h if self.gate_proj is not None else self.act(h)
+        return kernels.linear(h, self.down_proj[e])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> [..., D] (any leading shape: [B, L, D] in the model, [T, D] in packed inference)."""

@@ -1,0 +1,60 @@
+"""Our own C kernels for a CPU, built once per machine with the system compiler (:mod:`.build`) and called
+through ctypes: the ``native`` dispatch backend. ``decode.c`` holds the decode step's matrix-vector
+products at the memory bandwidth (and their thread pool); ``HYBRID_NATIVE=0`` turns the backend off, and any
+failure to build leaves :func:`available` saying why (``hybrid doctor`` shows it) with torch in charge."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from .build import FLAGS, build
+
+ENV = "HYBRID_NATIVE"
+# pause instructions a worker spins for after a call before it sleeps (~100 us: the next product of a decode
+# step follows within microseconds, a sleeping worker costs a futex wake-up of ~10 us per call)
+SPIN = int(os.environ.get("HYBRID_NATIVE_SPIN", "5000"))
+MAX_ROWS = 16  # input rows one product takes (decode batches up to this; larger ones go through torch's GEMM)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def _disabled() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    if _disabled():
+        return None, f"{ENV}=0"
+    source = (Path(__file__).parent / "decode.c").read_text()
+    lib, why = build("hybrid_decode", source, FLAGS, ("-lm", "-lpthread"))
+    if lib is None:
+        return None, why
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.hl_set_threads.argtypes, lib.hl_set_threads.restype = [i32, i64], i32
+    lib.hl_gemv.argtypes = [p, i32, p, p, i32, p, i32, p, p, i32, i64, i64, i64]
+    lib.hl_gemv.restype = i32
+    return lib, None
+
+
+def available() -> str | None:
+    """None when the native kernels can run here, else why not."""
+    return _library()[1]
+
+
+_threads = [0]
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library, its pool sized to torch's intra-op thread count (re-sized when that changes)."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are unavailable: {why}")
+    n = torch.get_num_threads()
+    if n != _threads[0]:
+        _threads[0] = lib.hl_set_threads(n, SPIN)
+    return lib
