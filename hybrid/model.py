@@ -8,6 +8,7 @@ from torch import nn
 
 from . import kernels
 from .config import HybridConfig
+from .layers import fused_decode
 from .layers.linear import Linear
 from .layers.norm import RMSNorm
 from .layers.registry import layer_class
@@ -29,6 +30,10 @@ class Block(nn.Module):
         self.caches = cls.cache_spec(cfg, CacheDtypes(kv=torch.float32, conv=torch.float32)) is not None
 
     def forward(self, x: torch.Tensor, batch=None, cache=None) -> torch.Tensor:
+        if batch is not None and batch.prefill is None:  # a decode-only step: the fused sub-layer if it covers it
+            y = fused_decode.sublayer(self, x, batch, cache)
+            if y is not None:
+                return y
         h = self.norm(x)
         if batch is None or not self.caches:
             return x + self.mixer(h)

@@ -11,8 +11,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import cuda_backend, dispatch, triton_support
+from . import cuda_backend, dispatch, native, triton_support
 from .compute_dtype import matmul_dtype
+from .native import ops as native_ops
 from .packing import check_cu_seqlens, sequences, step_on_slots
 from .triton_support import INTERPRET, jit, needs_grad, next_pow2, tl, triton
 
@@ -206,6 +207,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 dispatch.register("causal_conv1d", "torch", _causal_conv1d_torch)
 dispatch.register("causal_conv1d_varlen", "torch", _causal_conv1d_varlen_torch)
 dispatch.register("causal_conv1d_step", "torch", _causal_conv1d_step_torch)
+dispatch.register("causal_conv1d_step", "native", native_ops.conv_step, native.available, native_ops.supports_conv_step)
 
 
 # --- Triton ----------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ import math
 
 import torch
 
-from . import cuda_backend, dispatch, kv_quant, triton_support
+from . import cuda_backend, dispatch, kv_quant, native, triton_support
 from .attention import _LOG2E, causal_attention, causal_attention_ref, causal_mask, flash_attention_triton
+from .native import ops as native_ops
 from .packing import check_cu_seqlens, host_values, sequences, with_host_values
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl
 
@@ -324,6 +325,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 dispatch.register("paged_prefill_attention", "torch", _paged_prefill_attention_torch)
 dispatch.register("paged_decode_attention", "torch", _paged_decode_attention_torch)
+dispatch.register("paged_decode_attention", "native", native_ops.paged_decode, native.available,
+                  native_ops.supports_paged_decode)
 dispatch.register("varlen_attention", "torch", _varlen_attention_torch)
 
 

@@ -40,6 +40,8 @@ def _native_supports(x, weight, bias=None, residual=None, scale=None) -> str | N
     """a few contiguous fp32/bf16 rows, a plain fp32/bf16/int8 weight, no autograd"""
     if x.device.type != "cpu":
         return "not on the CPU"
+    if torch.compiler.is_compiling():
+        return "compiling"
     if type(weight) is not torch.Tensor and type(weight) is not torch.nn.Parameter:
         return f"weight is a {type(weight).__name__}"
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):

@@ -14,8 +14,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import cuda_backend, dispatch, inductor_backend, triton_support
+from . import cuda_backend, dispatch, inductor_backend, native, triton_support
 from .compute_dtype import matmul_dtype
+from .native import ops as native_ops
 from .packing import check_cu_seqlens, sequences, slot_rows
 from .state_tiles import scratch, tiles
 from .triton_state_update import ssd_state_update
@@ -394,6 +395,7 @@ def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
 dispatch.register("ssd_chunk_scan", "torch", _ssd_chunk_scan_torch)
 dispatch.register("ssd_varlen_scan", "torch", _ssd_varlen_scan_torch)
 dispatch.register("ssd_step", "torch", _ssd_step_torch)
+dispatch.register("ssd_step", "native", native_ops.ssd_step, native.available, native_ops.supports_ssd_step)
 dispatch.register("ssd_chunk_scan", "inductor", _ssd_chunk_scan_inductor, inductor_backend.probe)
 dispatch.register("ssd_varlen_scan", "inductor", _ssd_varlen_scan_inductor, inductor_backend.probe)
 

@@ -33,6 +33,7 @@ class MLP(nn.Module):
 
     def __init__(self, d_model: int, cfg: MLPConfig):
         super().__init__()
+        self.activation = cfg.activation
         self.act = activation_fn(cfg.activation)
         self.gate_proj = Linear(d_model, cfg.d_ff, bias=cfg.bias) if cfg.gated else None
         self.up_proj = Linear(d_model, cfg.d_ff, bias=cfg.bias)

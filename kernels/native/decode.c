@@ -17,6 +17,7 @@
 
 #define _GNU_SOURCE
 #include <linux/futex.h>
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -25,6 +26,9 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #define MAXT 64
 #define MAXB 16 /* input rows a product takes at once (a larger batch goes through torch's GEMM) */
@@ -159,6 +163,8 @@ static void pool_run(chunk_fn fn, const void *job, int64_t nchunks) {
     pthread_mutex_unlock(&P_run);
 }
 
+enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_NONE = -1 };
+
 /* ---- conversions ---------------------------------------------------------------------------------------- */
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -175,6 +181,13 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+static inline float round_to(float v, int dt) { return dt == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline void store_as(void *p, int dt, int64_t i, float v) {
+    if (dt == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
 static inline float hsum(v8 v) {
     float s = 0.0f;
     for (int i = 0; i < 8; ++i) s += v[i];
@@ -182,7 +195,6 @@ static inline float hsum(v8 v) {
 }
 
 /* ---- matrix-vector products ------------------------------------------------------------------------------ */
-enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_NONE = -1 };
 
 typedef struct {
     const void *w;      /* [N, K] */
@@ -199,39 +211,83 @@ static inline float load_as_f32(const void *p, int dt, int64_t i) {
     return dt == DT_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* Four rows at once against every input row: each weight is read from memory once, the four rows' tiles
-   stay in L1 for the B passes. */
-#define ROWS 4
-static inline void dot_rows(const Gemv *g, int64_t n0, int nr, float out[ROWS][MAXB]) {
-    const int64_t K = g->K, K8 = K & ~(int64_t)7;
-    for (int64_t b = 0; b < g->B; ++b) {
-        const float *x = g->x + b * K;
-        v8 acc[ROWS] = {{0}};
-        for (int64_t k = 0; k < K8; k += 8) {
-            v8 xv = *(const v8u *)(x + k);
-            for (int r = 0; r < ROWS; ++r) {
-                if (r >= nr) break;
-                v8 w;
-                if (g->wdt == DT_F32) {
-                    w = *(const v8u *)((const float *)g->w + (n0 + r) * K + k);
-                } else if (g->wdt == DT_BF16) {
-                    u32x8 wi = __builtin_convertvector(*(const u16x8u *)((const uint16_t *)g->w + (n0 + r) * K + k),
-                                                       u32x8) << 16;
-                    memcpy(&w, &wi, sizeof w);
-                } else {
-                    w = __builtin_convertvector(*(const i8x8u *)((const int8_t *)g->w + (n0 + r) * K + k), v8);
-                }
-                acc[r] += w * xv;
-            }
+/* The weights of a row, 8 at a time, as fp32 vectors: one definition per storage dtype so every inner loop is
+   specialised at compile time (a dtype switch inside the loop cost a third of the bandwidth). */
+static inline v8 load_w8(const void *w, int wdt, int64_t i) {
+#ifdef __AVX2__
+    /* the intrinsics: GCC's generic vector conversions of 8-bit and 16-bit lanes came out as scalar code */
+    if (wdt == DT_F32) return (v8)_mm256_loadu_ps((const float *)w + i);
+    if (wdt == DT_BF16)
+        return (v8)_mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + i))));
+#else
+    v8 out;
+    if (wdt == DT_F32) {
+        out = *(const v8u *)((const float *)w + i);
+    } else if (wdt == DT_BF16) {
+        u32x8 wi = __builtin_convertvector(*(const u16x8u *)((const uint16_t *)w + i), u32x8) << 16;
+        memcpy(&out, &wi, sizeof out);
+    } else {
+        out = __builtin_convertvector(*(const i8x8u *)((const int8_t *)w + i), v8);
+    }
+    return out;
+#endif
+}
+
+static inline float load_w1(const void *w, int wdt, int64_t i) {
+    return wdt == DT_I8 ? (float)((const int8_t *)w)[i] : load_as_f32(w, wdt, i);
+}
+
+/* One row against B input rows: 4 independent accumulators per input row over 32 weights, so the loads of
+   the row stream without waiting on the adds; every weight read from memory once. */
+static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t n, float *out, const int wdt) {
+    const int64_t K = g->K, K32 = K & ~(int64_t)31, K8 = K & ~(int64_t)7;
+    const int64_t B = g->B;
+    const int64_t off = n * K;
+    if (B == 1) {
+        const float *x = g->x;
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t k = 0;
+        for (; k < K32; k += 32) {
+            a0 += load_w8(g->w, wdt, off + k) * *(const v8u *)(x + k);
+            a1 += load_w8(g->w, wdt, off + k + 8) * *(const v8u *)(x + k + 8);
+            a2 += load_w8(g->w, wdt, off + k + 16) * *(const v8u *)(x + k + 16);
+            a3 += load_w8(g->w, wdt, off + k + 24) * *(const v8u *)(x + k + 24);
         }
-        for (int r = 0; r < nr; ++r) {
-            float s = hsum(acc[r]);
-            for (int64_t k = K8; k < K; ++k) {
-                float w = g->wdt == DT_I8 ? (float)((const int8_t *)g->w)[(n0 + r) * K + k]
-                                          : load_as_f32(g->w, g->wdt, (n0 + r) * K + k);
-                s += w * x[k];
-            }
-            out[r][b] = s;
+        for (; k < K8; k += 8) a0 += load_w8(g->w, wdt, off + k) * *(const v8u *)(x + k);
+        float s = hsum(a0 + a1 + a2 + a3);
+        for (; k < K; ++k) s += load_w1(g->w, wdt, off + k) * x[k];
+        out[0] = s;
+        return;
+    }
+    /* several input rows: the weight row (at most K * 4 bytes) is read from memory once, then from L1 */
+    for (int64_t b = 0; b < B; ++b) {
+        const float *x = g->x + b * K;
+        v8 a0 = {0}, a1 = {0};
+        int64_t k = 0;
+        for (; k + 16 <= K8; k += 16) {
+            a0 += load_w8(g->w, wdt, off + k) * *(const v8u *)(x + k);
+            a1 += load_w8(g->w, wdt, off + k + 8) * *(const v8u *)(x + k + 8);
+        }
+        for (; k < K8; k += 8) a0 += load_w8(g->w, wdt, off + k) * *(const v8u *)(x + k);
+        float s = hsum(a0 + a1);
+        for (; k < K; ++k) s += load_w1(g->w, wdt, off + k) * x[k];
+        out[b] = s;
+    }
+}
+
+static inline __attribute__((always_inline)) void gemv_rows(const Gemv *g, int64_t lo, int64_t hi, const int wdt) {
+    float out[MAXB];
+    for (int64_t n = lo; n < hi; ++n) {
+        dot_row(g, n, out, wdt);
+        const float sc = wdt == DT_I8 ? g->scale[n] : 1.0f;
+        const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
+        for (int64_t b = 0; b < g->B; ++b) {
+            float v = out[b] * sc + bias;
+            /* bf16: the product rounded, then the residual added and rounded again (torch's two ops) */
+            if (g->res) v = round_to(v, g->ydt) + load_as_f32(g->res, g->ydt, b * g->N + n);
+            store_as(g->y, g->ydt, b * g->N + n, v);
         }
     }
 }
@@ -239,22 +295,9 @@ static inline void dot_rows(const Gemv *g, int64_t n0, int nr, float out[ROWS][M
 static void gemv_chunk(const void *job, int64_t chunk) {
     const Gemv *g = job;
     const int64_t lo = chunk * g->rows, hi = lo + g->rows < g->N ? lo + g->rows : g->N;
-    float out[ROWS][MAXB];
-    for (int64_t n0 = lo; n0 < hi; n0 += ROWS) {
-        const int nr = hi - n0 < ROWS ? (int)(hi - n0) : ROWS;
-        dot_rows(g, n0, nr, out);
-        for (int r = 0; r < nr; ++r) {
-            const int64_t n = n0 + r;
-            const float sc = g->wdt == DT_I8 ? g->scale[n] : 1.0f;
-            const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
-            for (int64_t b = 0; b < g->B; ++b) {
-                float v = out[r][b] * sc + bias;
-                if (g->res) v += load_as_f32(g->res, g->ydt, b * g->N + n);
-                if (g->ydt == DT_BF16) ((uint16_t *)g->y)[b * g->N + n] = f32_to_bf16(v);
-                else ((float *)g->y)[b * g->N + n] = v;
-            }
-        }
-    }
+    if (g->wdt == DT_F32) gemv_rows(g, lo, hi, DT_F32);
+    else if (g->wdt == DT_BF16) gemv_rows(g, lo, hi, DT_BF16);
+    else gemv_rows(g, lo, hi, DT_I8);
 }
 
 static float *x_scratch(int64_t n) {
@@ -279,9 +322,414 @@ int hl_gemv(const void *w, int wdt, const float *scale, const void *bias, int bd
     const int64_t wsize = wdt == DT_F32 ? 4 : wdt == DT_BF16 ? 2 : 1;
     /* ~32 KB of weights a chunk: enough chunks that two threads share the work evenly and a stalled one
        holds back little, few enough that claiming them costs nothing */
-    int64_t rows = (32768 / (K * wsize)) & ~(int64_t)(ROWS - 1);
-    if (rows < ROWS) rows = ROWS;
+    int64_t rows = 32768 / (K * wsize);
+    if (rows < 1) rows = 1;
     Gemv g = {w, scale, bias, res, y, xf, N, K, B, rows, wdt, bdt, ydt};
     pool_run(gemv_chunk, &g, (N + rows - 1) / rows);
     return 0;
+}
+
+/* ---- Mamba-2 SSD step -------------------------------------------------------------------------------------- */
+/* One token per sequence: per (sequence b, head h) the state rows s[p][:] (P x N, fp32 or bf16 storage) become
+   s * exp(dt A) + dt x[p] B, and y[p] = s . C + D x[p] — ssd_step_ref's arithmetic in one pass over the state
+   (the torch path makes three). The heads of a group share B and C. */
+typedef struct {
+    void *state;
+    const int64_t *slots;
+    const void *x, *B, *C, *Dp;
+    const float *dt, *A;
+    void *y;
+    int64_t xs, bs, cs, dts; /* batch strides in elements */
+    int64_t H, P, N, G;
+    int sdt, xdt, ddt;
+} SsdStep;
+
+static void ssd_step_chunk(const void *job, int64_t item) {
+    const SsdStep *j = job;
+    const int64_t b = item / j->H, h = item % j->H, g = h / (j->H / j->G), N = j->N, P = j->P;
+    const int64_t row = j->slots ? j->slots[b] : b;
+    float Bv[512], Cv[512], tmp[512];
+    for (int64_t n = 0; n < N; ++n) {
+        Bv[n] = load_as_f32(j->B, j->xdt, b * j->bs + g * N + n);
+        Cv[n] = load_as_f32(j->C, j->xdt, b * j->cs + g * N + n);
+    }
+    const float dt = j->dt[b * j->dts + h];
+    const float dA = expf(dt * j->A[h]);
+    const float Dh = j->Dp ? load_as_f32(j->Dp, j->ddt, h) : 0.0f;
+    const int64_t base = ((row * j->H + h) * P) * N;
+    for (int64_t p = 0; p < P; ++p) {
+        const float xp = load_as_f32(j->x, j->xdt, b * j->xs + h * P + p);
+        const float u = dt * xp;
+        float acc = 0.0f;
+        if (j->sdt == DT_F32) {
+            float *s = (float *)j->state + base + p * N;
+            for (int64_t n = 0; n < N; ++n) {
+                const float v = s[n] * dA + u * Bv[n];
+                s[n] = v;
+                acc += v * Cv[n];
+            }
+        } else {
+            uint16_t *s = (uint16_t *)j->state + base + p * N;
+            for (int64_t n = 0; n < N; ++n) tmp[n] = bf16_to_f32(s[n]) * dA + u * Bv[n];
+            for (int64_t n = 0; n < N; ++n) {
+                acc += tmp[n] * Cv[n];
+                s[n] = f32_to_bf16(tmp[n]);
+            }
+        }
+        const float out = acc + Dh * xp;
+        const int64_t o = (b * j->H + h) * P + p;
+        if (j->xdt == DT_BF16) ((uint16_t *)j->y)[o] = f32_to_bf16(out);
+        else ((float *)j->y)[o] = out;
+    }
+}
+
+int hl_ssd_step(void *state, int sdt, const int64_t *slots, const void *x, int xdt, int64_t xs, const float *dt,
+                int64_t dts, const float *A, const void *B, int64_t bs, const void *C, int64_t cs, const void *Dp,
+                int ddt, void *y, int64_t Bsz, int64_t H, int64_t P, int64_t N, int64_t G) {
+    if (N > 512 || G < 1 || H % G) return -1;
+    SsdStep j = {state, slots, x, B, C, Dp, dt, A, y, xs, bs, cs, dts, H, P, N, G, sdt, xdt, ddt};
+    pool_run(ssd_step_chunk, &j, Bsz * H);
+    return 0;
+}
+
+/* ---- causal conv1d step ------------------------------------------------------------------------------------ */
+/* state [S, C, K-1] shifted by one token per sequence: the window is the state then x (rounded to the state's
+   dtype first, as the reference concatenates them), y = window . w + bias, SiLU optional. */
+typedef struct {
+    void *state;
+    const int64_t *slots;
+    const void *x, *w, *bias;
+    void *y;
+    int64_t xs, C, K;
+    int sdt, xdt, wdt, bdt, silu;
+} ConvStep;
+
+static void conv_step_chunk(const void *job, int64_t b) {
+    const ConvStep *j = job;
+    const int64_t row = j->slots ? j->slots[b] : b, K1 = j->K - 1;
+    for (int64_t c = 0; c < j->C; ++c) {
+        const int64_t s0 = (row * j->C + c) * K1;
+        float xin = load_as_f32(j->x, j->xdt, b * j->xs + c);
+        if (j->sdt == DT_BF16) xin = bf16_to_f32(f32_to_bf16(xin));
+        float acc = j->bias ? load_as_f32(j->bias, j->bdt, c) : 0.0f;
+        float prev = 0.0f;
+        for (int64_t k = 0; k < K1; ++k) {
+            const float v = load_as_f32(j->state, j->sdt, s0 + k);
+            acc += v * load_as_f32(j->w, j->wdt, c * j->K + k);
+            if (k > 0) {
+                if (j->sdt == DT_BF16) ((uint16_t *)j->state)[s0 + k - 1] = f32_to_bf16(v);
+                else ((float *)j->state)[s0 + k - 1] = v;
+            }
+            prev = v;
+        }
+        (void)prev;
+        acc += xin * load_as_f32(j->w, j->wdt, c * j->K + K1);
+        if (K1 > 0) {
+            if (j->sdt == DT_BF16) ((uint16_t *)j->state)[s0 + K1 - 1] = f32_to_bf16(xin);
+            else ((float *)j->state)[s0 + K1 - 1] = xin;
+        }
+        if (j->silu) acc = acc / (1.0f + expf(-acc));
+        if (j->xdt == DT_BF16) ((uint16_t *)j->y)[b * j->C + c] = f32_to_bf16(acc);
+        else ((float *)j->y)[b * j->C + c] = acc;
+    }
+}
+
+int hl_conv_step(void *state, int sdt, const int64_t *slots, const void *x, int xdt, int64_t xs, const void *w,
+                 int wdt, const void *bias, int bdt, int silu, void *y, int64_t Bsz, int64_t C, int64_t K) {
+    if (K < 1) return -1;
+    ConvStep j = {state, slots, x, w, bias, y, xs, C, K, sdt, xdt, wdt, bdt, silu};
+    pool_run(conv_step_chunk, &j, Bsz);
+    return 0;
+}
+
+/* ---- paged decode attention ------------------------------------------------------------------------------- */
+/* One query token per sequence over its paged K/V (fp32 or bf16 pools [NB, BS, Hkv, D]); per (sequence, KV
+   head) the group's rep query heads score every visible key in one pass over K, then one pass over V sums
+   the weighted values: each cached byte is read once, straight from its page (no gathered copy). */
+typedef struct {
+    const void *q, *k, *v;
+    const int32_t *lens, *tables;
+    void *out;
+    int64_t tstride, Hq, Hkv, D, BS, window;
+    float scale;
+    int qdt, kvdt;
+} PagedDecode;
+
+static float *score_scratch(int64_t n) {
+    static _Thread_local float *buf = NULL;
+    static _Thread_local int64_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        int64_t want = n > 2 * cap ? n : 2 * cap;
+        buf = aligned_alloc(64, ((want * 4 + 63) / 64) * 64);
+        cap = buf ? want : 0;
+    }
+    return buf;
+}
+
+static inline float dot_kv(const float *q, const void *kv, int kvdt, int64_t off, int64_t D) {
+    v8 acc = {0};
+    int64_t d = 0;
+    if (kvdt == DT_F32) {
+        const float *k = (const float *)kv + off;
+        for (; d + 8 <= D; d += 8) acc += *(const v8u *)(q + d) * *(const v8u *)(k + d);
+        float s = hsum(acc);
+        for (; d < D; ++d) s += q[d] * k[d];
+        return s;
+    }
+    const uint16_t *k = (const uint16_t *)kv + off;
+    for (; d + 8 <= D; d += 8) acc += *(const v8u *)(q + d) * load_w8(k, DT_BF16, d);
+    float s = hsum(acc);
+    for (; d < D; ++d) s += q[d] * bf16_to_f32(k[d]);
+    return s;
+}
+
+static void paged_decode_chunk(const void *job, int64_t item) {
+    const PagedDecode *j = job;
+    const int64_t Hkv = j->Hkv, D = j->D, BS = j->BS, rep = j->Hq / Hkv;
+    const int64_t b = item / Hkv, h = item % Hkv;
+    const int64_t len = j->lens[b];
+    const int64_t first = j->window > 0 && len > j->window ? len - j->window : 0;
+    const int64_t n = len - first;
+    const int32_t *table = j->tables + b * j->tstride;
+    float *s = score_scratch(rep * (n > 0 ? n : 1) + rep * D * 2);
+    float *qf = s + rep * (n > 0 ? n : 1), *acc = qf + rep * D;
+    for (int64_t r = 0; r < rep; ++r)
+        for (int64_t d = 0; d < D; ++d)
+            qf[r * D + d] = load_as_f32(j->q, j->qdt, (b * j->Hq + h * rep + r) * D + d) * j->scale;
+    float mx[64], sum[64];
+    for (int64_t r = 0; r < rep; ++r) mx[r] = -FLT_MAX, sum[r] = 0.0f; /* not -inf: -ffast-math assumes none */
+    for (int64_t p = first; p < len; ++p) {
+        const int64_t off = (((int64_t)table[p / BS] * BS + p % BS) * Hkv + h) * D;
+        for (int64_t r = 0; r < rep; ++r) {
+            const float v = dot_kv(qf + r * D, j->k, j->kvdt, off, D);
+            s[r * n + (p - first)] = v;
+            if (v > mx[r]) mx[r] = v;
+        }
+    }
+    for (int64_t r = 0; r < rep; ++r) {
+        float *sr = s + r * n;
+        float t = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+            sr[i] = expf(sr[i] - mx[r]);
+            t += sr[i];
+        }
+        sum[r] = t;
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
+    }
+    for (int64_t p = first; p < len; ++p) {
+        const int64_t off = (((int64_t)table[p / BS] * BS + p % BS) * Hkv + h) * D;
+        for (int64_t r = 0; r < rep; ++r) {
+            const float w = s[r * n + (p - first)];
+            float *a = acc + r * D;
+            if (j->kvdt == DT_F32) {
+                const float *vv = (const float *)j->v + off;
+                for (int64_t d = 0; d < D; ++d) a[d] += w * vv[d];
+            } else {
+                const uint16_t *vv = (const uint16_t *)j->v + off;
+                for (int64_t d = 0; d < D; ++d) a[d] += w * bf16_to_f32(vv[d]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rep; ++r) {
+        const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
+        const int64_t o = (b * j->Hq + h * rep + r) * D;
+        for (int64_t d = 0; d < D; ++d) {
+            const float val = acc[r * D + d] * inv;
+            if (j->qdt == DT_BF16) ((uint16_t *)j->out)[o + d] = f32_to_bf16(val);
+            else ((float *)j->out)[o + d] = val;
+        }
+    }
+}
+
+int hl_paged_decode(const void *q, int qdt, const void *k, const void *v, int kvdt, const int32_t *lens,
+                    const int32_t *tables, int64_t tstride, void *out, int64_t Bsz, int64_t Hq, int64_t Hkv,
+                    int64_t D, int64_t BS, int64_t window, float scale) {
+    if (Hkv < 1 || Hq % Hkv || Hq / Hkv > 64) return -1;
+    PagedDecode j = {q, k, v, lens, tables, out, tstride, Hq, Hkv, D, BS, window, scale, qdt, kvdt};
+    pool_run(paged_decode_chunk, &j, Bsz * Hkv);
+    return 0;
+}
+
+/* ---- the pieces of a fused decode sub-layer ---------------------------------------------------------------- */
+/* Each mirrors the rounding points of the torch layers it replaces (for bf16: every torch op rounds its
+   output), so the fused step computes what the eager layers compute. */
+
+/* RMSNorm (hybrid.layers.norm.RMSNorm): y = bf16?(x / rms(x)) * w, the norm in fp32. */
+void hl_rmsnorm(const void *x, int xdt, const void *w, int wdt, float eps, void *y, int64_t B, int64_t d) {
+    for (int64_t b = 0; b < B; ++b) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < d; ++i) {
+            const float v = load_as_f32(x, xdt, b * d + i);
+            ss += (double)v * v;
+        }
+        const float inv = 1.0f / sqrtf((float)(ss / d) + eps);
+        for (int64_t i = 0; i < d; ++i) {
+            const float v = round_to(load_as_f32(x, xdt, b * d + i) * inv, xdt);
+            store_as(y, xdt, b * d + i, v * load_as_f32(w, wdt, i));
+        }
+    }
+}
+
+enum { ACT_SILU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2, ACT_RELU = 3, ACT_RELU2 = 4 };
+
+static inline float activate(float v, int act) {
+    switch (act) {
+    case ACT_SILU: return v / (1.0f + expf(-v));
+    case ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case ACT_GELU_TANH: return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    case ACT_RELU: return v > 0.0f ? v : 0.0f;
+    default: return v > 0.0f ? v * v : 0.0f;
+    }
+}
+
+/* The gated MLP's first half (hybrid.layers.mlp.MLP): y = act(x Wg^T + bg) * (x Wu^T + bu), both matrices in
+   one pass of the pool (each row pair read once). */
+typedef struct {
+    Gemv g, u;
+    int act;
+} GatedUp;
+
+static void gated_up_chunk(const void *job, int64_t chunk) {
+    const GatedUp *j = job;
+    const Gemv *g = &j->g, *u = &j->u;
+    const int64_t lo = chunk * g->rows, hi = lo + g->rows < g->N ? lo + g->rows : g->N;
+    float og[MAXB], ou[MAXB];
+    for (int64_t n = lo; n < hi; ++n) {
+        if (g->wdt == DT_F32) dot_row(g, n, og, DT_F32), dot_row(u, n, ou, DT_F32);
+        else if (g->wdt == DT_BF16) dot_row(g, n, og, DT_BF16), dot_row(u, n, ou, DT_BF16);
+        else dot_row(g, n, og, DT_I8), dot_row(u, n, ou, DT_I8);
+        const float sg = g->wdt == DT_I8 ? g->scale[n] : 1.0f, su = u->wdt == DT_I8 ? u->scale[n] : 1.0f;
+        const float bg = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
+        const float bu = u->bias ? load_as_f32(u->bias, u->bdt, n) : 0.0f;
+        for (int64_t b = 0; b < g->B; ++b) {
+            const float a = round_to(activate(round_to(og[b] * sg + bg, g->ydt), j->act), g->ydt);
+            store_as(g->y, g->ydt, b * g->N + n, a * round_to(ou[b] * su + bu, g->ydt));
+        }
+    }
+}
+
+int hl_gated_up(const void *wg, const float *sg, const void *bg, const void *wu, const float *su, const void *bu,
+                int wdt, int bdt, const void *x, int xdt, void *y, int act, int64_t B, int64_t N, int64_t K) {
+    if (B < 1 || B > MAXB) return -1;
+    float *xf = x_scratch(B * K);
+    if (!xf) return -1;
+    for (int64_t i = 0; i < B * K; ++i) xf[i] = load_as_f32(x, xdt, i);
+    const int64_t wsize = wdt == DT_F32 ? 4 : wdt == DT_BF16 ? 2 : 1;
+    int64_t rows = 16384 / (K * wsize);
+    if (rows < 1) rows = 1;
+    GatedUp j = {{wg, sg, bg, NULL, y, xf, N, K, B, rows, wdt, bdt, xdt},
+                 {wu, su, bu, NULL, y, xf, N, K, B, rows, wdt, bdt, xdt}, act};
+    pool_run(gated_up_chunk, &j, (N + rows - 1) / rows);
+    return 0;
+}
+
+/* Attention's projections (hybrid.layers.attention.Attention.qkv + write_kv): q, k, v from one pass of the pool
+   over the three matrices, a chunk per head; RoPE (rotate-half, the first rot channels of each head) on q and
+   k with the step's cos/sin [B, rot] (in the model's dtype); q to q_out [B, Hq, D], k and v straight into
+   their slots of the K/V pools [NB * BS, Hkv, D] (fp32 or bf16). */
+typedef struct {
+    Gemv m[3];
+    void *kpool, *vpool;
+    const int64_t *slots;
+    const void *cos, *sin;
+    int64_t Hq, Hkv, D, rot;
+    int pdt;
+} QkvRope;
+
+static void qkv_rope_chunk(const void *job, int64_t head) {
+    const QkvRope *j = job;
+    const int which = head < j->Hq ? 0 : head < j->Hq + j->Hkv ? 1 : 2;
+    const int64_t h = which == 0 ? head : which == 1 ? head - j->Hq : head - j->Hq - j->Hkv;
+    const Gemv *g = &j->m[which];
+    const int64_t D = j->D, rot = j->rot, half = rot / 2, B = g->B;
+    float acc[MAXB][512], out[MAXB];
+    for (int64_t d = 0; d < D; ++d) {
+        const int64_t n = h * D + d;
+        if (g->wdt == DT_F32) dot_row(g, n, out, DT_F32);
+        else if (g->wdt == DT_BF16) dot_row(g, n, out, DT_BF16);
+        else dot_row(g, n, out, DT_I8);
+        const float sc = g->wdt == DT_I8 ? g->scale[n] : 1.0f;
+        const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
+        for (int64_t b = 0; b < B; ++b) acc[b][d] = round_to(out[b] * sc + bias, g->ydt);
+    }
+    const int ydt = g->ydt;
+    for (int64_t b = 0; b < B; ++b) {
+        float *v = acc[b];
+        if (which < 2 && rot) {
+            float tmp[512];
+            for (int64_t d = 0; d < rot; ++d) {
+                const float c = load_as_f32(j->cos, ydt, b * rot + d), s = load_as_f32(j->sin, ydt, b * rot + d);
+                const float r = d < half ? -v[d + half] : v[d - half];
+                tmp[d] = round_to(round_to(v[d] * c, ydt) + round_to(r * s, ydt), ydt);
+            }
+            for (int64_t d = 0; d < rot; ++d) v[d] = tmp[d];
+        }
+        if (which == 0) {
+            for (int64_t d = 0; d < D; ++d) store_as(g->y, ydt, (b * j->Hq + h) * D + d, v[d]);
+        } else {
+            void *pool = which == 1 ? j->kpool : j->vpool;
+            const int64_t base = (j->slots[b] * j->Hkv + h) * D;
+            for (int64_t d = 0; d < D; ++d) store_as(pool, j->pdt, base + d, v[d]);
+        }
+    }
+}
+
+int hl_qkv_rope(const void *wq, const void *bq, const void *wk, const void *bk, const void *wv, const void *bv,
+                int wdt, int bdt, const void *x, int xdt, void *q_out, void *kpool, void *vpool, int pdt,
+                const int64_t *slots, const void *cos, const void *sin, int64_t rot, int64_t B, int64_t Hq,
+                int64_t Hkv, int64_t D, int64_t K) {
+    if (B < 1 || B > MAXB || D > 512 || rot > D || rot % 2) return -1;
+    float *xf = x_scratch(B * K);
+    if (!xf) return -1;
+    for (int64_t i = 0; i < B * K; ++i) xf[i] = load_as_f32(x, xdt, i);
+    QkvRope j = {{{wq, NULL, bq, NULL, q_out, xf, Hq * D, K, B, D, wdt, bdt, xdt},
+                  {wk, NULL, bk, NULL, NULL, xf, Hkv * D, K, B, D, wdt, bdt, xdt},
+                  {wv, NULL, bv, NULL, NULL, xf, Hkv * D, K, B, D, wdt, bdt, xdt}},
+                 kpool, vpool, slots, cos, sin, Hq, Hkv, D, rot, pdt};
+    pool_run(qkv_rope_chunk, &j, Hq + 2 * Hkv);
+    return 0;
+}
+
+/* Mamba-2's gated RMSNorm (hybrid.layers.norm.GatedRMSNorm) over groups of the d_inner channels, y [B, d]
+   from y and the gate z (z's rows with stride zs): norm(y * silu(z)) or, norm_before_gate, norm(y) * silu(z);
+   all in fp32, rounded once at the end. */
+void hl_gated_rmsnorm(const void *y, const void *z, int64_t zs, int dt, const void *w, int wdt, float eps,
+                      int64_t groups, int norm_before_gate, void *out, int64_t B, int64_t d) {
+    const int64_t gs = d / groups;
+    float buf[8192];
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t g0 = 0; g0 < d; g0 += gs) {
+            double ss = 0.0;
+            for (int64_t i = 0; i < gs; ++i) {
+                const float zv = load_as_f32(z, dt, b * zs + g0 + i);
+                const float gate = zv / (1.0f + expf(-zv));
+                const float yv = load_as_f32(y, dt, b * d + g0 + i);
+                const float v = norm_before_gate ? yv : gate * yv;
+                buf[i] = norm_before_gate ? gate : v;
+                ss += (double)v * v;
+            }
+            const float inv = 1.0f / sqrtf((float)(ss / gs) + eps);
+            for (int64_t i = 0; i < gs; ++i) {
+                const float yv = load_as_f32(y, dt, b * d + g0 + i);
+                const float v = norm_before_gate ? yv * inv * load_as_f32(w, wdt, g0 + i) * buf[i]
+                                                 : buf[i] * inv * load_as_f32(w, wdt, g0 + i);
+                store_as(out, dt, b * d + g0 + i, v);
+            }
+        }
+}
+
+/* Mamba-2's dt and A (hybrid.layers.mamba2.Mamba2.dt_A) for a decode step: dt [B, H] = softplus(dt_raw +
+   dt_bias) (torch's softplus: x above 20 kept as it is), clamped to [lo, hi] with clamp; A [H] =
+   -exp(A_log). fp32 out. */
+void hl_mamba2_dt(const void *dt_raw, int xdt, int64_t dts, const void *dt_bias, int bdt, const void *A_log, int adt,
+                  float lo, float hi, int clamp, float *dt_out, float *A_out, int64_t B, int64_t H) {
+    for (int64_t h = 0; h < H; ++h) A_out[h] = -expf(load_as_f32(A_log, adt, h));
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h) {
+            const float v = load_as_f32(dt_raw, xdt, b * dts + h) + load_as_f32(dt_bias, bdt, h);
+            float sp = v > 20.0f ? v : log1pf(expf(v));
+            if (clamp) sp = sp < lo ? lo : sp > hi ? hi : sp;
+            dt_out[b * H + h] = sp;
+        }
 }

@@ -1,0 +1,174 @@
+"""The native decode kernels (kernels/native/decode.c) against their torch references, and the fused decode
+sub-layers (hybrid/layers/fused_decode.py) against the eager layers and the full forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybrid.kernels import conv1d, native, paged_attention, projection, ssd, use_backend
+from hybrid.kernels.native import ops
+
+from hybrid import Engine, HybridLM, recipes
+from hybrid.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"native kernels: {native.available()}")
+
+
+def _noise(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """One rounding of the reference's largest value in ``dtype`` (0 for fp32: then a tight fp32 bound)."""
+    return 0.0 if dtype == torch.float32 else ref.float().abs().max().item() * 2.0 ** -8
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_linear_matches_reference(dtype, rows, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the pool re-sizes to it; 1: the caller alone
+    try:
+        _check_linear(dtype, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_linear(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    K, N = 515, 1027  # odd sizes: the vector tails and the last chunk
+    x = torch.randn(rows, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b, r = torch.randn(N, generator=g).to(dtype), torch.randn(rows, N, generator=g).to(dtype)
+    for bias, res in ((None, None), (b, None), (b, r)):
+        assert projection._native_supports(x, w, bias, res) is None
+        got = projection._linear_native(x, w, bias, res)
+        ref = projection.linear_ref(x, w, bias, res)
+        tol = 1e-4 * ref.abs().max().item() + 2 * _noise(ref, dtype)
+        assert (got.float() - ref.float()).abs().max().item() <= tol
+
+
+def test_linear_int8_row_scales():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (301, 133), dtype=torch.int8, generator=g)
+    scale = torch.rand(301, generator=g) * 0.01
+    x = torch.randn(2, 133, generator=g)
+    got = projection._linear_native(x, codes, None, None, scale)
+    ref = projection.linear_ref(x, codes, None, None, scale)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_dispatch_takes_torch_for_many_rows_and_autograd():
+    w = torch.randn(8, 4, requires_grad=True)
+    assert projection._native_supports(torch.randn(2, 4), w) == "autograd"
+    assert "rows" in projection._native_supports(torch.randn(17, 4), w.detach())
+    y = projection.linear(torch.randn(2, 4), w)  # autograd still works through the dispatch
+    y.sum().backward()
+    assert w.grad is not None
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ssd_step_matches_reference(state_dtype, dtype):
+    g = torch.Generator().manual_seed(1)
+    S, B, H, P, N, G = 5, 3, 6, 8, 19, 2
+    state = torch.randn(S, H, P, N, generator=g).to(state_dtype)
+    slots = torch.tensor([4, 0, 2])
+    xBC = torch.randn(B, H * P + 2 * G * N + 3, generator=g).to(dtype)  # strided views, as the layer splits them
+    x = xBC[:, :H * P].reshape(B, H, P)
+    Bm = xBC[:, H * P:H * P + G * N].reshape(B, G, N)
+    Cm = xBC[:, H * P + G * N:H * P + 2 * G * N].reshape(B, G, N)
+    dt, A, D = torch.rand(B, H, generator=g), -torch.rand(H, generator=g), torch.randn(H, generator=g).to(dtype)
+    assert ops.supports_ssd_step(state, x, dt, A, Bm, Cm, D=D, slots=slots) is None
+    mine, theirs = state.clone(), state.clone()
+    y = ops.ssd_step(mine, x, dt, A, Bm, Cm, D=D, slots=slots)
+    rows = theirs[slots].clone()
+    y_ref = ssd.ssd_step_ref(rows, x, dt, A, Bm, Cm, D=D)
+    theirs[slots] = rows
+    assert (y.float() - y_ref.float()).abs().max() <= 1e-5 + 2 * _noise(y_ref, dtype)
+    assert (mine.float() - theirs.float()).abs().max() <= 1e-5 + 2 * _noise(theirs, state_dtype)
+    untouched = torch.tensor([1, 3])
+    assert torch.equal(mine[untouched], state[untouched])
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_conv_step_matches_reference(state_dtype):
+    g = torch.Generator().manual_seed(2)
+    S, B, C, K = 4, 2, 37, 4
+    state = torch.randn(S, C, K - 1, generator=g).to(state_dtype)
+    slots = torch.tensor([3, 1])
+    x = torch.randn(B, C + 5, generator=g)[:, :C]
+    w, bias = torch.randn(C, K, generator=g), torch.randn(C, generator=g)
+    mine, theirs = state.clone(), state.clone()
+    y = ops.conv_step(mine, x, w, bias, activation="silu", slots=slots)
+    rows = theirs[slots].clone()
+    y_ref = conv1d.causal_conv1d_step_ref(rows, x, w, bias, activation="silu")
+    theirs[slots] = rows
+    assert torch.allclose(y, y_ref, atol=1e-5) and torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("window", [None, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_matches_reference(dtype, window):
+    g = torch.Generator().manual_seed(3)
+    NB, BS, Hkv, D, Hq = 20, 16, 2, 80, 8  # head_dim 80: not a multiple of the vector width twice over
+    k_pool = torch.randn(NB, BS, Hkv, D, generator=g).to(dtype)
+    v_pool = torch.randn(NB, BS, Hkv, D, generator=g).to(dtype)
+    q = torch.randn(3, Hq, D, generator=g).to(dtype)
+    lens = torch.tensor([5, 40, 70], dtype=torch.int32)
+    tables = torch.tensor([[3, 0, 0, 0, 0], [1, 7, 9, 0, 0], [2, 4, 6, 8, 10]], dtype=torch.int32)
+    assert ops.supports_paged_decode(q, k_pool, v_pool, lens, tables, window=window) is None
+    got = ops.paged_decode(q, k_pool, v_pool, lens, tables, window=window)
+    ref = paged_attention.paged_decode_attention_ref(q, k_pool, v_pool, lens, tables, window=window)
+    assert (got.float() - ref.float()).abs().max() <= 1e-5 + 2 * _noise(ref, dtype)
+
+
+def _greedy(model, prompts, new_tokens, backend=None, **engine_kw):
+    with torch.inference_mode(), use_backend(backend):
+        engine = Engine(model, num_blocks=64, block_size=16, max_seqs=4, **engine_kw)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)) for p in prompts]
+        engine.run()
+        return [engine.requests[i].output for i in ids]
+
+
+@pytest.mark.parametrize("recipe", ["llama-tiny", "mamba2-tiny", "hybrid-1to7-tiny", "samba-tiny"])
+def test_fused_decode_equals_eager_and_forward(recipe):
+    """The fused sub-layers (the default on a CPU) give the tokens of the eager layers (HYBRID_BACKEND=torch)
+    and of the full forward, for several sequences decoding together."""
+    torch.manual_seed(0)
+    model = HybridLM(recipes.get(recipe)).eval()
+    with torch.no_grad():
+        (model.lm_head.weight if model.lm_head is not None else model.embed.weight).mul_(20)
+    prompts = [list(range(1, 12)), list(range(5, 30)), [3] * 7]
+    fused = _greedy(model, prompts, 12)
+    assert fused == _greedy(model, prompts, 12, backend="torch")
+    seq = list(prompts[1])
+    with torch.inference_mode():
+        for _ in range(12):
+            seq.append(int(model(torch.tensor([seq]), logits_to_keep=1)[0, -1].argmax()))
+    assert fused[1] == seq[len(prompts[1]):]
+
+
+@pytest.mark.parametrize("recipe", ["llama-tiny", "hybrid-1to7-tiny"])
+def test_fused_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
+    """In bf16 each fused sub-layer rounds where the torch ops round: the same bits as the eager layer on the
+    same input (attention and MLP, whose cache writes are idempotent, so both can run on one step)."""
+    import hybrid.model as model_mod
+    from hybrid.layers import fused_decode
+
+    torch.manual_seed(0)
+    model = HybridLM(recipes.get(recipe)).to(torch.bfloat16).eval()
+    checked = []
+    plain = model_mod.Block.forward
+
+    def both(self, x, batch=None, cache=None):
+        if batch is None or batch.prefill is not None or self.kind not in ("attention", "mlp"):
+            return plain(self, x, batch, cache)
+        fused = fused_decode.sublayer(self, x, batch, cache)
+        h = self.norm(x)
+        eager = x + (self.mixer.forward_packed(h, batch, *cache.layer_pools[self.index]) if self.caches
+                     else self.mixer(h))
+        assert fused is not None and torch.equal(fused, eager)
+        checked.append(self.kind)
+        return eager
+
+    monkeypatch.setattr(model_mod.Block, "forward", both)
+    _greedy(model, [list(range(1, 12)), [7] * 20], 4)
+    assert "mlp" in checked and ("attention" in checked or recipe != "llama-tiny")
