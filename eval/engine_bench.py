@@ -7,8 +7,16 @@ Decode rows: ``batch`` sequences at ``context`` tokens each decode together; the
 once and forked ``batch - 1`` times (the prompt's KV blocks are shared, every sequence reads its whole
 context every step, as it would with distinct prompts). Every step is timed; the table gives the median
 with min and max. The floor is the bytes a decode step must move (every weight once, each sequence's K/V,
-each Mamba state read and written) over this machine's measured copy bandwidth. Compile time is
-reported on its own, never inside tokens/s. ``--plot PATH`` draws decode tokens/s against batch size.
+each Mamba state read and written) over this machine's measured *read* bandwidth (a streaming ``sum`` of 1 GiB,
+far larger than any L3; a copy bandwidth counts writes too and would call a step that sits on the hardware's limit
+several times slower than it). Compile time is reported on its own, never inside tokens/s. ``--plot PATH`` draws
+decode tokens/s against batch size.
+
+``--llama-gguf RECIPE=FILE.gguf`` (repeatable; with ``--llama-bench PATH``) also times ``llama-bench -p 0 -n 64``
+on each GGUF in the same run (the same weights: export the recipe's seed-0 model with ``save_pretrained`` and
+convert it with llama.cpp's converter, any ``--outtype`` or ``llama-quantize`` type), and prints our batch-1 decode
+rate over llama.cpp's, for the recipe's rows at ``--decode-contexts`` (use a short one: llama-bench's tg64 decodes
+from an empty context).
 """
 
 from __future__ import annotations
@@ -16,8 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
+from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -53,6 +64,43 @@ def spread(times: list[float]) -> dict:
 
 
 # ---- the machine -----------------------------------------------------------------------------------
+def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second a streaming read of a ``mib`` MiB buffer (``sum``) moves, best of ``repeats``: the rate a
+    decode step can read its weights at, at most."""
+    buf = torch.ones(mib * 2**20 // 4)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best
+
+
+def llama_bench_decode(llama_bench: str, gguf: str, threads: int, tokens: int = 64, repeats: int = 3) -> dict:
+    """llama.cpp's decode rate on ``gguf`` (``llama-bench -p 0 -n tokens``): median, min, max tokens/s."""
+    import subprocess
+
+    cmd = [llama_bench, "-m", gguf, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {' '.join(cmd)}\n{res.stderr[-500:]}")
+    test = next(t for t in json.loads(res.stdout) if t.get("n_gen", 0) > 0)
+    rates = sorted(tokens / (ns / 1e9) for ns in test["samples_ns"])
+    return {"tok/s": round(statistics.median(rates), 1), "min": round(rates[0], 1), "max": round(rates[-1], 1),
+            "type": test.get("model_type"), "command": " ".join(cmd)}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def copy_bandwidth(device: str | torch.device = "cpu", mib: int = 256, repeats: int = 5) -> float:
     """Bytes per second a large tensor copy moves (read + write counted), median of ``repeats``."""
     src = torch.ones(mib * 2**20 // 4, device=device)
@@ -225,6 +273,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf-new-tokens", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--quantize", default=None, choices=["int8wo", "int4wo"],
+                    help="torchao weight-only quantisation of the decode models (hybrid.quantize)")
+    ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench executable (with --llama-gguf)")
+    ap.add_argument("--llama-gguf", action="append", default=[], metavar="RECIPE=FILE",
+                    help="a GGUF of RECIPE's seed-0 weights for llama-bench -n 64 (repeatable)")
     ap.add_argument("--json", default=None, help="also write all rows here")
     ap.add_argument("--plot", default=None, help="PNG of decode tokens/s against batch size")
     args = ap.parse_args(argv)
@@ -233,9 +286,20 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     threads = torch.get_num_threads()
-    bandwidth = copy_bandwidth()
-    print(f"# engine on {threads} CPU threads, dtype {args.dtype}; copy bandwidth {bandwidth / 1e9:.2f} GB/s "
-          "(read + write); times are median [min, max] over the timed steps", flush=True)
+    bandwidth = read_bandwidth()
+    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in _cpu_flags())
+    print(f"# engine on {threads} CPU threads, dtype {args.dtype}; read bandwidth {bandwidth / 1e9:.2f} GB/s "
+          f"(streaming sum of 1 GiB); CPU flags: {flags}; times are median [min, max] over the timed steps",
+          flush=True)
+    llama_rows = []
+    for spec in args.llama_gguf:
+        recipe, _, gguf = spec.partition("=")
+        if not args.llama_bench or not gguf:
+            raise SystemExit(f"--llama-gguf {spec!r}: give RECIPE=FILE.gguf and --llama-bench PATH")
+        llama_rows.append({"model": recipe, "gguf": gguf, **llama_bench_decode(args.llama_bench, gguf, threads)})
+    if llama_rows:
+        print("\n## llama.cpp decode (llama-bench -p 0 -n 64)\n" + format_table(
+            [{k: v for k, v in r.items() if k != "command"} for r in llama_rows]), flush=True)
 
     # transformers first: its decode rate is the reference column of the decode table
     hf_rows, hf_rate = [], {}
@@ -263,6 +327,10 @@ def main(argv: list[str] | None = None) -> None:
         if name not in models:
             torch.manual_seed(0)
             models[name] = HybridLM(recipes.get(name)).to(dtype).eval()
+            if args.quantize:
+                from ..quantize import quantize
+
+                quantize(models[name], args.quantize)
         model = models[name]
         engine = decode_engine(model, b, ctx, steps=args.decode_steps, compile=mode == "compiled",
                                warmup=args.warmup)
@@ -270,6 +338,9 @@ def main(argv: list[str] | None = None) -> None:
         floor = decode_step_bytes(model, b, ctx) / bandwidth
         row = {"model": name, "mode": mode, "context": ctx, **row, "floor_ms": round(floor * 1e3, 2),
                "floor/step": round(floor / (row["ms_med"] / 1e3), 3)}
+        for lr in llama_rows:
+            if lr["model"] == name and b == 1:
+                row[f"x_llama.cpp[{Path(lr['gguf']).stem}]"] = round(row["decode_tok/s"] / lr["tok/s"], 3)
         if hf_rate.get((name, 1)):
             row["x_hf_batch1"] = round(row["decode_tok/s"] / hf_rate[(name, 1)], 2)
         if hf_rate.get((name, b)) and args.hf_context == ctx:
@@ -299,7 +370,9 @@ def main(argv: list[str] | None = None) -> None:
     print("\n## cache memory (KV and conv state bf16, SSM state fp32)\n" + format_table(memory), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": threads, "dtype": args.dtype, "copy_GB/s": round(bandwidth / 1e9, 3),
+            json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+                       "cpu_flags": flags, "llama.cpp": llama_rows,
+                       "threads": threads, "dtype": args.dtype, "read_GB/s": round(bandwidth / 1e9, 3),
                        "decode": decode, "split": splits, "compile": compile_rows, "transformers": hf_rows,
                        "prefill": prefill, "memory": memory}, f, indent=2)
     if args.plot:

@@ -10,6 +10,7 @@ from .generation import generate
 from .model import HybridLM
 from .pattern import PatternError, attention_share, blocks_pattern, parse_pattern, ratio_pattern
 from .pretrained import from_pretrained, save_pretrained
+from .quantize import quantize
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .speculative import SpeculativeConfig
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionConfig", "CheckpointError", "ConfigError", "HybridConfig", "HybridLM", "MLPConfig",
     "Mamba1Config", "Mamba2Config", "MoEConfig", "PatternError", "attention_share", "blocks_pattern",
-    "from_pretrained", "parse_pattern", "ratio_pattern", "save_pretrained",
+    "from_pretrained", "parse_pattern", "quantize", "ratio_pattern", "save_pretrained",
     # inference engine
     "ByteTokenizer", "CacheFullError", "Engine", "HFTokenizer", "HybridCache", "PagedKVCache", "RequestOutput",
     "SSMStateCache", "SamplingParams", "SpeculativeConfig", "StreamDecoder", "generate", "load_tokenizer",

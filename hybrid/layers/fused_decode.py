@@ -71,7 +71,9 @@ def _mlp(block, x, batch, pools):
 def _mamba2(block, x, batch, pools):
     m, d = block.mixer, batch.decode
     conv_pool, ssm_pool = pools
-    if any(p.quantized or p.stochastic or p.data.dtype not in _FLOATS for p in pools) or \
+    # a plain float pool only (anything else, e.g. a study's stand-in codec pool, steps the eager way)
+    if any(getattr(p, "quantized", True) or getattr(p, "stochastic", True) or p.data.dtype not in _FLOATS
+           for p in pools) or \
             not isinstance(m.norm, GatedRMSNorm) or m.d_inner // m.norm.groups > 8192:
         return None
     n = x.shape[0]

@@ -1,6 +1,7 @@
 """``Linear``: ``nn.Linear`` (same parameters, same state-dict names, what torchao's ``quantize_`` finds) whose
 forward goes through :func:`hybrid.kernels.linear`, so a decode step's few rows take the native matrix-vector
-product at the memory bandwidth; ``residual`` adds the sub-layer's input in the same pass."""
+product at the memory bandwidth; ``residual`` adds the sub-layer's input in the same pass. A torchao int8
+weight-only weight (:func:`hybrid.quantize`) is handed over as its codes and row scales."""
 
 from __future__ import annotations
 
@@ -12,4 +13,12 @@ from .. import kernels
 
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, residual)
+        w = self.weight
+        if type(w) is not nn.Parameter and type(w) is not torch.Tensor and x.numel() <= 16 * x.shape[-1]:
+            from ..quantize import int8_rows
+
+            rows = int8_rows(w)
+            if rows is not None:
+                codes, scale = rows
+                return kernels.linear(x, codes, self.bias, residual, scale=scale)
+        return kernels.linear(x, w, self.bias, residual)

@@ -87,8 +87,11 @@ def conv_step(state, x, weight, bias=None, *, activation=None, slots=None) -> to
     return y
 
 
-def supports_paged_decode(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None) -> str | None:
+def supports_paged_decode(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None, k_scale=None,
+                          v_scale=None) -> str | None:
     """fp32/bf16 pools, contiguous, at most 64 query heads per KV head"""
+    if k_scale is not None or v_scale is not None:
+        return "quantised pages"
     if q.device.type != "cpu":
         return "not on the CPU"
     if torch.is_grad_enabled() and (q.requires_grad or k_pool.requires_grad):
@@ -107,7 +110,8 @@ def supports_paged_decode(q, k_pool, v_pool, seq_lens, block_tables, *, window=N
     return None
 
 
-def paged_decode(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None) -> torch.Tensor:
+def paged_decode(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None, k_scale=None,
+                 v_scale=None) -> torch.Tensor:
     B, Hq, D = q.shape
     out = torch.empty_like(q)
     scale = D ** -0.5 if scale is None else scale

@@ -1,0 +1,53 @@
+"""Weight-only quantisation of a model's linear layers through torchao (the PyTorch library for it):
+``hybrid.quantize(model, "int8wo")`` — int8 codes with one fp32 scale per output row (torchao's
+``Int8WeightOnlyConfig``), ``"int4wo"`` — int4 in groups of 128 (torchao's ``Int4WeightOnlyConfig``,
+its tinygemm layout: CUDA only — torchao 0.18 has no int4 weight-only format for a CPU: ``plain`` needs mslk,
+``plain_int32`` refuses the CPU device, so on a CPU it is refused with that message). Decode is the bytes of the weights: int8 reads a quarter of fp32's.
+
+torchao's int8 tensor computes through its own ``__torch_dispatch__`` (tens of microseconds of Python per call at
+batch 1); :class:`hybrid.layers.linear.Linear` hands its codes and row scales to the native matrix-vector
+product instead (``kernels.linear(..., scale=)``), which reads the codes once at the memory bandwidth. Prefill
+(many rows) keeps torchao's kernels. Embeddings (a lookup) and a head tied to them stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+METHODS = ("int8wo", "int4wo")
+
+
+def quantize(model: torch.nn.Module, method: str) -> torch.nn.Module:
+    """Quantise ``model``'s linear layers in place with torchao's weight-only ``method`` (see :data:`METHODS`);
+    returns the model."""
+    if method not in METHODS:
+        raise ValueError(f"unknown quantisation {method!r}; choose one of {', '.join(METHODS)}")
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    except ImportError as e:
+        raise ImportError(f"quantize({method!r}) needs torchao: pip install torchao ({e})") from None
+    if method == "int8wo":
+        config = Int8WeightOnlyConfig()
+    else:
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"quantize('int4wo') on {device.type}: torchao's int4 weight-only formats run on CUDA "
+                             "only (its CPU one is not in this torchao); use 'int8wo' on a CPU")
+        config = Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
+    with torch.no_grad():
+        quantize_(model, config)
+    model.quantization = method
+    return model
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 codes [N, K], fp32 row scales [N]) of a torchao int8 weight-only tensor, or None for any other
+    weight."""
+    qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+    if qdata is None or scale is None or qdata.dtype != torch.int8 or qdata.dim() != 2 \
+            or scale.numel() != qdata.shape[0] or getattr(weight, "block_size", None) not in ([1, qdata.shape[1]],
+                                                                                             (1, qdata.shape[1])):
+        return None
+    if getattr(weight, "zero_point", None) is not None and bool(weight.zero_point.any()):
+        return None
+    return qdata, scale.reshape(-1).float()
