@@ -2,7 +2,8 @@
 ``hybrid.quantize(model, "int8wo")`` — int8 codes with one fp32 scale per output row (torchao's
 ``Int8WeightOnlyConfig``), ``"int4wo"`` — int4 in groups of 128 (torchao's ``Int4WeightOnlyConfig``,
 its tinygemm layout: CUDA only — torchao 0.18 has no int4 weight-only format for a CPU: ``plain`` needs mslk,
-``plain_int32`` refuses the CPU device, so on a CPU it is refused with that message). Decode is the bytes of the weights: int8 reads a quarter of fp32's.
+``plain_int32`` refuses the CPU device, so on a CPU it is refused with that message).
+Decode is the bytes of the weights: int8 reads a quarter of fp32's.
 
 torchao's int8 tensor computes through its own ``__torch_dispatch__`` (tens of microseconds of Python per call at
 batch 1); :class:`hybrid.layers.linear.Linear` hands its codes and row scales to the native matrix-vector
