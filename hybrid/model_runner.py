@@ -21,6 +21,7 @@ import torch
 
 from .cache import NULL_BLOCK, HybridCache
 from .cache_manager import CacheManager
+from .kernels import native
 from .packed_batch import PackedBatch, SeqChunk, SeqGroup, build_batch, observed_rows
 from .sampling import SamplingBatch, SamplingParams, sample
 
@@ -103,6 +104,11 @@ class ModelRunner:
         if self._decode is not None and all(len(c.tokens) == 1 for c in chunks) and len(chunks) <= self.buckets[-1] \
                 and observed_rows(self.manager, chunks) is None:  # SnapKV's window queries: eager capture
             return self._execute_compiled(chunks), True
+        if self.device.type == "cpu" and all(len(c.tokens) == 1 for c in chunks):
+            # a decode step: its work is the native products (hybrid/layers/fused_decode.py), which take the
+            # intra-op threads while torch's small ops run on one
+            with native.owns_threads():
+                return self.model.forward_packed(build_batch(self.manager, chunks), self.cache), False
         return self.model.forward_packed(build_batch(self.manager, chunks), self.cache), False
 
     def _decode_forward(self, tokens, positions, slot_mapping, seq_lens, block_tables, state_slots):

@@ -5,6 +5,7 @@ failure to build leaves :func:`available` saying why (``hybrid doctor`` shows it
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -15,9 +16,11 @@ import torch
 from .build import FLAGS, build
 
 ENV = "HYBRID_NATIVE"
-# pause instructions a worker spins for after a call before it sleeps (~100 us: the next product of a decode
-# step follows within microseconds, a sleeping worker costs a futex wake-up of ~10 us per call)
-SPIN = int(os.environ.get("HYBRID_NATIVE_SPIN", "5000"))
+# microseconds a worker spins after a call before it sleeps on its futex. Measured on the 2-vCPU machine of this
+# project (llama-d512 fp32 decode step, median): no spin 14.5 ms, 50 us 17.1 ms, 20 ms 20.0 ms: a spinning
+# worker slowed the Python between the products more than its wake-ups cost; a dedicated machine may prefer
+# some (HYBRID_NATIVE_SPIN_US).
+SPIN = int(os.environ.get("HYBRID_NATIVE_SPIN_US", "0"))
 MAX_ROWS = 16  # input rows one product takes (decode batches up to this; larger ones go through torch's GEMM)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
@@ -61,14 +64,35 @@ def available() -> str | None:
 
 
 _threads = [0]
+_owned = [0]  # torch's thread count while a decode step holds it (torch itself runs on one meanwhile)
 
 
 def library() -> ctypes.CDLL:
-    """The loaded library, its pool sized to torch's intra-op thread count (re-sized when that changes)."""
+    """The loaded library, its pool sized to torch's intra-op thread count (re-sized when that changes), or to
+    the count :func:`owns_threads` took over."""
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"the native kernels are unavailable: {why}")
-    n = torch.get_num_threads()
+    n = _owned[0] or torch.get_num_threads()
     if n != _threads[0]:
         _threads[0] = lib.hl_set_threads(n, SPIN)
     return lib
+
+
+@contextlib.contextmanager
+def owns_threads():
+    """For a block of native-heavy work (a fused decode step): the native pool takes torch's intra-op threads
+    and torch runs its few small ops on one. Two thread teams on the same cores, each spinning after its work,
+    took turns at them (llama-d512 fp32, 2 threads: 16.9 ms a step, 13.2 with OMP_WAIT_POLICY=passive, 14.4
+    on one thread alone)."""
+    n = torch.get_num_threads()
+    if n == 1 or _owned[0] or available() is not None:
+        yield
+        return
+    _owned[0] = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _owned[0] = 0

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #ifdef __AVX2__
@@ -88,6 +89,12 @@ static void run_chunks(uint64_t gen) {
     }
 }
 
+static double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
 static void *worker(void *arg) {
     (void)arg;
     uint64_t seen = atomic_load(&P.ticket) >> 32;
@@ -98,12 +105,19 @@ static void *worker(void *arg) {
             run_chunks(gen);
             continue;
         }
-        int64_t i = 0;
-        for (; i < P.spin; ++i) {
+        /* spin for P.spin microseconds of wall time (a count of pause instructions would not do: their
+           latency differs tenfold between CPU generations), then sleep */
+        const double until = now_us() + (double)P.spin;
+        int woke = 0;
+        for (int64_t i = 0;; ++i) {
             cpu_relax();
-            if ((atomic_load_explicit(&P.ticket, memory_order_acquire) >> 32) != seen) break;
+            if ((atomic_load_explicit(&P.ticket, memory_order_acquire) >> 32) != seen) {
+                woke = 1;
+                break;
+            }
+            if ((i & 63) == 63 && now_us() > until) break;
         }
-        if (i < P.spin) continue;
+        if (woke) continue;
         uint32_t seq = atomic_load(&P.wake_seq);
         atomic_fetch_add(&P.sleepers, 1);
         if ((atomic_load(&P.ticket) >> 32) == seen && !atomic_load(&P.quit))
