@@ -145,6 +145,24 @@ class Engine:
     blocks either gave back.
     """
 
+    def decode_path(self) -> str:
+        """Which program a decode-only step runs here: the compiled decode forward, the native fused sub-layers
+        (CPU, the default), or the eager torch layers — and why not the native one."""
+        if self.runner.compile:
+            return "compiled (torch.compile of the decode forward)"
+        from .kernels import dispatch
+
+        device = self.cache.device.type
+        backend, _ = dispatch.choose("decode_sublayer", device)
+        if backend == "native":
+            return "native fused sub-layers (kernels/native; layers they do not cover run eager)"
+        why = dispatch.why_not("decode_sublayer", "native", device)
+        return f"eager torch layers (native: {why or 'not chosen: HYBRID_BACKEND'})"
+
+    def __repr__(self) -> str:
+        return (f"Engine({type(self.model).__name__} {self.model.config.pattern!r}, "
+                f"max_seqs={self.runner.buckets[-1]}, decode: {self.decode_path()})")
+
     def __init__(self, model, *, cache: HybridCache | None = None, num_blocks: int | None = None,
                  cache_bytes: int | None = None, block_size: int = 16, max_seqs: int = 16,
                  max_batch_tokens: int = 512, tokenizer=None, compile: bool = False,

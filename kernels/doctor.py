@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from . import cpu_scan, cuda_backend, dispatch, triton_support
+from . import cpu_scan, cuda_backend, dispatch, native, triton_support
 
 
 def _version(dist: str) -> str:
@@ -31,6 +31,9 @@ def report() -> str:
     scan_note = cpu_scan.available()
     lines.append("compiled CPU selective scan (Mamba-1 prefill, inference): "
                  + ("in use" if scan_note is None else f"not in use ({scan_note}); the torch token steps run"))
+    native_note = native.available()
+    lines.append("native CPU decode kernels (kernels/native: products, state steps, paged attention, fused "
+                 "sub-layers): " + ("in use" if native_note is None else f"not in use ({native_note}); torch runs"))
     forced = os.environ.get("HYBRID_BACKEND")
     lines.append(f"HYBRID_BACKEND={forced or '<unset>'}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
