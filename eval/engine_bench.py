@@ -119,7 +119,13 @@ def decode_step_bytes(model: HybridLM, batch: int, context: int) -> int:
     """Bytes one decode step must move at least: every weight once (the embedding only for the looked-up
     rows unless it is also the LM head), each sequence's K/V for its context, each Mamba state read and
     written."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    from ..quantize import int8_rows
+
+    def nbytes(p):  # a torchao int8 weight reports its dtype's element size: count its codes and scales
+        rows = int8_rows(p)
+        return p.numel() * p.element_size() if rows is None else rows[0].numel() + 4 * rows[1].numel()
+
+    weights = sum(nbytes(p) for p in model.parameters())
     if model.lm_head is not None:
         emb = model.embed.weight
         weights -= emb.numel() * emb.element_size() - batch * emb.shape[1] * emb.element_size()
