@@ -23,6 +23,7 @@ import torch
 from .. import kernels
 from ..kernels import dispatch, native
 from ..kernels.native import ops
+from ..quantize import int8_rows
 from .attention import Attention
 from .mamba2 import Mamba2
 from .mlp import MLP
@@ -34,6 +35,14 @@ _FLOATS = (torch.float32, torch.bfloat16)
 def _plain(*tensors) -> bool:
     return all(t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_contiguous()
                              and t.dtype in _FLOATS) for t in tensors)
+
+
+def _weight(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, None) of a plain float linear layer, (int8 codes, row scales) of a torchao int8 one, else None."""
+    w = linear.weight
+    if _plain(w):
+        return w, None
+    return int8_rows(w)
 
 
 def _attention(block, x, batch, pools):
@@ -52,20 +61,21 @@ def _attention(block, x, batch, pools):
     q = ops.qkv_rope(h, attn, k_pool, v_pool, batch.slot_mapping, cos, sin)
     o = kernels.paged_decode_attention(q, k_pool, v_pool, d.seq_lens, d.block_tables,
                                        window=attn.cfg.sliding_window)
-    return kernels.linear(o.view(x.shape[0], -1), o_.weight, o_.bias, residual=x)
+    return o_(o.view(x.shape[0], -1), residual=x)
 
 
 def _mlp(block, x, batch, pools):
     m = block.mixer
     h = ops.rmsnorm(x, block.norm.weight, block.norm.eps)
-    if m.gate_proj is not None and _plain(m.gate_proj.weight, m.up_proj.weight, m.gate_proj.bias, m.up_proj.bias) \
-            and m.gate_proj.weight.dtype == m.up_proj.weight.dtype:
-        a = ops.gated_up(h, m.gate_proj, m.up_proj, m.activation)
+    gate, up = (_weight(m.gate_proj), _weight(m.up_proj)) if m.gate_proj is not None else (None, None)
+    if gate is not None and up is not None and gate[0].dtype == up[0].dtype \
+            and _plain(m.gate_proj.bias, m.up_proj.bias):
+        a = ops.gated_up(h, gate, up, m.gate_proj.bias, m.up_proj.bias, m.activation)
     elif m.gate_proj is not None:
         a = m.act(m.gate_proj(h)) * m.up_proj(h)
     else:
         a = m.act(m.up_proj(h))
-    return kernels.linear(a, m.down_proj.weight, m.down_proj.bias, residual=x)
+    return m.down_proj(a, residual=x)
 
 
 def _mamba2(block, x, batch, pools):
@@ -85,7 +95,7 @@ def _mamba2(block, x, batch, pools):
     dt, A = ops.mamba2_dt(dt_raw, m)
     y = kernels.ssd_step(ssm_pool.data, xs, dt, A, B, C, D=m.D, slots=d.state_slots)
     y = ops.gated_rmsnorm(y.view(n, m.d_inner), z, m.norm)
-    return kernels.linear(y, m.out_proj.weight, m.out_proj.bias, residual=x)
+    return m.out_proj(y, residual=x)
 
 
 _SUBLAYERS = {Attention: _attention, MLP: _mlp, Mamba2: _mamba2}

@@ -134,13 +134,14 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
-def gated_up(x: torch.Tensor, gate, up, activation: str) -> torch.Tensor:
-    """act(x @ gate.weight.T + b) * (x @ up.weight.T + b) for two nn.Linear of the same shape: x [n, K] -> [n, N]."""
-    N, K = up.weight.shape
+def gated_up(x: torch.Tensor, gate, up, gate_bias, up_bias, activation: str) -> torch.Tensor:
+    """act(x @ Wg.T + bg) * (x @ Wu.T + bu): ``gate``, ``up`` = (weight [N, K], row scales [N] of int8 codes or
+    None); x [n, K] -> [n, N]."""
+    (wg, sg), (wu, su) = gate, up
+    N, K = wu.shape
     y = torch.empty(x.shape[0], N, dtype=x.dtype)
-    bias_code = _code(up.bias)
-    library().hl_gated_up(gate.weight.data_ptr(), None, _ptr(gate.bias), up.weight.data_ptr(), None, _ptr(up.bias),
-                          DTYPE_CODES[up.weight.dtype], bias_code, x.data_ptr(), DTYPE_CODES[x.dtype], y.data_ptr(),
+    library().hl_gated_up(wg.data_ptr(), _ptr(sg), _ptr(gate_bias), wu.data_ptr(), _ptr(su), _ptr(up_bias),
+                          DTYPE_CODES[wu.dtype], _code(up_bias), x.data_ptr(), DTYPE_CODES[x.dtype], y.data_ptr(),
                           ACTIVATIONS[activation], x.shape[0], N, K)
     return y
 
