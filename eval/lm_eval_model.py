@@ -2,7 +2,13 @@
 
 Importing this module registers it: ``lm_eval.simple_evaluate(model="hybrid",
 model_args="pretrained=DIR,dtype=bfloat16,batch_size=8", ...)`` (``hybrid eval`` does that), or
-``recipe=NAME`` for a freshly initialised recipe.
+``recipe=NAME`` for a freshly initialised recipe. lm-eval (0.4.13) finds external models only by such
+an import (it has no plugin entry points), so from a shell, as lm-eval documents external models, run
+its CLI after the import: ``hybrid-lm-eval --model hybrid --model_args pretrained=DIR --tasks
+mmlu_local`` (a console script of this package: this import, then ``lm_eval``'s own ``cli_evaluate``,
+with this package's tasks on ``--include_path``), or ``python -c "import hybrid.eval.lm_eval_model;
+from lm_eval.__main__ import cli_evaluate; cli_evaluate()" --model hybrid ...``. lm-eval's default
+device is ``cuda:0``; on a machine without CUDA the model warns and runs on the CPU.
 Log-likelihoods come from one causal forward per distinct input: requests are sorted by length
 (longest first, so memory runs out at once if it will), batched with right padding (the model is
 causal, so padding after a sequence cannot change its logits) and scored only at their own
@@ -36,6 +42,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k"}
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on: lm-eval passes its default ``cuda:0`` even where there is no CUDA; there the
+    model runs on the CPU, with a warning, instead of failing inside torch."""
+    if device is None:
+        return torch.device("cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        log.warning("device %s asked for (lm-eval's default is cuda:0), but torch sees no CUDA device here; "
+                    "running on the CPU (pass --device cpu to silence this)", device)
+        return torch.device("cpu")
+    return d
+
+
 @register_model("hybrid")
 class HybridEvalLM(TemplateLM):
     """lm-eval's view of a :class:`HybridLM`.
@@ -52,7 +71,7 @@ class HybridEvalLM(TemplateLM):
     """
 
     def __init__(self, pretrained: str | HybridLM | None = None, recipe: str | None = None,
-                 tokenizer: str | None = None, dtype: str = "float32", device: str = "cpu",
+                 tokenizer: str | None = None, dtype: str = "float32", device: str | None = "cpu",
                  batch_size: int | str = 8, max_length: int = 2048, max_gen_toks: int = 256,
                  backend: str | None = None, prefix_caching: bool | str = False,
                  prefix_state_bytes: int | None = None, prefix_checkpoint_interval: int | None = None,
@@ -81,7 +100,7 @@ class HybridEvalLM(TemplateLM):
                                  else int(prefix_checkpoint_interval))
         self.engine = None
         self.tokens_computed = 0  # model input positions run for log-likelihoods (both paths)
-        self._device = torch.device(device)
+        self._device = resolve_device(device)
         self.model = self._build_model(pretrained, recipe, DTYPES[dtype])
         tok_source = tokenizer if tokenizer is not None else (pretrained if isinstance(pretrained, str) else None)
         self.tokenizer = load_tokenizer(tok_source)

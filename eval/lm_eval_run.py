@@ -87,3 +87,21 @@ def subtask_accuracies(results: dict) -> tuple[dict[str, float], dict[str, int]]
     for name in accs:
         count(name)
     return accs, counts
+
+
+def lm_eval_main(argv: list[str] | None = None) -> None:
+    """The ``hybrid-lm-eval`` command: lm-eval's own command line with the ``hybrid`` model registered and this
+    package's tasks (``mmlu_local``) on ``--include_path`` (lm-eval has no plugin entry points to find either)."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    from . import lm_eval_model  # noqa: F401  (registers model "hybrid")
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] not in ("run", "ls", "validate") and not args[0].startswith("-h"):
+        args = ["run", *args]  # lm-eval's default sub-command, as its own CLI inserts it
+    if args and args[0] == "run" and not any(a.startswith("--include_path") for a in args):
+        args += ["--include_path", str(TASKS_DIR)]
+    sys.argv = ["lm_eval", *args]
+    cli_evaluate()

@@ -279,6 +279,9 @@ class HybridConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         _check(not unknown, f"unknown HybridConfig fields {unknown}; known: {sorted(known)}")
+        required = sorted(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                          and f.default_factory is dataclasses.MISSING and f.name not in d)
+        _check(not required, f"the config lacks the required fields {required}")
         for name, sub_cls in _SUBCONFIGS.items():
             if name in d and isinstance(d[name], dict):
                 sub = dict(d[name])

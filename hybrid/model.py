@@ -148,6 +148,20 @@ class HybridLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
                                ignore_index=ignore_index)
 
+    # ---- persistence (transformers' names; the loading and saving live in hybrid.pretrained) -------
+    def save_pretrained(self, directory, format: str = "hybrid"):
+        """Write this model to ``directory`` (see :func:`hybrid.save_pretrained`); returns the folder."""
+        from .pretrained import save_pretrained  # lazy: the model does not depend on its persistence
+
+        return save_pretrained(self, directory, format=format)
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs) -> HybridLM:
+        """Load a checkpoint folder, ours or a foreign one (see :func:`hybrid.from_pretrained`)."""
+        from .pretrained import from_pretrained  # lazy: the model does not depend on its persistence
+
+        return from_pretrained(path, **kwargs)
+
     # ---- accounting ----------------------------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

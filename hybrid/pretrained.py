@@ -12,11 +12,37 @@ from .checkpoint import CheckpointError, is_native, load_native, save_native
 from .tokenizer import load_tokenizer
 
 
-def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
-                    device: str | torch.device | None = None):
+def as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """A dtype as transformers accepts it: a ``torch.dtype``, its name (``"bfloat16"``, ``"torch.float16"``,
+    ``"bf16"``), or ``None`` / ``"auto"`` for the checkpoint's own."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a torch.dtype or its name, got {type(dtype).__name__}")
+    name = dtype.removeprefix("torch.")
+    if name == "auto":
+        return None
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+        name, name)
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype; give e.g. 'float32', 'bfloat16', "
+                         "'float16' or 'auto' (the checkpoint's)")
+    return value
+
+
+def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
+                    device: str | torch.device | None = None, torch_dtype: str | torch.dtype | None = None):
     """Load a checkpoint folder: our own format (:func:`save_pretrained`), or a Hugging Face /
     mamba_ssm checkpoint through the converter for its architecture (``hybrid.interop``). The
-    folder's tokenizer, if it has a ``tokenizer.json``, is attached as ``model.tokenizer``."""
+    folder's tokenizer, if it has a ``tokenizer.json``, is attached as ``model.tokenizer``.
+    ``dtype`` (or transformers' older name ``torch_dtype``) is a torch dtype or its name; None or
+    ``"auto"`` keeps the checkpoint's."""
+    if torch_dtype is not None:
+        if dtype is not None:
+            raise ValueError("give dtype or its older name torch_dtype, not both")
+        dtype = torch_dtype
+    dtype = as_dtype(dtype)
     from .interop import load_foreign
 
     path = Path(path)

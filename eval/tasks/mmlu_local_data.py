@@ -19,8 +19,10 @@ from pathlib import Path
 import datasets
 
 ENV_VAR = "HYBRID_MMLU_DIR"
-# A source checkout keeps MMLU beside the repository: <repo>/../shared/data/mmlu.
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "mmlu"
+# A source checkout keeps MMLU beside the repository: <repo>/../shared/data/mmlu. An installed package has no
+# such neighbour (site-packages/shared/... would be a guess), so there the folder must be given.
+_REPO = Path(__file__).resolve().parents[2]
+DEFAULT_DIR = _REPO / ".." / "shared" / "data" / "mmlu" if (_REPO / "pyproject.toml").is_file() else None
 HEADER = ["question", "choice0", "choice1", "choice2", "choice3", "answer"]
 LETTERS = "ABCD"
 
@@ -30,8 +32,13 @@ class MMLUDataError(ValueError):
 
 
 def resolve_dir(mmlu_dir: str | os.PathLike | None = None) -> Path:
-    """The MMLU folder: ``mmlu_dir`` if given, else $HYBRID_MMLU_DIR, else ../shared/data/mmlu."""
+    """The MMLU folder: ``mmlu_dir`` if given, else $HYBRID_MMLU_DIR, else (in a source checkout only)
+    ../shared/data/mmlu beside the repository."""
     chosen = mmlu_dir or os.environ.get(ENV_VAR) or DEFAULT_DIR
+    if chosen is None:
+        raise MMLUDataError(
+            f"no MMLU folder given: pass `hybrid eval --mmlu-dir DIR` (a folder holding dev/ and test/), set "
+            f"${ENV_VAR}, or with lm_eval --metadata '{{\"mmlu_dir\": \"DIR\"}}'")
     path = Path(chosen).expanduser().resolve()
     if not path.is_dir():
         raise MMLUDataError(

@@ -1,0 +1,176 @@
+"""Flags and helpers several sub-commands share: which model (recipe or checkpoint folder), dtype and
+device, cache dtypes, KV pruning, speculative decoding, byte sizes. Validation happens here, so a wrong
+value is one line naming the flag (see :mod:`.errors`), never a traceback from deep inside torch."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+
+from .errors import CLIError
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def device_arg(text: str) -> str:
+    """``--device``: a torch device string this machine can run on (checked when the flags are parsed)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; give cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "was built without CUDA" if torch.version.cuda is None else "sees no CUDA device"
+        raise argparse.ArgumentTypeError(f"{text}: this torch ({torch.__version__}) {why}; use --device cpu or "
+                                         "install a CUDA build of torch")
+    return text
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_dtype_device(p: argparse.ArgumentParser, *, device_help: str = "where the model runs (cpu, cuda, cuda:N)"):
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
+    p.add_argument("--device", default="cpu", type=device_arg, help=device_help)
+
+
+def recipe_config(name: str):
+    """The recipe's HybridConfig, or one line naming the closest recipe names."""
+    from .. import recipes
+
+    known = recipes.names()
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise CLIError(f"unknown recipe {name!r}; {hint}`hybrid info --list` lists them")
+    return recipes.get(name)
+
+
+def models_from_args(args) -> dict:
+    """The models of ``--recipe`` (random weights; ``all-small``: every small recipe) and ``--model`` folders."""
+    import torch
+
+    from .. import from_pretrained, recipes
+    from ..model import HybridLM
+
+    dtype = getattr(torch, args.dtype)
+    models = {}
+    names = recipes.names() if args.recipe == ["all-small"] else args.recipe or []
+    if args.recipe == ["all-small"]:
+        names = [n for n in names if n.endswith("-small")]
+    for name in names:
+        config = recipe_config(name)
+        with torch.device(args.device):
+            models[name] = HybridLM(config).to(dtype).eval()
+    for path in args.model or []:
+        models[path] = from_pretrained(path, dtype=dtype, device=args.device)
+    if not models:
+        raise CLIError("give --recipe NAME (or all-small) and/or --model DIR")
+    return models
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", nargs="*", help="recipe names (see `hybrid info --list`), or all-small")
+    p.add_argument("--model", nargs="*", help="checkpoint folders")
+    add_dtype_device(p)
+
+
+def add_cache_dtype_args(p: argparse.ArgumentParser) -> None:
+    from ..kernels.kv_quant import KV_DTYPES, STATE_DTYPES
+
+    p.add_argument("--kv-dtype", choices=sorted(KV_DTYPES),
+                   help="K/V cache storage (int8 / fp8: per-token, per-KV-head scales; default: the model's dtype)")
+    p.add_argument("--state-dtype", choices=sorted(STATE_DTYPES),
+                   help="Mamba SSM + conv state storage (int8: per-head scales; default: fp32 SSM state)")
+
+
+def kv_pruning_arg(text: str):
+    from ..kv_pruning import parse_policy
+
+    try:
+        return parse_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_pruning_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-pruning", type=kv_pruning_arg, default=None, metavar="POLICY",
+                   help="prune the KV cache: snapkv:budget=N[,window=32,kernel=7,pooling=max|avg] (prompt "
+                        "compression) or streaming:sinks=4,window=1020[,renumber=1] (attention sinks + recent window; "
+                        "renumber=1, the default, numbers positions within the cache as the paper does, 0 keeps "
+                        "the real positions; default: no pruning)")
+
+
+def engine_model(args, *, seed: int):
+    """The model and tokenizer of ``generate`` / ``serve``: a checkpoint folder (its tokenizer.json if any,
+    else bytes) or a recipe with random weights drawn from ``seed`` (byte tokenizer); threads set."""
+    import torch
+
+    from .. import from_pretrained
+    from ..model import HybridLM
+    from ..tokenizer import load_tokenizer
+
+    if (args.model is None) == (args.recipe is None):
+        raise CLIError("give exactly one of --model DIR or --recipe NAME")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if args.recipe:
+        config = recipe_config(args.recipe)
+        torch.manual_seed(seed)  # a recipe has random weights; the seed makes them reproducible
+        return HybridLM(config).to(device=args.device, dtype=dtype).eval(), load_tokenizer(None)
+    return from_pretrained(args.model, dtype=dtype, device=args.device), load_tokenizer(args.model)
+
+
+def speculative(args, model):
+    """The SpeculativeConfig of ``--draft-model DIR`` / ``--ngram`` (``--num-draft-tokens k``), or None."""
+    if args.draft_model is None and not args.ngram:
+        return None
+    from .. import from_pretrained
+    from ..speculative import SpeculativeConfig
+
+    if args.draft_model is not None and args.ngram:
+        raise CLIError("give one of --draft-model DIR or --ngram, not both")
+    try:
+        if args.ngram:
+            return SpeculativeConfig(method="ngram", num_tokens=args.num_draft_tokens)
+        p = next(model.parameters())
+        draft = from_pretrained(args.draft_model, dtype=p.dtype, device=p.device)
+        return SpeculativeConfig(method="draft", draft_model=draft, num_tokens=args.num_draft_tokens)
+    except ValueError as e:
+        raise CLIError(f"speculative decoding: {e}") from e
+
+
+def add_speculative_flags(p) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--draft-model", help="speculative decoding with this draft checkpoint folder (same vocabulary)")
+    g.add_argument("--ngram", action="store_true", help="speculative decoding with n-gram prompt lookup drafts")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens checked per step (with "
+                   "--draft-model or --ngram)")
+
+
+def byte_size(text: str) -> int:
+    """``268435456``, ``256MiB``, ``2GiB``, ``512MB`` -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("abgikm")
+    unit = t[len(num):]
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 268435456, 256MiB or 2GiB") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return int(value)
+
+
+def threads_flag(p: argparse.ArgumentParser, zero: str = "torch's default") -> None:
+    p.add_argument("--threads", type=int, default=0, help=f"torch threads (0: {zero})")

@@ -1,0 +1,32 @@
+"""``hybrid convert``: load any supported checkpoint folder and write it in another format."""
+
+from __future__ import annotations
+
+from .common import DTYPES
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("convert", help="load any supported checkpoint folder and write it in another format")
+    p.add_argument("src", help="checkpoint folder: ours, Hugging Face (Llama, Qwen2, Mistral, Mamba, Mamba2, ...) "
+                               "or mamba_ssm")
+    p.add_argument("dst", help="output folder")
+    p.add_argument("--format", default="hybrid",
+                   help="hybrid (ours), an export format (llama, mistral, qwen2, mamba, mamba2, ...), "
+                        "or hf: the first Hugging Face format that represents the model exactly")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="cast the weights before writing (default: keep the checkpoint's)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> None:
+    import torch
+
+    from .. import from_pretrained, save_pretrained
+    from ..interop.io import copy_tokenizer_files
+
+    # CheckpointError / ConfigError are ValueErrors: one line "hybrid convert: ..." (see errors.run_reporting)
+    model = from_pretrained(args.src, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    out = save_pretrained(model, args.dst, format=args.format)
+    tok = copy_tokenizer_files(args.src, out)
+    print(f"{args.src} -> {out} (format {args.format}; pattern {model.config.pattern!r}, "
+          f"{model.num_parameters():,} parameters; tokenizer files: {', '.join(tok) or 'none'})")

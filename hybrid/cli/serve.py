@@ -1,0 +1,75 @@
+"""``hybrid serve``: an OpenAI-compatible HTTP server (completions, chat, metrics) over the engine."""
+
+from __future__ import annotations
+
+from .common import (
+    add_cache_dtype_args,
+    add_dtype_device,
+    add_pruning_flag,
+    add_speculative_flags,
+    byte_size,
+    engine_model,
+    speculative,
+    threads_flag,
+)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics) over the engine")
+    p.add_argument("--model", help="checkpoint folder (its tokenizer.json and chat template are used if present)")
+    p.add_argument("--recipe", help="recipe name (random weights from --seed, byte tokenizer)")
+    p.add_argument("--served-model-name", help="the name clients ask for (default: the recipe or folder name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    add_dtype_device(p)
+    p.add_argument("--cache-bytes", type=byte_size, default=256 * 2**20,
+                   help="KV blocks + Mamba state slots, e.g. 256MiB or 8GiB")
+    p.add_argument("--max-seqs", type=int, default=32, help="sequences in flight (state slots)")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per engine step (prefill chunk)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="share prompt prefixes between requests (KV blocks + Mamba state checkpoints)")
+    threads_flag(p)
+    p.add_argument("--seed", type=int, default=0, help="initialises a --recipe's random weights")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of a chat request that gives none (completions default to 16, as OpenAI)")
+    p.add_argument("--max-body-bytes", type=byte_size, default=8 * 2**20,
+                   help="refuse request bodies larger than this (413) before parsing them")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level")
+    add_cache_dtype_args(p)
+    add_pruning_flag(p)
+    add_speculative_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> None:
+    import logging
+    from pathlib import Path
+
+    # a missing fastapi / uvicorn / jinja2 is a ModuleNotFoundError: one line naming the serve extra
+    from ..engine import Engine
+    from ..server import ServerSettings, create_app, load_chat_template
+    from ..server import run as run_server
+
+    model, tokenizer = engine_model(args, seed=args.seed)
+    template = load_chat_template(args.model)  # None for a recipe: the documented default
+    name = args.served_model_name or args.recipe or Path(args.model).resolve().name
+    engine_options = {"compile": args.compile, "prefix_caching": args.prefix_caching,
+                      "speculative": speculative(args, model), "kv_pruning": args.kv_pruning,
+                      "kv_dtype": args.kv_dtype, "state_dtype": args.state_dtype}
+    engine = Engine(model, cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
+                    max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, **engine_options)
+    settings = ServerSettings(model_name=name, max_body_bytes=args.max_body_bytes,
+                              default_chat_tokens=args.default_max_tokens, shutdown_timeout=args.shutdown_timeout)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    report = engine.cache.report()
+    chat = "ChatML default" if template.is_default else "the checkpoint's"
+    print(f"hybrid serve: {name!r} ({model.num_parameters():,} parameters, pattern {model.config.pattern!r}) on "
+          f"http://{args.host}:{args.port}/v1; cache {report.bytes_total / 2**20:.0f} MiB: "
+          f"{report.token_capacity:g} KV tokens, {report.max_sequences} sequences; chat template: "
+          f"{chat}", flush=True)
+    run_server(create_app(engine, tokenizer, settings, template), args.host, args.port, log_level=args.log_level,
+               shutdown_timeout=args.shutdown_timeout)

@@ -1,0 +1,105 @@
+"""``hybrid tradeoff``: prefill speed vs accuracy over attention shares (MQAR by default)."""
+
+from __future__ import annotations
+
+from .common import DTYPES, device_arg
+from .errors import CLIError
+
+
+def add_parser(sub) -> None:
+    # MQAR defaults live in hybrid.eval.mqar.TrainConfig (imported only when the command runs); the report
+    # and its JSON record the values used
+    p = sub.add_parser("tradeoff", help="prefill speed vs accuracy over attention shares (MQAR by default)")
+    p.add_argument("--checkpoints", nargs="+", help="checkpoint folders scored with lm-eval --tasks (and timed "
+                                                     "themselves) instead of training the MQAR family")
+    p.add_argument("--tasks", nargs="+", default=["mmlu_local"], help="lm-eval tasks for --checkpoints")
+    p.add_argument("--num-fewshot", type=int, default=5, help="few-shot examples for --tasks")
+    p.add_argument("--limit", type=float, default=None, help="questions per lm-eval task (quick runs; default: all)")
+    p.add_argument("--mmlu-dir", help="MMLU folder for mmlu_local (default $HYBRID_MMLU_DIR, or in a source "
+                                      "checkout ../shared/data/mmlu)")
+    p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size")
+    p.add_argument("--size", default="tiny", help="width of the MQAR models (recipes.attention_family size)")
+    p.add_argument("--speed-size", default="small",
+                   help="width the same patterns are timed and sized at (recipes.attention_family size)")
+    p.add_argument("--n-blocks", type=int, default=4,
+                   help="mixers per family member (timed models: blocks of mixer + MLP; MQAR models: mixers only)")
+    p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="attention shares of the family members")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="MQAR training seeds per member")
+    p.add_argument("--steps", type=int, help="MQAR training steps per model (default: TrainConfig's)")
+    p.add_argument("--train-tokens", type=int, help="MQAR tokens per training step (default: TrainConfig's)")
+    p.add_argument("--train-batch", type=int, help="fixed MQAR sequences per step instead of --train-tokens")
+    p.add_argument("--init-std", type=float, help="weight init std of the MQAR models (default: TrainConfig's)")
+    p.add_argument("--lr", type=float, help="MQAR peak learning rate (default: TrainConfig's)")
+    p.add_argument("--mqar-vocab", type=int, help="MQAR tokens = the MQAR models' vocabulary (default: TrainConfig's)")
+    p.add_argument("--train-kv-pairs", type=int, nargs="+",
+                   help="key-value pair counts to train on (default: TrainConfig's)")
+    p.add_argument("--kv-pairs", type=int, nargs="+", help="key-value pair counts to score (default: TrainConfig's)")
+    p.add_argument("--eval-sequences", type=int,
+                   help="held-out MQAR sequences per pair count (default: TrainConfig's)")
+    p.add_argument("--curriculum", type=float,
+                   help="share of the MQAR steps over which the trained pair counts grow from the smallest to all "
+                        "(0: all from the start; default: TrainConfig's)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192],
+                   help="prefill context lengths timed for every member")
+    p.add_argument("--long-lengths", type=int, nargs="*", default=[32768],
+                   help="longer prefill lengths, timed only for --long-shares (an all-attention prefill there "
+                        "takes minutes on a CPU)")
+    p.add_argument("--long-shares", type=float, nargs="*", default=[0.0, 1.0],
+                   help="members timed at --long-lengths (with checkpoints: all)")
+    p.add_argument("--chunk", type=int, default=2048, help="engine prefill chunk (max_batch_tokens)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per length")
+    p.add_argument("--long-repeats", type=int, default=1, help="timed runs per long length")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before each member's first length")
+    p.add_argument("--max-spread", type=float, default=0.25,
+                   help="re-measure a timing whose (max-min)/median exceeds this, then flag it")
+    p.add_argument("--cache-gib", type=float, default=4.0, help="cache budget the sequences-that-fit column counts")
+    p.add_argument("--kv-dtype", default=None,
+                   help="memory columns: K/V storage (bfloat16, float16, float32, int8, fp8; default: --dtype)")
+    p.add_argument("--state-dtype", default=None,
+                   help="memory columns: Mamba state storage (float32, bfloat16, int8; default: float32)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
+    p.add_argument("--device", default="cpu", type=device_arg, help="where the models run (cpu, cuda, cuda:N)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per CPU core this process may use)")
+    p.add_argument("--output", default="out/tradeoff", help="folder for tradeoff.{json,csv,md,png}")
+    p.add_argument("--lock", help="file to hold an exclusive flock on while timing (not while training), e.g. "
+                                  "/tmp/bench.lock on a machine shared with other benchmarks")
+    p.set_defaults(func=run)
+
+
+def run(args) -> None:
+    from ..eval import mqar
+    from ..eval.tables import markdown
+    from ..eval.tradeoff import run as run_tradeoff
+    from ..eval.tradeoff_report import claim_lines, summary_table
+
+    if args.checkpoints:
+        from .eval import check_mmlu_dir
+
+        check_mmlu_dir(args.tasks, args.mmlu_dir)
+    given = {"steps": args.steps, "tokens_per_step": args.train_tokens, "batch_size": args.train_batch, "lr": args.lr,
+             "vocab_size": args.mqar_vocab, "init_std": args.init_std,
+             "train_kv_pairs": tuple(args.train_kv_pairs) if args.train_kv_pairs else None,
+             "eval_kv_pairs": tuple(args.kv_pairs) if args.kv_pairs else None, "eval_sequences": args.eval_sequences,
+             "curriculum": args.curriculum}
+    try:
+        train = mqar.TrainConfig(**{k: v for k, v in given.items() if v is not None})
+        result, paths = run_tradeoff(
+            checkpoints=args.checkpoints, tasks=args.tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+            mmlu_dir=args.mmlu_dir, eval_batch_size=args.batch_size, size=args.size, speed_size=args.speed_size,
+            n_blocks=args.n_blocks, shares=tuple(args.shares), train=train, seeds=tuple(args.seeds),
+            lengths=tuple(args.lengths), long_lengths=tuple(args.long_lengths), long_shares=tuple(args.long_shares),
+            chunk=args.chunk, repeats=args.repeats, long_repeats=args.long_repeats, warmup=args.warmup,
+            max_spread=args.max_spread, cache_budget=int(args.cache_gib * 2**30), device=args.device,
+            dtype=args.dtype, threads=args.threads, output=args.output, lock=args.lock, kv_dtype=args.kv_dtype,
+            state_dtype=args.state_dtype)
+    except KeyError as e:  # recipes.attention_family's unknown --size / --speed-size; any other KeyError is a bug
+        if not (e.args and str(e.args[0]).startswith("unknown size")):
+            raise
+        raise CLIError(f"{e.args[0]} (--size / --speed-size)") from e
+    s = result.settings
+    print(f"# {s['date']} UTC, {s['machine']['cpu']}, {s['threads']} threads, {s['dtype']}, wall {s['wall_s']} s")
+    print(markdown(summary_table(result.members, s)))
+    print("\n".join(["", *claim_lines(result.members, s), ""]))
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}")

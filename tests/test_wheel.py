@@ -1,0 +1,87 @@
+"""The package as a user installs it: build the wheel from a copy of the sources, install it (``--no-deps``) into
+a fresh venv that sees this venv's dependencies but not the repository, and from a folder outside the repository
+import every module of it and run the ``hybrid`` command. (The rest of the suite runs the editable checkout, which
+would hide a sub-package missing from the wheel or a file the code reads that is not shipped.)"""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("pyproject.toml", "setup.py", "LICENSE", "README.md", "hybrid", "kernels", "eval", "recipes")
+
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+import hybrid
+assert "{root}" not in hybrid.__file__, hybrid.__file__
+names = [m.name for m in pkgutil.walk_packages(hybrid.__path__, "hybrid.") if not m.name.endswith("__main__")]
+for name in names:
+    importlib.import_module(name)
+from hybrid.eval.tasks import TASKS_DIR
+assert (TASKS_DIR / "_mmlu_local.yaml").is_file() and (TASKS_DIR / "_default_template_yaml").is_file()
+print(len(names), hybrid.__file__)
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    for name in SOURCES:  # a clean copy: no build/ or egg-info left over from another build
+        from_, to = ROOT / name, src / name
+        if from_.is_dir():
+            shutil.copytree(from_, to, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            to.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(from_, to)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src),
+                    "-w", str(tmp / "dist")], check=True, capture_output=True, text=True)
+    (wheel,) = (tmp / "dist").glob("hybrid_lm-*.whl")
+    env_dir = tmp / "venv"
+    venv.create(env_dir, with_pip=False)
+    py = env_dir / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    # this venv's dependencies (torch, transformers, ...), appended after the fresh venv's own site-packages; the
+    # editable install's .pth hook is not run for a directory added this way, so the repository stays invisible
+    (site / "test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)],
+                   check=True, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    outside = tmp / "elsewhere"
+    outside.mkdir()
+    return env_dir, env, outside
+
+
+def run(cmd, env, cwd):
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_the_wheel_imports_every_module_outside_the_repository(installed):
+    env_dir, env, outside = installed
+    out = run([str(env_dir / "bin" / "python"), "-c", IMPORT_ALL.format(root=ROOT)], env, outside)
+    assert out.returncode == 0, out.stderr[-3000:]
+    count, where = out.stdout.split()
+    assert int(count) > 80 and where.startswith(str(env_dir)), out.stdout
+
+
+def test_the_installed_command_runs(installed):
+    env_dir, env, outside = installed
+    hybrid = str(env_dir / "bin" / "hybrid")
+    out = run([hybrid, "--help"], env, outside)
+    assert out.returncode == 0 and "doctor" in out.stdout, out.stderr[-2000:]
+    out = run([hybrid, "--version"], env, outside)
+    assert out.returncode == 0 and out.stdout.startswith("hybrid-lm "), out.stderr[-2000:]
+    out = run([hybrid, "doctor"], env, outside)
+    assert out.returncode == 0 and "selective_scan" in out.stdout, out.stderr[-2000:]
+    # no MMLU beside an installed package: one line naming the ways to give it, not a search in site-packages
+    env = {k: v for k, v in env.items() if k != "HYBRID_MMLU_DIR"}
+    out = run([hybrid, "eval", "--recipe", "llama-tiny", "--limit", "1"], env, outside)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "--mmlu-dir" in out.stderr
