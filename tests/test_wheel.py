@@ -80,6 +80,9 @@ def test_the_installed_command_runs(installed):
     assert out.returncode == 0 and out.stdout.startswith("hybrid-lm "), out.stderr[-2000:]
     out = run([hybrid, "doctor"], env, outside)
     assert out.returncode == 0 and "selective_scan" in out.stdout, out.stderr[-2000:]
+    # the native decode kernels' C source ships in the wheel and builds from there
+    native = [line for line in out.stdout.splitlines() if line.startswith("native CPU decode kernels")]
+    assert native and native[0].endswith("in use"), out.stdout[-2000:]
     # no MMLU beside an installed package: one line naming the ways to give it, not a search in site-packages
     env = {k: v for k, v in env.items() if k != "HYBRID_MMLU_DIR"}
     out = run([hybrid, "eval", "--recipe", "llama-tiny", "--limit", "1"], env, outside)
