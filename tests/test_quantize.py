@@ -59,3 +59,15 @@ def test_bad_method_and_int4_on_cpu_are_refused():
         hybrid.quantize(model, "int3")
     with pytest.raises(ValueError, match="CUDA only"):
         hybrid.quantize(model, "int4wo")
+
+
+def test_cli_quantize_flag():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "hybrid.cli", "generate", "--recipe", "llama-tiny", "--prompt", "hi",
+           "--max-new-tokens", "3"]
+    ok = subprocess.run(cmd + ["--quantize", "int8wo"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "decode:" in ok.stdout + ok.stderr, ok.stderr[-2000:]
+    bad = subprocess.run(cmd + ["--quantize", "int4wo"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "CUDA only" in bad.stderr

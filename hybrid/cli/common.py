@@ -40,6 +40,23 @@ def positive_int(text: str) -> int:
 def add_dtype_device(p: argparse.ArgumentParser, *, device_help: str = "where the model runs (cpu, cuda, cuda:N)"):
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
     p.add_argument("--device", default="cpu", type=device_arg, help=device_help)
+    p.add_argument("--quantize", choices=["int8wo", "int4wo"], default=None,
+                   help="torchao weight-only quantisation of the linear layers (hybrid.quantize; int4wo: CUDA only)")
+
+
+def quantized(model, args):
+    """``model`` quantised as ``--quantize`` asks (in place), or as it is."""
+    method = getattr(args, "quantize", None)
+    if not method:
+        return model
+    from ..quantize import quantize
+
+    try:
+        return quantize(model, method)
+    except ImportError as e:
+        raise CLIError(f"--quantize needs torchao: pip install 'hybrid-lm[quant]' ({e})") from None
+    except ValueError as e:
+        raise CLIError(str(e)) from None
 
 
 def recipe_config(name: str):
@@ -69,9 +86,9 @@ def models_from_args(args) -> dict:
     for name in names:
         config = recipe_config(name)
         with torch.device(args.device):
-            models[name] = HybridLM(config).to(dtype).eval()
+            models[name] = quantized(HybridLM(config).to(dtype).eval(), args)
     for path in args.model or []:
-        models[path] = from_pretrained(path, dtype=dtype, device=args.device)
+        models[path] = quantized(from_pretrained(path, dtype=dtype, device=args.device), args)
     if not models:
         raise CLIError("give --recipe NAME (or all-small) and/or --model DIR")
     return models
@@ -126,8 +143,8 @@ def engine_model(args, *, seed: int):
     if args.recipe:
         config = recipe_config(args.recipe)
         torch.manual_seed(seed)  # a recipe has random weights; the seed makes them reproducible
-        return HybridLM(config).to(device=args.device, dtype=dtype).eval(), load_tokenizer(None)
-    return from_pretrained(args.model, dtype=dtype, device=args.device), load_tokenizer(args.model)
+        return quantized(HybridLM(config).to(device=args.device, dtype=dtype).eval(), args), load_tokenizer(None)
+    return quantized(from_pretrained(args.model, dtype=dtype, device=args.device), args), load_tokenizer(args.model)
 
 
 def speculative(args, model):
