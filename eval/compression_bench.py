@@ -143,7 +143,7 @@ def layer_decode_rows(batch: int, context: int, repeats: int, dtype: torch.dtype
             with torch.inference_mode():
                 for _ in range(repeats + 1):
                     t0 = time.perf_counter()
-                    mixer.forward_packed(x, pb.with_rope(None), *cache.layer_pools[i])
+                    mixer.forward_packed(x, pb.with_rope(None), cache.view(i))
                     times.append(time.perf_counter() - t0)
             row[f"{name}_ms_min"] = round(1e3 * min(times[1:]), 2)
         rows.append(row)

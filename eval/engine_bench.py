@@ -37,11 +37,12 @@ from .. import recipes
 from ..cache import sequences_that_fit
 from ..engine import Engine
 from ..kernels import host_memory
+from ..layers.registry import cache_specs
 from ..model import HybridLM
 from ..pretrained import save_pretrained
 from ..report import format_table
 from ..sampling import SamplingParams
-from ..specs import CacheDtypes, cache_specs
+from ..specs import CacheDtypes
 
 BLOCK = 16
 

@@ -147,6 +147,7 @@ def timing_lock(path):
 
 def verify_path_rows(target, ks, batches, reps: int = 30) -> list[dict]:
     """One Mamba-2 layer's verify chunk: the closed form against k+1 step-op calls (median ms of ``reps``)."""
+    from ..cache_views import StateCacheView, StateRows
     from ..speculative.verify_states import VerifyStates
 
     layer = next(b.mixer for b in target.layers if b.kind == "mamba2")
@@ -157,6 +158,7 @@ def verify_path_rows(target, ks, batches, reps: int = 30) -> list[dict]:
             conv = torch.randn(batch + 1, m.conv_dim, m.d_conv - 1)
             ssm = torch.randn(batch + 1, layer.n_heads, layer.head_dim, layer.d_state)
             slots = torch.arange(batch)
+            state = StateCacheView(("conv", "ssm"), (StateRows(conv), StateRows(ssm)))
             xBC, dt = torch.randn(sum(lengths), m.conv_dim), torch.randn(sum(lengths), layer.n_heads)
             times = {}
             for name in ("closed form", "step ops"):
@@ -166,9 +168,9 @@ def verify_path_rows(target, ks, batches, reps: int = 30) -> list[dict]:
                     t0 = time.perf_counter()
                     with torch.inference_mode():
                         if name == "closed form":
-                            vs.run_chunk(conv, ssm, (xBC, dt), layer.verify_chunk)
+                            vs.run_chunk(state, (xBC, dt), layer.verify_chunk)
                         else:
-                            vs.run(conv, ssm, (xBC, dt), layer.step)
+                            vs.run(state, (xBC, dt), layer.step)
                     ts.append(time.perf_counter() - t0)
                 times[name] = statistics.median(ts) * 1e3
             rows.append({"batch": batch, "k": k, "closed form ms": round(times["closed form"], 3),

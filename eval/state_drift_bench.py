@@ -258,7 +258,7 @@ def decode_logits(model: HybridLM, inputs: torch.Tensor, ssm_codec: Codec, conv_
     for i, (conv, ssm) in list(cache.ssm.state_pools.items()):
         rec = None if record is None else record.setdefault(i, [])
         pools = (CodecStatePool(conv, conv_codec or Codec()), CodecStatePool(ssm, ssm_codec, rec))
-        cache.ssm.state_pools[i] = cache.layer_pools[i] = pools
+        cache.ssm.set_stores(i, pools)
     manager = CacheManager(cache)
     rows = inputs.tolist()
     for b in range(B):
@@ -304,7 +304,8 @@ def capacity(codec: Codec, conv_int8: bool = True, recipe: str = "hybrid-1to7-sm
 
     from .. import recipes
     from ..cache import cache_dtypes, sequences_that_fit
-    from ..specs import SCALE_BYTES, cache_specs
+    from ..layers.registry import cache_specs
+    from ..specs import SCALE_BYTES
 
     cfg = recipes.get(recipe)
     spec = cache_specs(cfg, cache_dtypes(torch.bfloat16, "int8", "int8"))

@@ -21,11 +21,12 @@ from tqdm import tqdm
 
 from .. import recipes
 from ..cache import StatePool
-from ..kernels import dispatch, kv_quant
+from ..kernels import dispatch, int8_state_step
 from ..kernels.packing import with_host_values
 from ..kernels.selective import selective_step
 from ..kernels.ssd import ssd_step
-from ..specs import CacheDtypes, cache_specs
+from ..layers.registry import cache_specs
+from ..specs import CacheDtypes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
@@ -51,7 +52,7 @@ def backend_of(op, dtype: str) -> str:
     """Which implementation a pool's step of ``op`` runs for ``dtype`` storage."""
     if dtype != "int8":
         return dispatch.choose(op.__name__, "cpu")[0]
-    fused = kv_quant.fused_int8_step(op)
+    fused = int8_state_step.fused_int8_step(op)
     if fused is None:
         return "dequantise -> fp32 step -> quantise"
     return f"{fused.__name__}: " + dispatch.choose(fused.__name__, "cpu")[0]

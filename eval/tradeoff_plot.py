@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .tradeoff_report import memory, timed
+
+def timed(member: dict) -> dict[int, dict]:
+    """The member's prefill rows that were measured (not skipped), by length."""
+    return {r["seq_len"]: r for r in member["prefill"] if "prefill_ms" in r}
+
+
+def memory(member: dict) -> dict[int, dict]:
+    return {r["seq_len"]: r for r in member["memory"]}
 
 
 def _yerr(m: dict) -> tuple[list[float], list[float]] | None:

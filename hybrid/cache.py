@@ -5,15 +5,21 @@
   list + reference counts, so blocks can be shared). Block 0 is the reserved *null block*: never handed
   out, it is what a block table points at where a sliding window has dropped a block and where a padded
   batch row writes its throw-away K/V, so no live sequence's block is ever touched by either.
-- :class:`SSMStateCache` for the Mamba layers (``M``, ``m``): per sequence *slot* the conv state and the SSM
-  state of every Mamba layer, plus one scratch row (index ``num_slots``) for padded batch rows.
+- :class:`SSMStateCache` for the Mamba layers (``M``, ``m``) and any other constant-state layer: per sequence
+  *slot* the named state tensors of every such layer (Mamba: the conv state and the SSM state), plus one
+  scratch row (index ``num_slots``) for padded batch rows.
 - :class:`HybridCache` owns both, sized from a byte budget or an explicit block count.
 
 Compressed caches (:mod:`hybrid.kernels.kv_quant`): an int8 / fp8 KV pool keeps ``scales[layer] =
 (k_scale, v_scale)``, ``[num_blocks + 1, block_size, Hkv]`` (fp16, one per token slot and KV head) beside its
 pages (a slot's scale is written with its codes and moves or is copied with them); an int8 state pool one
-fp32 scale per head (group) of each row. The layers reach their state rows only through :class:`StatePool`
-(``read`` / ``write`` / ``step``), so a compressed state costs each layer no code of its own.
+fp32 scale per head (group) of each row.
+
+The layers see none of this: each caching layer gets one view of its part (:meth:`HybridCache.view`,
+:mod:`hybrid.cache_views`) that reads and writes in the layer's compute dtype and applies the quantisation and
+the pruning (an attention layer's window, StreamingLLM's sinks, SnapKV's observation); a constant-state
+layer's rows go through :class:`StatePool` (``read`` / ``write`` / ``step``), so a compressed state costs each
+layer no code of its own.
 
 This module only stores and allocates; which sequence holds which blocks and slot is the business of
 :class:`hybrid.cache_manager.CacheManager`, the one place that hands them out.
@@ -27,10 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache_views import AttentionCacheView, StateCacheView
 from .config import HybridConfig
-from .kernels import kv_quant
+from .kernels import int8_state_step, kv_quant
 from .kv_pruning import QueryCapture, SnapKV, StreamingLLM
-from .specs import CacheDtypes, ModelCacheSpec, cache_specs
+from .layers.registry import cache_specs
+from .specs import CacheDtypes, ModelCacheSpec
 
 NULL_BLOCK = 0
 
@@ -116,22 +124,22 @@ class PagedKVCache:
         self.bytes_per_block = spec.kv_bytes_per_block(block_size)
         self.physical_blocks = physical
         self.dtype = next(iter(layers.values())).dtype if layers else None
+        self.views = self._views()
 
     @property
     def quantized(self) -> bool:
         return bool(self.scales)
 
-    def layer_pools(self, i: int) -> tuple:
-        """What attention layer ``i``'s ``forward_packed`` takes: (k_pool, v_pool[, k_scale, v_scale]), and with
-        a pruning policy the scales (or None) and the visible span ``(window, sinks, renumber)`` (StreamingLLM;
-        ``renumber``: whether positions count within the cache, :mod:`hybrid.kv_pruning`), or no
-        span and the layer's query observer (SnapKV: :meth:`hybrid.kv_pruning.QueryCapture.layer`)."""
-        if self.pruning is None:
-            return (*self.pools[i], *self.scales.get(i, ()))
-        if self.capture is not None:
-            return (*self.pools[i], *self.scales.get(i, (None, None)), None, self.capture.layer(i))
-        renumber = bool(self.sinks) and self.pruning.renumber
-        return (*self.pools[i], *self.scales.get(i, (None, None)), (self.window, self.sinks, renumber))
+    def _views(self) -> dict[int, AttentionCacheView]:
+        """Each attention layer's view: its pools and scales, the window, and the pruning policy's part (the
+        sinks and whether positions are re-numbered for StreamingLLM, :mod:`hybrid.kv_pruning`; the layer's
+        query observer for SnapKV, :meth:`hybrid.kv_pruning.QueryCapture.layer`)."""
+        streaming = self.pruning is not None and self.capture is None
+        return {i: AttentionCacheView(*self.pools[i], *self.scales.get(i, (None, None)), window=self.window,
+                                      sinks=self.sinks if streaming else None,
+                                      renumber=streaming and bool(self.sinks) and self.pruning.renumber,
+                                      observe=None if self.capture is None else self.capture.layer(i))
+                for i in self.layer_indices}
 
     def set_pruning(self, policy) -> None:
         """A :class:`hybrid.kv_pruning.StreamingLLM` attends only to ``policy.sinks`` first tokens and the last
@@ -144,13 +152,14 @@ class PagedKVCache:
                                  "compressed sequence's window would count kept slots, not positions; use "
                                  "StreamingLLM or no pruning")
             self.pruning, self.capture = policy, QueryCapture()
-            return
-        if not isinstance(policy, StreamingLLM):
+        elif isinstance(policy, StreamingLLM):
+            self.pruning = policy
+            self.window = policy.window if self.window is None else min(self.window, policy.window)
+            self.sinks = policy.sinks
+        else:
             raise TypeError(f"kv_pruning must be a hybrid.kv_pruning.StreamingLLM or SnapKV, "
                             f"got {type(policy).__name__}")
-        self.pruning = policy
-        self.window = policy.window if self.window is None else min(self.window, policy.window)
-        self.sinks = policy.sinks
+        self.views = self._views()  # the layers' views apply the policy
 
     @property
     def snapkv(self) -> SnapKV | None:
@@ -233,9 +242,10 @@ def _raw(pool: torch.Tensor) -> torch.Tensor:
 
 
 class StatePool:
-    """One state pool of one Mamba layer (conv or SSM): rows ``[S + 1, *shape]`` in the storage dtype, and for
-    int8 one fp32 scale per group of each row (``scale [S + 1, groups]``). The layers read and write rows
-    through it, always in fp32 or the storage float dtype:
+    """The pool of one named state tensor of one constant-state layer (Mamba: conv or SSM): rows
+    ``[S + 1, *shape]`` in the storage dtype, and for int8 one fp32 scale per group of each row
+    (``scale [S + 1, groups]``). The layers read and write rows through it (their cache view's store,
+    :class:`hybrid.cache_views.StateCacheView`), always in fp32 or the storage float dtype:
 
     - ``read(slots)`` -> the rows (dequantised); ``write(slots, value)`` stores them (quantised);
     - ``step(op, *args, slots=slots, **kw)`` runs an in-place one-token kernel (``ssd_step``, ...) on the
@@ -287,7 +297,7 @@ class StatePool:
         if not self.quantized and not self.stochastic:
             return op(self.data, *args, slots=slots, **kw)
         if self.quantized and not self.stochastic and self._fused_layout():
-            fused = kv_quant.fused_int8_step(op)  # the SSD step on the codes: no dequantised copy of the rows
+            fused = int8_state_step.fused_int8_step(op)  # the step on the codes: no dequantised copy of the rows
             if fused is not None:
                 return fused(self.data, self.scale, *args, slots=slots, **kw)
         rows = self.read(slots).float()
@@ -323,12 +333,15 @@ class StatePool:
 
 
 class SSMStateCache:
-    """Conv and SSM states of the Mamba layers: ``pools[layer_index] = (conv_pool [S+1, ...], ssm_pool [S+1, ...])``
-    for ``S = num_slots`` sequence slots and one scratch row (index ``S``) that padded batch rows update.
+    """The states of the constant-state layers (Mamba, and any layer with a
+    :class:`~hybrid.specs.ConstantStateSpec`): per layer one pool per named state tensor, ``pools[layer_index] =
+    (conv_pool [S+1, ...], ssm_pool [S+1, ...])`` for Mamba, for ``S = num_slots`` sequence slots and one
+    scratch row (index ``S``) that padded batch rows update.
 
     A slot is zeroed when handed out, which is the state of an empty sequence, so a fresh prefill and a
-    continued one run the same code. ``state_pools`` holds the :class:`StatePool` objects the layers use;
-    ``pools`` their storage tensors.
+    continued one run the same code. ``state_pools`` holds the :class:`StatePool` objects, ``pools`` their
+    storage tensors, ``views`` each layer's :class:`~hybrid.cache_views.StateCacheView` over its pools (what
+    the layer gets).
     """
 
     def __init__(self, spec: ModelCacheSpec, num_slots: int, *, stochastic: bool = False,
@@ -338,12 +351,12 @@ class SSMStateCache:
         self.num_slots = num_slots
         self.scratch_slot = num_slots
         rows = num_slots + 1
-        self.state_pools = {i: (StatePool(s.conv_shape, s.conv_dtype, rows, s.conv_groups, stochastic=stochastic,
-                                          device=device),
-                                StatePool(s.ssm_shape, s.ssm_dtype, rows, s.ssm_groups, stochastic=stochastic,
-                                          device=device))
+        self.state_pools = {i: tuple(StatePool(t.shape, t.dtype, rows, t.groups, stochastic=stochastic, device=device)
+                                     for t in s.states)
                             for i, s in spec.mamba.items()}
-        self.pools = {i: (conv.data, ssm.data) for i, (conv, ssm) in self.state_pools.items()}
+        self.pools = {i: tuple(p.data for p in pools) for i, pools in self.state_pools.items()}
+        self.views = {i: StateCacheView(tuple(t.name for t in s.states), self.state_pools[i])
+                      for i, s in spec.mamba.items()}
         self.bytes_per_sequence = spec.state_bytes_per_sequence
         self._free: deque[int] = deque(range(num_slots))
 
@@ -356,15 +369,21 @@ class SSMStateCache:
         if not self._free:
             raise CacheFullError(f"all {self.num_slots} state slots are in use")
         slot = self._free.popleft()
-        for conv, ssm in self.state_pools.values():
-            conv.zero_(slot)
-            ssm.zero_(slot)
+        for pools in self.state_pools.values():
+            for pool in pools:
+                pool.zero_(slot)
         return slot
 
     def copy(self, src: int, dst: int) -> None:
-        for conv, ssm in self.state_pools.values():
-            conv.copy_row(src, dst)
-            ssm.copy_row(src, dst)
+        for pools in self.state_pools.values():
+            for pool in pools:
+                pool.copy_row(src, dst)
+
+    def set_stores(self, i: int, stores: tuple) -> None:
+        """Hold layer ``i``'s state tensors in ``stores`` (objects with :class:`StatePool`'s methods, one per
+        named tensor, in order) instead: a benchmark's own storage formats."""
+        self.state_pools[i] = tuple(stores)
+        self.views[i] = StateCacheView(self.views[i].names, self.state_pools[i])
 
     def free(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.num_slots:
@@ -450,9 +469,6 @@ class HybridCache:
                     "and the null block); raise cache_bytes or lower max_seqs")
             num_blocks = kv_budget // per_block - 1 if has_kv else 0
         self.kv = PagedKVCache(self.spec, num_blocks, block_size=block_size, device=device)
-        # layer index -> what that layer's forward_packed takes: (k_pool, v_pool[, k_scale, v_scale]) for
-        # attention, (conv StatePool, ssm StatePool) for Mamba
-        self.layer_pools = {**{i: self.kv.layer_pools(i) for i in self.kv.pools}, **self.ssm.state_pools}
         self.prefix = None  # the engine's PrefixCache (hybrid.prefix_cache), when prefix caching is on
 
     @classmethod
@@ -468,6 +484,13 @@ class HybridCache:
         if kw.get("ssm_dtype") is None:
             kw["ssm_dtype"] = torch.float32
         return cls(model.config, device=p.device, **kw)
+
+    def view(self, i: int) -> AttentionCacheView | StateCacheView:
+        """Layer ``i``'s view of its cache (what its ``forward_packed`` takes): an attention layer's
+        :class:`~hybrid.cache_views.AttentionCacheView`, a constant-state layer's
+        :class:`~hybrid.cache_views.StateCacheView`."""
+        view = self.kv.views.get(i)
+        return view if view is not None else self.ssm.views[i]
 
     @property
     def bytes_total(self) -> int:

@@ -284,18 +284,18 @@ class CacheManager:
 
     # ---- speculative decoding: rollback ----------------------------------------------------------
     def commit_verified(self, states, positions: list[int]) -> None:
-        """After a verify step: write into each verify chunk's state slot its Mamba state (conv and SSM, every
-        layer) after chunk position ``positions[i]`` (0: only the chunk's first token, the last accepted one,
-        kept), from the per-position states the layers left in ``states`` (a
+        """After a verify step: write into each verify chunk's state slot its Mamba state (every state tensor of
+        every layer: conv and SSM) after chunk position ``positions[i]`` (0: only the chunk's first token, the
+        last accepted one, kept), from the per-position states the layers left in ``states`` (a
         :class:`~hybrid.speculative.verify_states.VerifyStates`). Rejected positions are simply not copied."""
         if not states.layers:
             return
         device = states.slots.device
         which = torch.tensor(positions, dtype=torch.long, device=device)
         rows = torch.arange(len(positions), device=device)
-        for conv_pool, ssm_pool, conv_hist, ssm_hist in states.layers:
-            conv_pool[states.slots] = conv_hist[which, rows]
-            ssm_pool[states.slots] = ssm_hist[which, rows]
+        for view, hist in states.layers:
+            for store, h in zip(view.stores, hist, strict=True):
+                store.write(states.slots, h[which, rows])
 
     def shrink(self, seq_id: int, n_tokens: int) -> None:
         """Give back the KV blocks of ``seq_id`` past its first ``n_tokens`` tokens (rejected draft tokens'
@@ -306,21 +306,21 @@ class CacheManager:
             self.kv.allocator.release([b for b in table[keep:] if b != NULL_BLOCK])
             del table[keep:]
 
-    def save_states(self, seq_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the Mamba states (conv, SSM per layer) of ``seq_ids``' slots, to roll back to later."""
+    def save_states(self, seq_ids: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        """Copies of the Mamba states (per layer its state tensors: conv, SSM) of ``seq_ids``' slots, to roll
+        back to later."""
         slots = [self.seqs[s].slot for s in seq_ids]
-        # through the StatePools: rows come back dequantised and go back re-quantised with their scales
-        return [(conv[slots], ssm[slots]) for conv, ssm in self.ssm.state_pools.values()]
+        # through the cache views: rows come back dequantised and go back re-quantised with their scales
+        return [view.read(slots) for view in self.ssm.views.values()]
 
-    def load_states(self, seq_ids: list[int], saved: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    def load_states(self, seq_ids: list[int], saved: list[list[tuple[torch.Tensor, ...]]],
                     which: list[int]) -> None:
         """Roll ``seq_ids[i]``'s Mamba states back to ``saved[which[i]]`` (a :meth:`save_states` list taken
         with the same ``seq_ids``)."""
         for i, (seq_id, w) in enumerate(zip(seq_ids, which, strict=True)):
             slot = [self.seqs[seq_id].slot]
-            for (conv, ssm), (conv_saved, ssm_saved) in zip(self.ssm.state_pools.values(), saved[w], strict=True):
-                conv[slot] = conv_saved[i:i + 1]
-                ssm[slot] = ssm_saved[i:i + 1]
+            for view, layer_saved in zip(self.ssm.views.values(), saved[w], strict=True):
+                view.write(slot, tuple(s[i:i + 1] for s in layer_saved))
 
     def free(self, seq_id: int, tokens: list[int] | None = None, n_computed: int = 0) -> None:
         """Take back everything ``seq_id`` holds. With a prefix cache and the sequence's ``tokens`` (of

@@ -188,8 +188,7 @@ class Engine:
             if prefix_caching:
                 raise ValueError(f"kv_pruning with prefix_caching is not supported ({type(kv_pruning).__name__}): a "
                                  "pruned sequence's blocks are not the prompt's whole prefix; turn one of them off")
-            cache.kv.set_pruning(kv_pruning)
-            cache.layer_pools.update({i: cache.kv.layer_pools(i) for i in cache.kv.pools})
+            cache.kv.set_pruning(kv_pruning)  # the attention layers' cache views apply it
         self.cache = cache
         prefix = None
         if prefix_caching:

@@ -11,15 +11,16 @@ from .config import HybridConfig
 from .layers import fused_decode
 from .layers.linear import Linear
 from .layers.norm import RMSNorm
-from .layers.registry import layer_class
-from .specs import CacheDtypes, cache_specs
+from .layers.registry import cache_specs, layer_class
+from .specs import CacheDtypes
 
 
 class Block(nn.Module):
     """One pattern symbol: ``x + mixer(norm(x))``, the one definition of the residual sub-layer for both the
     full forward (``x`` [B, L, d]) and the packed inference forward (``x`` [T, d] of a
-    :class:`~hybrid.packed_batch.PackedBatch`, with the layer's cache pools). Token-wise sub-layers (MLP,
-    experts) run the same forward either way; caching mixers take their packed path."""
+    :class:`~hybrid.packed_batch.PackedBatch`, with the layer's view of the cache, ``cache.view(index)``:
+    :mod:`hybrid.cache_views`). Token-wise sub-layers (MLP, experts) run the same forward either way; caching
+    mixers take their packed path."""
 
     def __init__(self, kind: str, cfg: HybridConfig, index: int):
         super().__init__()
@@ -37,7 +38,7 @@ class Block(nn.Module):
         h = self.norm(x)
         if batch is None or not self.caches:
             return x + self.mixer(h)
-        return x + self.mixer.forward_packed(h, batch, *cache.layer_pools[self.index])
+        return x + self.mixer.forward_packed(h, batch, cache.view(self.index))
 
 
 def _kept_positions(logits_to_keep, length: int) -> slice | torch.Tensor:

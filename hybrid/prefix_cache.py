@@ -99,13 +99,13 @@ class StateCheckpoints:
             raise RuntimeError("state checkpoint pool is full; evict first")
         cid, self._next = self._next, self._next + 1
         # rows as stored (an int8 state's codes with its scales), so a checkpoint costs what a slot costs
-        self.saved[cid] = [(conv.save_row(slot), ssm.save_row(slot)) for conv, ssm in self.ssm.state_pools.values()]
+        self.saved[cid] = [tuple(p.save_row(slot) for p in pools) for pools in self.ssm.state_pools.values()]
         return cid
 
     def load(self, cid: int, slot: int) -> None:
-        for (conv, ssm), (c, s) in zip(self.ssm.state_pools.values(), self.saved[cid], strict=True):
-            conv.load_row(slot, c)
-            ssm.load_row(slot, s)
+        for pools, saved in zip(self.ssm.state_pools.values(), self.saved[cid], strict=True):
+            for pool, row in zip(pools, saved, strict=True):
+                pool.load_row(slot, row)
 
     def release(self, cid: int) -> None:
         del self.saved[cid]

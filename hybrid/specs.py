@@ -2,7 +2,9 @@
 
 Each mixer class declares its cache with ``cache_spec(config, dtypes)``: attention layers an
 :class:`AttentionSpec` (K and V per token, grows with context), Mamba layers a :class:`MambaStateSpec`
-(conv + SSM state per sequence, constant). :func:`cache_specs` collects them for a model; the caches
+(conv + SSM state per sequence, constant; any constant-state layer a :class:`ConstantStateSpec`, a tuple of
+named state tensors). :func:`hybrid.layers.registry.cache_specs` collects them for a model (the registry knows
+the layer classes; this module knows none, so the layers can import it); the caches
 allocate their pools from these specs, and ``HybridLM.kv_bytes_per_token``, ``hybrid info``, ``hybrid bench``,
 the engine benchmark and the tradeoff report read their byte counts from the same objects, so they agree
 with what the cache really holds by construction. A compressed cache is a dtype on the spec: int8 / fp8
@@ -18,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import HybridConfig
 from .kernels import kv_quant
 from .kernels.kv_quant import is_quantized
 
@@ -75,9 +76,55 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
-class MambaStateSpec:
+class StateTensorSpec:
+    """One named state tensor of a constant-state layer, per sequence: its shape, storage dtype and, for int8
+    storage, how many fp32 scales a row carries (``groups``: equal slices of the row along its leading
+    dimensions, see :func:`state_scale_groups`; unused for float dtypes)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    groups: int = 1
+
+    @property
+    def scales(self) -> int:
+        """fp32 scales per sequence (0 unless the tensor is quantised)."""
+        return self.groups if is_quantized(self.dtype) else 0
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize + self.scales * SCALE_BYTES
+
+
+class ConstantStateSpec:
+    """What every constant-state layer's spec is (Mamba-1/2, and any mixer whose cache is a fixed-size state per
+    sequence, e.g. linear attention's ``[d_k, d_v]`` matrix per head): ``states``, its named state tensors
+    (:class:`StateTensorSpec`), from which the state cache allocates one pool per tensor and the layer's cache
+    view (:class:`hybrid.cache_views.StateCacheView`) takes its names."""
+
+    states: tuple[StateTensorSpec, ...]
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return sum(t.bytes_per_sequence for t in self.states)
+
+
+@dataclass(frozen=True)
+class StateSpec(ConstantStateSpec):
+    """A constant-state layer's cache given by its state tensors alone (what a new mixer kind declares)."""
+
+    states: tuple[StateTensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.states]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a StateSpec needs one or more state tensors with distinct names, got {names}")
+
+
+@dataclass(frozen=True)
+class MambaStateSpec(ConstantStateSpec):
     """One Mamba layer's per-sequence state: the conv state (last ``d_conv - 1`` inputs per channel)
-    and the SSM state."""
+    and the SSM state; its state tensors are named ``conv`` and ``ssm``."""
 
     conv_shape: tuple[int, ...]
     ssm_shape: tuple[int, ...]
@@ -90,19 +137,18 @@ class MambaStateSpec:
     ssm_groups: int = 1
 
     @property
+    def states(self) -> tuple[StateTensorSpec, StateTensorSpec]:
+        return (StateTensorSpec("conv", self.conv_shape, self.conv_dtype, self.conv_groups),
+                StateTensorSpec("ssm", self.ssm_shape, self.ssm_dtype, self.ssm_groups))
+
+    @property
     def conv_scales(self) -> int:
         """fp32 scales per sequence of the conv state (0 unless it is quantised)."""
-        return self.conv_groups if is_quantized(self.conv_dtype) else 0
+        return self.states[0].scales
 
     @property
     def ssm_scales(self) -> int:
-        return self.ssm_groups if is_quantized(self.ssm_dtype) else 0
-
-    @property
-    def bytes_per_sequence(self) -> int:
-        return (math.prod(self.conv_shape) * self.conv_dtype.itemsize
-                + math.prod(self.ssm_shape) * self.ssm_dtype.itemsize
-                + (self.conv_scales + self.ssm_scales) * SCALE_BYTES)
+        return self.states[1].scales
 
 
 def state_scale_groups(rows: int, target: int) -> int:
@@ -111,7 +157,7 @@ def state_scale_groups(rows: int, target: int) -> int:
     return math.gcd(rows, max(1, target))
 
 
-LayerCacheSpec = AttentionSpec | MambaStateSpec
+LayerCacheSpec = AttentionSpec | ConstantStateSpec
 
 
 @dataclass(frozen=True)
@@ -125,8 +171,9 @@ class ModelCacheSpec:
         return {i: s for i, s in self.layers.items() if isinstance(s, AttentionSpec)}
 
     @property
-    def mamba(self) -> dict[int, MambaStateSpec]:
-        return {i: s for i, s in self.layers.items() if isinstance(s, MambaStateSpec)}
+    def mamba(self) -> dict[int, ConstantStateSpec]:
+        """The constant-state layers (Mamba, and any other :class:`ConstantStateSpec`)."""
+        return {i: s for i, s in self.layers.items() if isinstance(s, ConstantStateSpec)}
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -145,7 +192,8 @@ class ModelCacheSpec:
 
     @property
     def state_bytes_per_sequence(self) -> int:
-        """Conv + SSM state bytes one sequence holds across all Mamba layers, whatever its length."""
+        """State bytes one sequence holds across all constant-state layers (Mamba: conv + SSM), whatever its
+        length."""
         return sum(s.bytes_per_sequence for s in self.mamba.values())
 
     @property
@@ -164,15 +212,3 @@ class ModelCacheSpec:
         if block_size is not None:
             held = -(-held // block_size) * block_size
         return held * self.kv_bytes_per_token + self.state_bytes_per_sequence
-
-
-def cache_specs(config: HybridConfig, dtypes: CacheDtypes) -> ModelCacheSpec:
-    """The cache spec of every layer of ``config`` that caches something (as its layer class declares)."""
-    from .layers.registry import layer_class
-
-    specs = {}
-    for i, kind in enumerate(config.layer_kinds):
-        spec = layer_class(kind).cache_spec(config, dtypes)
-        if spec is not None:
-            specs[i] = spec
-    return ModelCacheSpec(specs)

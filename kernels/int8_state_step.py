@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch, kv_quant
+from . import dispatch
 from .packing import slot_rows
+from .selective import selective_step
+from .ssd import ssd_step
 from .state_tiles import row_tiles, scratch, tiles
 
 
@@ -254,13 +256,13 @@ dispatch.register("ssd_step_int8", "triton", _ssd_step_int8_triton, _triton_prob
 dispatch.register("selective_step_int8", "torch", _selective_step_int8_torch)
 
 
-def register_fused_steps() -> None:
-    """Tell :class:`hybrid.cache.StatePool` which one-token ops have an int8 step of their own."""
-    from .selective import selective_step
-    from .ssd import ssd_step
-
-    kv_quant.FUSED_INT8_STEPS[ssd_step] = ssd_step_int8
-    kv_quant.FUSED_INT8_STEPS[selective_step] = selective_step_int8
+# The one-token ops that have an int8 step of their own, and that step: the explicit table a cache's int8
+# state looks its step up in (:class:`hybrid.cache.StatePool`). Keyed by the public op a layer hands its
+# cache view, so a new int8 step is one line here.
+FUSED_INT8_STEPS = {ssd_step: ssd_step_int8, selective_step: selective_step_int8}
 
 
-register_fused_steps()
+def fused_int8_step(op):
+    """The int8 step of the one-token op ``op`` (``ssd_step`` -> :func:`ssd_step_int8`, ``selective_step`` ->
+    :func:`selective_step_int8`), or None: then a cache dequantises, runs ``op`` on fp32 rows and quantises."""
+    return FUSED_INT8_STEPS.get(op)

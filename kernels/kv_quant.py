@@ -24,8 +24,9 @@ int8 with one fp32 scale per equal slice of the row (Mamba-2's SSM state: per he
 ``d_state`` values), or into bf16; ``stochastic=True`` rounds stochastically (unbiased) instead of to
 nearest (measured: no better here, so off by default). The scale is recomputed from the row at every
 write; the other formats measured against it (kept scales, finer groups, mu-law codes, fp8 e4m3, error
-feedback with a 2- or 4-bit residual) are in ``eval/state_drift_bench.py``. The Mamba-2 decode step on int8
-rows has its own kernel (:mod:`.int8_state_step`, found through :func:`fused_int8_step`).
+feedback with a 2- or 4-bit residual) are in ``eval/state_drift_bench.py``. The Mamba decode steps on int8
+rows have kernels of their own (:mod:`.int8_state_step`); which step a cache's state runs is the cache's
+choice (:class:`hybrid.cache.StatePool`), not this module's: here are the formats only.
 """
 
 from __future__ import annotations
@@ -255,25 +256,3 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`quantize_rows`: fp32 rows ``[n, *shape]``."""
     n, groups = scale.shape
     return (q.float().reshape(n, groups, -1) * scale[..., None]).view(q.shape)
-
-
-# one-token op -> its step on int8 rows of its own (codes, scale, *args, slots=, **kw), filled in by
-# kernels/int8_state_step.py (imported on first use, so this module stays free of the op modules)
-FUSED_INT8_STEPS: dict = {}
-
-
-def fused_int8_step(op):
-    """The int8 step of ``op`` (``ssd_step`` -> :func:`.int8_state_step.ssd_step_int8`), or None: then a
-    pool dequantises, runs ``op`` on fp32 rows and quantises again."""
-    if not FUSED_INT8_STEPS:
-        from . import int8_state_step  # noqa: F401  (registers itself)
-    return FUSED_INT8_STEPS.get(op)
-
-
-def state_step(state, op, *args, slots: torch.Tensor | None = None, **kw) -> torch.Tensor:
-    """Run a one-token in-place state op (``ssd_step``, ``causal_conv1d_step``, ...) on ``state``: a cache
-    :class:`~hybrid.cache.StatePool` (which dequantises / re-quantises around the op when its rows are
-    compressed) or a plain state tensor (speculative decoding's working copies)."""
-    if hasattr(state, "step"):
-        return state.step(op, *args, slots=slots, **kw)
-    return op(state, *args, slots=slots, **kw)

@@ -5,7 +5,7 @@ int8 state that tracks the fp32 one over many steps of slow decay and small upda
 import pytest
 import torch
 from hybrid.eval.state_drift_bench import KeptScale
-from hybrid.kernels import dispatch, kv_quant
+from hybrid.kernels import dispatch, int8_state_step, kv_quant
 from hybrid.kernels.int8_state_step import ssd_step_int8
 from hybrid.kernels.ssd import ssd_step, ssd_step_ref
 from triton_cases import needs_triton
@@ -168,7 +168,7 @@ def test_int8_state_keeps_the_conv_state_in_the_models_dtype():
     assert cache_dtypes(torch.bfloat16, "bfloat16", "bfloat16").conv == torch.bfloat16
     assert cache_dtypes(torch.float32, None, None).conv == torch.float32  # the default stays as it was
     spec = recipes.get("hybrid-1to7-tiny")
-    from hybrid.specs import cache_specs
+    from hybrid.layers.registry import cache_specs
 
     s = next(iter(cache_specs(spec, cache_dtypes(torch.bfloat16, "int8", "int8")).mamba.values()))
     assert s.conv_dtype == torch.bfloat16 and s.conv_scales == 0 and s.ssm_scales == s.ssm_groups
@@ -222,7 +222,7 @@ def test_mamba1_int8_step_equals_dequantise_step_quantise(slots, tile_bytes, mon
     rows = generic.read(s).clone()
     y_ref = selective_step_ref(rows, x, dt, A, B, C, D=D)
     q_ref, s_ref = kv_quant.quantize_rows(rows, groups)
-    assert kv_quant.fused_int8_step(selective_step) is selective_step_int8
+    assert int8_state_step.fused_int8_step(selective_step) is selective_step_int8
     y = pool.step(selective_step, x, dt, A, B, C, D=D, slots=s)  # the pool takes the fused step
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool.scale[list(slots)], s_ref, atol=1e-7, rtol=1e-5)

@@ -206,6 +206,7 @@ def test_random_workloads_never_leak_and_stay_lossless(ops, budget, method, k, t
 def test_mamba2_closed_form_verify_equals_step_ops_at_every_position():
     """The closed-form verify chunk (conv + SSD) gives the outputs and the states after each position that
     running the one-token step ops position by position gives (the per-position reference path)."""
+    from hybrid.cache_views import StateCacheView, StateRows
     from hybrid.speculative.verify_states import VerifyStates
 
     torch.manual_seed(0)
@@ -220,11 +221,12 @@ def test_mamba2_closed_form_verify_equals_step_ops_at_every_position():
     closed, stepped = VerifyStates(lengths, slots, "cpu"), VerifyStates(lengths, slots, "cpu")
     before = (conv_pool.clone(), ssm_pool.clone())
     with torch.no_grad():
-        y_closed = closed.run_chunk(conv_pool, ssm_pool, (xBC, dt_raw), layer.verify_chunk)
-        y_step = stepped.run(conv_pool, ssm_pool, (xBC, dt_raw), layer.step)
+        view = StateCacheView(("conv", "ssm"), (StateRows(conv_pool), StateRows(ssm_pool)))
+        y_closed = closed.run_chunk(view, (xBC, dt_raw), layer.verify_chunk)
+        y_step = stepped.run(view, (xBC, dt_raw), layer.step)
     torch.testing.assert_close(y_closed, y_step, rtol=1e-4, atol=1e-5)
     assert torch.equal(conv_pool, before[0]) and torch.equal(ssm_pool, before[1]), "the slots stay as they were"
-    (_, _, conv_c, ssm_c), (_, _, conv_s, ssm_s) = closed.layers[0], stepped.layers[0]
+    (_, (conv_c, ssm_c)), (_, (conv_s, ssm_s)) = closed.layers[0], stepped.layers[0]
     for i, length in enumerate(lengths):  # positions past a chunk's end are padding, never committed
         torch.testing.assert_close(conv_c[:length, i], conv_s[:length, i])
         torch.testing.assert_close(ssm_c[:length, i], ssm_s[:length, i], rtol=1e-4, atol=1e-5)

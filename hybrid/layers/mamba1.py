@@ -9,7 +9,6 @@ from torch import nn
 
 from .. import kernels
 from ..config import HybridConfig, Mamba1Config
-from ..kernels.kv_quant import state_step
 from ..specs import CacheDtypes, MambaStateSpec, state_scale_groups
 from .linear import Linear
 from .mamba2 import init_dt_bias
@@ -81,28 +80,30 @@ class Mamba1(nn.Module):
         y, _ = kernels.selective_scan(x, dt, self.A(), B, C, D=self.D)
         return self.out_proj(y * F.silu(z))
 
-    def step(self, conv_state, ssm_state, x: torch.Tensor,
-             slots: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per sequence through the conv and selective-scan step ops, updating the states in
-        place (rows ``slots`` of the pools, or the given state tensors): x [n, d_inner] -> y [n, d_inner]."""
-        x = state_step(conv_state, kernels.causal_conv1d_step, x, self.conv1d.weight[:, 0], self.conv1d.bias,
-                       activation="silu", slots=slots)
+    def step(self, state, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence through the conv and selective-scan step ops, updating the states of ``state``
+        (a :class:`hybrid.cache_views.StateCacheView`: rows ``slots`` of the cache, or working copies) in
+        place: x [n, d_inner] -> y [n, d_inner]."""
+        x = state["conv"].step(kernels.causal_conv1d_step, x, self.conv1d.weight[:, 0], self.conv1d.bias,
+                               activation="silu", slots=slots)
         dt, B, C = self.dt_B_C(x)
-        return state_step(ssm_state, kernels.selective_step, x, dt, self.A(), B, C, D=self.D, slots=slots)
+        return state["ssm"].step(kernels.selective_step, x, dt, self.A(), B, C, D=self.D, slots=slots)
 
-    def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
+    def forward_packed(self, u: torch.Tensor, batch, cache) -> torch.Tensor:
         """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model];
-        states in the sequences' rows of the pools (step ops for ``batch.decode``, step ops with every position's
-        state kept for ``batch.verify``, varlen scans for ``batch.scan``), as in :meth:`Mamba2.forward_packed`."""
+        states in the sequences' rows of ``cache`` (this layer's :class:`hybrid.cache_views.StateCacheView`;
+        step ops for ``batch.decode``, step ops with every position's state kept for ``batch.verify``, varlen
+        scans for ``batch.scan``), as in :meth:`Mamba2.forward_packed`."""
         x, z = self.in_proj(u).chunk(2, dim=-1)
         w, bias = self.conv1d.weight[:, 0], self.conv1d.bias
         ys = []
         if (d := batch.decode) is not None:
-            ys.append(self.step(conv_pool, ssm_pool, x[d.tokens], slots=d.state_slots))
+            ys.append(self.step(cache, x[d.tokens], slots=d.state_slots))
         if (v := batch.verify) is not None:  # speculative verify chunks: states kept at every position
-            ys.append(batch.verify_states.run(conv_pool, ssm_pool, (x[v.tokens],), self.step))
+            ys.append(batch.verify_states.run(cache, (x[v.tokens],), self.step))
         if (p := batch.scan) is not None:
             slots, cu = p.state_slots, p.cu_seqlens
+            conv_pool, ssm_pool = cache["conv"], cache["ssm"]
             xp, conv_final = kernels.causal_conv1d_varlen(x[p.tokens], w, bias, cu,
                                                           initial_states=conv_pool.read(slots), activation="silu")
             conv_pool.write(slots, conv_final)

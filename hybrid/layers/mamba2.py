@@ -15,7 +15,6 @@ from torch import nn
 from .. import kernels
 from ..config import HybridConfig, Mamba2Config
 from ..kernels import mamba2_verify
-from ..kernels.kv_quant import state_step
 from ..specs import CacheDtypes, MambaStateSpec, state_scale_groups
 from .linear import Linear
 from .norm import GatedRMSNorm
@@ -99,16 +98,15 @@ class Mamba2(nn.Module):
         y = self.norm(y.reshape(Bsz, L, self.d_inner), z)
         return self.out_proj(y)
 
-    def step(self, conv_state, ssm_state, xBC: torch.Tensor, dt_raw: torch.Tensor,
-             slots: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per sequence through the conv and SSD step ops, updating the states in place (rows
-        ``slots`` of the cache's state pools, or the given state tensors): xBC [n, conv_dim], dt_raw [n, H]
-        -> y [n, H, P]."""
-        xBC = state_step(conv_state, kernels.causal_conv1d_step, xBC, self.conv1d.weight[:, 0], self.conv1d.bias,
-                         activation="silu", slots=slots)
+    def step(self, state, xBC: torch.Tensor, dt_raw: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence through the conv and SSD step ops, updating the states of ``state`` (a
+        :class:`hybrid.cache_views.StateCacheView`: rows ``slots`` of the cache, or working copies) in place:
+        xBC [n, conv_dim], dt_raw [n, H] -> y [n, H, P]."""
+        xBC = state["conv"].step(kernels.causal_conv1d_step, xBC, self.conv1d.weight[:, 0], self.conv1d.bias,
+                                 activation="silu", slots=slots)
         x, B, C = self.split_xBC(xBC)
         dt, A = self.dt_A(dt_raw)
-        return state_step(ssm_state, kernels.ssd_step, x, dt, A, B, C, D=self.D, slots=slots)
+        return state["ssm"].step(kernels.ssd_step, x, dt, A, B, C, D=self.D, slots=slots)
 
     def verify_chunk(self, conv0: torch.Tensor, ssm0: torch.Tensor, xBC: torch.Tensor, dt_raw: torch.Tensor):
         """Speculative verify chunks, padded to one length, in closed form from their states conv0 [n, C, K-1],
@@ -120,25 +118,26 @@ class Mamba2(nn.Module):
         y, ssm_hist = mamba2_verify.ssd_states(ssm0, x, dt, A, B, C, self.D)
         return y.to(dt_raw.dtype), conv_hist.to(conv0.dtype), ssm_hist.to(ssm0.dtype)
 
-    def forward_packed(self, u: torch.Tensor, batch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
+    def forward_packed(self, u: torch.Tensor, batch, cache) -> torch.Tensor:
         """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
 
-        Each sequence starts from and leaves its state in its rows (``state_slots``) of the pools: the
-        one-token sequences (``batch.decode``) take the O(1) step ops, speculative verify chunks
-        (``batch.verify``) a closed form that keeps every position's state aside (:mod:`hybrid.speculative`),
-        the rest (``batch.scan``) run the varlen conv and SSD scan from their slot's state (zero for a fresh
-        sequence).
+        ``cache`` is this layer's :class:`hybrid.cache_views.StateCacheView` (states ``conv`` and ``ssm``, read
+        and written in the compute dtype whatever the storage). Each sequence starts from and leaves its state
+        in its rows (``state_slots``): the one-token sequences (``batch.decode``) take the O(1) step ops,
+        speculative verify chunks (``batch.verify``) a closed form that keeps every position's state aside
+        (:mod:`hybrid.speculative`), the rest (``batch.scan``) run the varlen conv and SSD scan from their
+        slot's state (zero for a fresh sequence).
         """
         z, xBC, dt_raw = self.split_projection(self.in_proj(u))
         w, bias = self.conv1d.weight[:, 0], self.conv1d.bias
         ys = []
         if (d := batch.decode) is not None:
-            ys.append(self.step(conv_pool, ssm_pool, xBC[d.tokens], dt_raw[d.tokens], slots=d.state_slots))
+            ys.append(self.step(cache, xBC[d.tokens], dt_raw[d.tokens], slots=d.state_slots))
         if (v := batch.verify) is not None:  # speculative verify chunks: states kept at every position
-            ys.append(batch.verify_states.run_chunk(conv_pool, ssm_pool, (xBC[v.tokens], dt_raw[v.tokens]),
-                                                    self.verify_chunk))
+            ys.append(batch.verify_states.run_chunk(cache, (xBC[v.tokens], dt_raw[v.tokens]), self.verify_chunk))
         if (p := batch.scan) is not None:
             slots, cu = p.state_slots, p.cu_seqlens
+            conv_pool, ssm_pool = cache["conv"], cache["ssm"]
             xBC_p, conv_final = kernels.causal_conv1d_varlen(xBC[p.tokens], w, bias, cu,
                                                              initial_states=conv_pool.read(slots), activation="silu")
             conv_pool.write(slots, conv_final)

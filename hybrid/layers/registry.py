@@ -1,13 +1,15 @@
 """The one table from a layer kind (a pattern symbol's meaning, see :mod:`hybrid.pattern`) to the class
 that implements it. Each class says how it is built (``from_config``; a kind reads the HybridConfig
 section of its own name, which is all that config validation needs to know) and what it caches during
-inference (``cache_spec``: an attention or Mamba state spec, or None); the model, the caches and the
-reports ask this table instead of switching on kinds."""
+inference (``cache_spec``: an attention or constant-state spec, or None); the model, the caches and the
+reports ask this table instead of switching on kinds, and :func:`cache_specs` collects a model's specs."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from ..config import HybridConfig
+from ..specs import CacheDtypes, ModelCacheSpec
 from .attention import Attention
 from .mamba1 import Mamba1
 from .mamba2 import Mamba2
@@ -22,3 +24,13 @@ def layer_class(kind: str) -> type[nn.Module]:
         return LAYER_CLASSES[kind]
     except KeyError:
         raise ValueError(f"unknown layer kind {kind!r}; known: {sorted(LAYER_CLASSES)}") from None
+
+
+def cache_specs(config: HybridConfig, dtypes: CacheDtypes) -> ModelCacheSpec:
+    """The cache spec of every layer of ``config`` that caches something (as its layer class declares)."""
+    specs = {}
+    for i, kind in enumerate(config.layer_kinds):
+        spec = layer_class(kind).cache_spec(config, dtypes)
+        if spec is not None:
+            specs[i] = spec
+    return ModelCacheSpec(specs)

@@ -1,10 +1,11 @@
 """Mamba state at every position of a verify chunk, so a rejected draft is rolled back without rerunning.
 
 A verify chunk is a decoding sequence's last token followed by its draft tokens (k + 1 tokens). The Mamba
-layers run such chunks from a *copy* of each sequence's conv and SSM state and keep the state after every
-position in a scratch buffer of this step (``[k+1, n, *state]`` per layer); the slots in the pools are not
-touched. Mamba-1 runs the one-token step ops position by position (:meth:`VerifyStates.run`); Mamba-2
-computes all positions at once in closed form (:meth:`VerifyStates.run_chunk`,
+layers run such chunks from a *copy* of each sequence's state tensors (conv and SSM; any constant-state layer's
+named states, :class:`hybrid.cache_views.StateCacheView`) and keep the state after every position in a scratch
+buffer of this step (``[k+1, n, *state]`` per tensor and layer); the slots in the cache are not touched.
+Mamba-1 runs the one-token step ops position by position (:meth:`VerifyStates.run`); Mamba-2 computes all
+positions at once in closed form (:meth:`VerifyStates.run_chunk`,
 :mod:`hybrid.kernels.mamba2_verify`). Once the engine knows how many drafts were accepted,
 :meth:`hybrid.cache_manager.CacheManager.commit_verified` writes the state at the last accepted position into each slot.
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from ..cache_views import StateCacheView
 
 
 class VerifyStates:
@@ -44,36 +47,38 @@ class VerifyStates:
         # the same in the [n, L] layout of a closed-form chunk
         self.chunk_rows = torch.tensor([i * steps + j for i, length in enumerate(lengths) for j in range(length)],
                                        dtype=torch.long, device=device)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # per layer: its cache view and, per state tensor, the states after every position [steps, n, *state]
+        self.layers: list[tuple[StateCacheView, tuple[torch.Tensor, ...]]] = []
 
-    def run(self, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+    def run(self, cache: StateCacheView, inputs: tuple[torch.Tensor, ...],
             step: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """Run ``step(conv_state, ssm_state, *inputs_at_one_position)`` (the layer's in-place one-token
-        update, returning y [n, ...]) over every position of the verify chunks, starting from the slots'
-        states; keep the states after each position. ``inputs``: the layer's per-token step inputs over the
-        packed verify rows. Returns y over those rows."""
-        conv, ssm = conv_pool[self.slots], ssm_pool[self.slots]  # working copies; the slots stay as they were
-        conv_hist = torch.empty(len(self.rows_JN), *conv.shape, dtype=conv.dtype, device=conv.device)
-        ssm_hist = torch.empty(len(self.rows_JN), *ssm.shape, dtype=ssm.dtype, device=ssm.device)
+        """Run ``step(state, *inputs_at_one_position)`` (the layer's in-place one-token update of a
+        :class:`~hybrid.cache_views.StateCacheView`, returning y [n, ...]) over every position of the verify
+        chunks, starting from working copies of the slots' states in ``cache``; keep the states after each
+        position. ``inputs``: the layer's per-token step inputs over the packed verify rows. Returns y over
+        those rows."""
+        work = cache.working_copy(self.slots)  # the slots stay as they were
+        hist = tuple(torch.empty(len(self.rows_JN), *s.data.shape, dtype=s.dtype, device=s.data.device)
+                     for s in work.stores)
         ys = []
         for j, rows in enumerate(self.rows_JN):
-            ys.append(step(conv, ssm, *(t[rows] for t in inputs)))
-            conv_hist[j] = conv
-            ssm_hist[j] = ssm
-        self.layers.append((conv_pool, ssm_pool, conv_hist, ssm_hist))
+            ys.append(step(work, *(t[rows] for t in inputs)))
+            for h, s in zip(hist, work.stores, strict=True):
+                h[j] = s.data
+        self.layers.append((cache, hist))
         return torch.cat(ys)[self.out_rows]
 
-    def run_chunk(self, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, inputs: tuple[torch.Tensor, ...],
-                  chunk: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Like :meth:`run`, with the layer computing all positions at once: ``chunk(conv0, ssm0,
-        *inputs_padded)`` gets the slots' states and the inputs padded to [n, L, ...] and returns (y [n, L, ...],
-        conv states [L, n, ...], SSM states [L, n, ...])."""
+    def run_chunk(self, cache: StateCacheView, inputs: tuple[torch.Tensor, ...],
+                  chunk: Callable[..., tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """Like :meth:`run`, with the layer computing all positions at once: ``chunk(*states0, *inputs_padded)``
+        gets the slots' states (one tensor per named state of ``cache``, in order) and the inputs padded to
+        [n, L, ...] and returns (y [n, L, ...], then per state tensor its states [L, n, ...])."""
         rows_NL = self.rows_JN.t()
-        y, conv_hist, ssm_hist = chunk(conv_pool[self.slots], ssm_pool[self.slots], *(t[rows_NL] for t in inputs))
-        self.layers.append((conv_pool, ssm_pool, conv_hist, ssm_hist))
+        y, *hist = chunk(*cache.read(self.slots), *(t[rows_NL] for t in inputs))
+        self.layers.append((cache, tuple(hist)))
         return y.flatten(0, 1)[self.chunk_rows]
 
     @property
     def nbytes(self) -> int:
         """Scratch bytes the per-position states of this step take (all layers)."""
-        return sum(c.nbytes + s.nbytes for _, _, c, s in self.layers)
+        return sum(h.nbytes for _, hist in self.layers for h in hist)

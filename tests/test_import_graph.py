@@ -1,0 +1,109 @@
+"""The installed package's import graph has no cycle, and no layer imports cache policy.
+
+The graph is read from the source (``ast``), not from ``sys.modules``, so a cycle that today's import
+order happens to survive (a function-level import that runs after both modules are loaded) still counts.
+Nodes are the modules of ``hybrid`` as installed (``kernels/`` -> ``hybrid.kernels``, ``eval/`` ->
+``hybrid.eval``, ``recipes/`` -> ``hybrid.recipes``: pyproject's package-dir mapping). An edge is every
+``import`` / ``from ... import`` statement of a module, at module level and inside functions or classes alike
+(lazy imports included: they run the imported module all the same), relative imports resolved against the
+importing module's package; ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
+``pkg``. Importing ``a.b.c`` also runs ``a`` and ``a.b``'s ``__init__``, but those implicit edges to parent
+packages are not counted (Python's own rule, and pydeps' / import-linter's: the parent is loaded first, so it
+cannot close a cycle through its child's import). Imports outside the package (torch, stdlib) are not nodes.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# source folder -> the package it installs as (pyproject.toml's package-dir)
+PACKAGES = {"hybrid": "hybrid", "kernels": "hybrid.kernels", "eval": "hybrid.eval", "recipes": "hybrid.recipes"}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Module name -> (source file, whether it is a package's ``__init__``)."""
+    mods = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            is_pkg = parts[-1] == "__init__"
+            if is_pkg:
+                parts = parts[:-1]
+            mods[".".join([package, *parts])] = (path, is_pkg)
+    return mods
+
+
+def _imports(name: str, path: Path, is_pkg: bool, known: set[str]) -> set[str]:
+    """The package modules ``name`` imports anywhere in its file."""
+    package = name if is_pkg else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in known else stem for a in node.names]
+        else:
+            continue
+        out.update(t for t in targets if t in known and t != name)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {name: _imports(name, path, is_pkg, known) for name, (path, is_pkg) in mods.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as its modules in order (first repeated last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                return path[path.index(m):] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        path.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_the_graph_is_read_from_the_package():
+    g = import_graph()
+    # spot checks that the resolution works: relative, parent-relative and absolute imports
+    assert "hybrid.layers.registry" in g["hybrid.model"]
+    assert "hybrid.kernels" in g["hybrid.layers.attention"]  # from .. import kernels
+    assert "hybrid.kernels.state_tiles" in g["hybrid.kernels.kv_quant"]  # from . import state_tiles
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_layer_imports_cache_policy():
+    """Layers compute; the cache views decide dtype, quantisation and pruning (hybrid.cache_views)."""
+    g = import_graph()
+    policy = {"hybrid.kv_pruning", "hybrid.kernels.kv_quant", "hybrid.kernels.int8_state_step"}
+    layers = {n: deps & policy for n, deps in g.items() if n.startswith("hybrid.layers")}
+    assert len(layers) > 5
+    assert {n: d for n, d in layers.items() if d} == {}
