@@ -45,11 +45,11 @@ def _weight(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     return int8_rows(w)
 
 
-def _attention(block, x, batch, pools):
+def _attention(block, x, batch, view):
     attn, d = block.mixer, batch.decode
-    if len(pools) != 2:  # quantised pages or a pruning policy: the eager layer
-        return None
-    k_pool, v_pool = pools
+    if view.k_scale is not None or view.sinks is not None or view.observe is not None or view.renumber:
+        return None  # quantised pages or a pruning policy: the eager layer
+    k_pool, v_pool = view.k_pool, view.v_pool
     if k_pool.dtype not in _FLOATS or attn.head_dim > 512:
         return None
     q_, k_, v_, o_ = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
@@ -60,11 +60,11 @@ def _attention(block, x, batch, pools):
     h = ops.rmsnorm(x, block.norm.weight, block.norm.eps)
     q = ops.qkv_rope(h, attn, k_pool, v_pool, batch.slot_mapping, cos, sin)
     o = kernels.paged_decode_attention(q, k_pool, v_pool, d.seq_lens, d.block_tables,
-                                       window=attn.cfg.sliding_window)
+                                       window=view.window)
     return o_(o.view(x.shape[0], -1), residual=x)
 
 
-def _mlp(block, x, batch, pools):
+def _mlp(block, x, batch, view):
     m = block.mixer
     h = ops.rmsnorm(x, block.norm.weight, block.norm.eps)
     gate, up = (_weight(m.gate_proj), _weight(m.up_proj)) if m.gate_proj is not None else (None, None)
@@ -78,9 +78,9 @@ def _mlp(block, x, batch, pools):
     return m.down_proj(a, residual=x)
 
 
-def _mamba2(block, x, batch, pools):
+def _mamba2(block, x, batch, view):
     m, d = block.mixer, batch.decode
-    conv_pool, ssm_pool = pools
+    pools = conv_pool, ssm_pool = view["conv"], view["ssm"]
     # a plain float pool only (anything else, e.g. a study's stand-in codec pool, steps the eager way)
     if any(getattr(p, "quantized", True) or getattr(p, "stochastic", True) or p.data.dtype not in _FLOATS
            for p in pools) or \
@@ -107,8 +107,7 @@ def _fused(block, x, batch, cache):
             or x.shape[0] > native.MAX_ROWS or x.device.type != "cpu" or torch.is_grad_enabled() \
             or torch.compiler.is_compiling():
         return None
-    pools = cache.layer_pools[block.index] if block.caches else ()
-    return fn(block, x, batch, pools)
+    return fn(block, x, batch, cache.view(block.index) if block.caches else None)
 
 
 def _eager(block, x, batch, cache):
