@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .tradeoff_report import memory, timed
+from .tradeoff_members import memory, timed
 
 
 def _yerr(m: dict) -> tuple[list[float], list[float]] | None:

@@ -13,6 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .tables import markdown, write_csv
+from .tradeoff_members import memory, reference, timed
+from .tradeoff_plot import plot
 
 CLAIM = ("Mamba cuts prefill latency by 80-90% and memory by 70-80% at a cost of 5-10 MMLU points "
          "(the seed's table)")
@@ -30,20 +32,6 @@ def _k(n: int) -> str:
 
 def _bytes(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
-def reference(members: list[dict]) -> dict:
-    """The member with the largest attention share (ties: the first)."""
-    return max(members, key=lambda m: m["attn_share"])
-
-
-def timed(member: dict) -> dict[int, dict]:
-    """The member's prefill rows that were measured (not skipped), by length."""
-    return {r["seq_len"]: r for r in member["prefill"] if "prefill_ms" in r}
-
-
-def memory(member: dict) -> dict[int, dict]:
-    return {r["seq_len"]: r for r in member["memory"]}
 
 
 def cuts(member: dict, ref: dict) -> dict[str, dict[int, float]]:
@@ -288,8 +276,6 @@ def markdown_report(result) -> str:
 def write_report(result, output: Path) -> dict[str, Path]:
     """``tradeoff.json`` (everything), ``tradeoff.csv`` (one row per member), ``tradeoff.md`` and
     ``tradeoff.png`` under ``output``."""
-    from .tradeoff_plot import plot
-
     output.mkdir(parents=True, exist_ok=True)
     paths = {"json": output / "tradeoff.json", "csv": output / "tradeoff.csv", "md": output / "tradeoff.md",
              "png": output / "tradeoff.png"}

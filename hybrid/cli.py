@@ -93,15 +93,21 @@ def cmd_bench(args) -> None:
     import torch
 
     from .eval.engine_bench import decode_engine, decode_speed
-    from .eval.prefill_bench import matmul_peak, peak_exceeded, set_threads, sweep
     from .eval.tables import markdown, write_rows
+    from .eval.timing import matmul_peak, peak_exceeded, set_threads, sweep
 
     threads = set_threads(args.threads)
     models = _models_from_args(args)
     if args.prefix_caching:  # the prefix-cache benchmark instead: shared system prompt and a chat, cache off vs on
         import json
+        from pathlib import Path
 
-        from .eval.prefix_bench import run_models
+        sys.path.append(str(Path(__file__).resolve().parents[1]))  # a checkout's benchmarks/ (never installed)
+        try:
+            from benchmarks.prefix import run_models
+        except ImportError:
+            raise SystemExit("hybrid bench --prefix-caching runs benchmarks/prefix.py: run it from a checkout of "
+                             "the repo (cd REPO; python -m benchmarks.prefix --help)") from None
 
         print(json.dumps(run_models(models, ["shared", "chat"], ["--shared", str(args.lengths[-1])]), indent=1))
         return
@@ -393,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="also write the rows to this .json or .csv file")
     p.add_argument("--prefix-caching", action="store_true",
                    help="run the prefix-cache benchmark instead (shared system prompt of --lengths[-1] tokens, "
-                        "a chat; cache off vs on; see hybrid.eval.prefix_bench)")
+                        "a chat; cache off vs on; see benchmarks/prefix.py)")
     _add_cache_dtype_args(p)
     p.set_defaults(func=cmd_bench)
 

@@ -1,6 +1,11 @@
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+# The repo's top-level benchmarks/ is not installed (vLLM's layout): tests import it from the repo root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Triton reads TRITON_INTERPRET when kernels are defined (at `import hybrid`): without a GPU, the
 # Triton kernels can only be tested in the interpreter, so switch it on before anything imports hybrid.
