@@ -1,2 +1,3 @@
-"""Evaluation: the lm-eval model ``hybrid`` (lm_eval_model), offline MMLU tasks (tasks/mmlu_local),
-the prefill benchmark (prefill_bench), MQAR (mqar) and the prefill-speed versus accuracy report (tradeoff)."""
+"""Evaluation: the lm-eval model ``hybrid`` (lm_eval_model), offline MMLU tasks (tasks/mmlu_local), MQAR
+(mqar), the prefill timing core (timing) and the prefill-speed versus accuracy report (tradeoff). The
+benchmark scripts live in the repo's top-level ``benchmarks/``, not in the installed package."""

@@ -13,7 +13,7 @@ Speed and memory are measured where they mean something: with MQAR, the *same pa
 ``speed_size`` width (``small``: d_model 768, where prefill on a CPU is compute-bound; the weights are
 untrained, which does not change the time), with checkpoints, the checkpoints themselves. Each prompt
 runs through :class:`hybrid.Engine` (chunked prefill, paged KV cache, state slots), timed as min /
-median / max over repeats, re-measured when the spread is wide (``prefill_bench.measure``). Memory is
+median / max over repeats, re-measured when the spread is wide (``timing.measure``). Memory is
 the bytes one sequence holds at each length, read from the layers' cache specs, and how many such
 sequences fit in ``cache_budget`` bytes (``hybrid.cache.sequences_that_fit``).
 
@@ -42,7 +42,7 @@ from tqdm import tqdm
 from ..model import HybridLM
 from ..pattern import attention_share
 from . import mqar
-from .prefill_bench import MAX_SPREAD, _is_oom, matmul_peak_flops, set_threads, time_engine_prefill
+from .timing import MAX_SPREAD, _is_oom, matmul_peak_flops, set_threads, time_engine_prefill
 
 DEFAULT_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_N_BLOCKS = 4

@@ -8,14 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-def timed(member: dict) -> dict[int, dict]:
-    """The member's prefill rows that were measured (not skipped), by length."""
-    return {r["seq_len"]: r for r in member["prefill"] if "prefill_ms" in r}
-
-
-def memory(member: dict) -> dict[int, dict]:
-    return {r["seq_len"]: r for r in member["memory"]}
+from .tradeoff_members import memory, timed
 
 
 def _yerr(m: dict) -> tuple[list[float], list[float]] | None:

@@ -13,7 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .tables import markdown, write_csv
-from .tradeoff_plot import memory, plot, timed
+from .tradeoff_members import memory, reference, timed
+from .tradeoff_plot import plot
 
 CLAIM = ("Mamba cuts prefill latency by 80-90% and memory by 70-80% at a cost of 5-10 MMLU points "
          "(the seed's table)")
@@ -31,11 +32,6 @@ def _k(n: int) -> str:
 
 def _bytes(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
-def reference(members: list[dict]) -> dict:
-    """The member with the largest attention share (ties: the first)."""
-    return max(members, key=lambda m: m["attn_share"])
 
 
 def cuts(member: dict, ref: dict) -> dict[str, dict[int, float]]:

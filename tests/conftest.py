@@ -1,6 +1,13 @@
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+# The repo's top-level benchmarks/ is not installed (vLLM's layout): tests import it from the repo root, put
+# LAST on sys.path — in front, the root's kernels/ (installed as hybrid.kernels) would shadow the Hugging Face
+# `kernels` package that transformers 5 imports.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 # Triton reads TRITON_INTERPRET when kernels are defined (at `import hybrid`): without a GPU, the
 # Triton kernels can only be tested in the interpreter, so switch it on before anything imports hybrid.

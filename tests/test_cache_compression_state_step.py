@@ -4,10 +4,10 @@ int8 state that tracks the fp32 one over many steps of slow decay and small upda
 
 import pytest
 import torch
-from hybrid.eval.state_drift_bench import KeptScale
 from hybrid.kernels import dispatch, int8_state_step, kv_quant
 from hybrid.kernels.int8_state_step import ssd_step_int8
 from hybrid.kernels.ssd import ssd_step, ssd_step_ref
+from state_codecs import KeptScale
 from triton_cases import needs_triton
 
 from hybrid import HybridLM, recipes
@@ -161,7 +161,8 @@ def test_int8_state_tracks_fp32_over_many_slow_decay_steps():
 
 
 def test_int8_state_keeps_the_conv_state_in_the_models_dtype():
-    # int8 conv rows were most of the int8 state's error (eval/state_drift_bench.py) for ~1% of its bytes
+    # int8 conv rows were most of the int8 state's error (the drift study: docs/notes/int8-state.md) for ~1% of
+    # its bytes
     assert cache_dtypes(torch.bfloat16, "int8", "int8").conv == torch.bfloat16  # the model's dtype
     assert cache_dtypes(torch.float16, "int8", "int8").conv == torch.float16
     assert cache_dtypes(torch.float32, "int8", "int8").conv == torch.float32
@@ -175,8 +176,10 @@ def test_int8_state_keeps_the_conv_state_in_the_models_dtype():
 
 
 def test_the_drift_study_simulates_the_real_storage():
-    from hybrid.eval import compression_bench, mqar
-    from hybrid.eval import state_drift_bench as sd
+    import state_codecs as sd
+    from hybrid.eval import mqar
+
+    from benchmarks import compression_accuracy
 
     x = torch.randn(3, 4, 8, 16) * torch.logspace(-2, 2, 4)[None, :, None, None]
     q, s = kv_quant.quantize_rows(x, 32)
@@ -189,7 +192,7 @@ def test_the_drift_study_simulates_the_real_storage():
     model = HybridLM(mqar.family_config("tiny", 0.25, 4, 256)).eval()
     inputs = mqar.make_batch(3, 4, 256, generator=torch.Generator().manual_seed(1)).inputs
     torch.testing.assert_close(sd.decode_logits(model, inputs, sd.Codec()),
-                               compression_bench.teacher_forced_logits(model, inputs, "float32", "float32"))
+                               compression_accuracy.teacher_forced_logits(model, inputs, "float32", "float32"))
 
 
 def _mamba1_inputs(n=3, Dm=32, N=8, seed=0):

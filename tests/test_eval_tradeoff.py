@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from hybrid.eval import prefill_bench
+from hybrid.eval import timing as prefill_bench
 from hybrid.eval.tasks import TASKS_DIR
 from hybrid.eval.tradeoff_report import crossing
 

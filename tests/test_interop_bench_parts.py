@@ -4,12 +4,14 @@ instead."""
 
 import pytest
 import torch
-from hybrid.eval import interop_bench, prefill_bench
+
+from benchmarks import interop as interop_bench
+from benchmarks.common import interleaved_seconds
 
 
 def test_sides_take_turns_and_each_gets_every_repeat():
     calls = []
-    times = prefill_bench.interleaved_seconds({"ours": lambda: calls.append("o"), "hf": lambda: calls.append("h")},
+    times = interleaved_seconds({"ours": lambda: calls.append("o"), "hf": lambda: calls.append("h")},
                                               warmup=1, repeats=3)
     assert calls == ["o", "h"] * 4 and [len(v) for v in times.values()] == [3, 3]
 

@@ -1,10 +1,11 @@
-"""long_prompt_bench: one prompt per fresh process through the engine in chunks, with its peak memory set
-beside the cache the specs say it needs."""
+"""benchmarks/prefill.py (long prompts): one prompt per fresh process through the engine in chunks, with its
+peak memory set beside the cache the specs say it needs."""
 
 import json
 
 import pytest
-from hybrid.eval import long_prompt_bench
+
+from benchmarks import prefill as long_prompt_bench
 
 
 def test_one_prompt_in_a_child_process(tmp_path, capsys):

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from hybrid.eval.prefill_bench import MatmulPeak, matmul_peak, matmul_peak_flops, peak_exceeded
+from hybrid.eval.timing import MatmulPeak, matmul_peak, matmul_peak_flops, peak_exceeded
 
 SMALL = ((64, 32, 48), (96, 96, 96))
 

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from hybrid.eval import prefill_bench
+from hybrid.eval import timing as prefill_bench
 
 from hybrid import HybridLM, recipes
 from hybrid.cli import main

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from hybrid.eval.profile_prefill import format_report, profile_one
 
+from benchmarks.profile import format_report, profile_one
 from hybrid import HybridLM, recipes
 
 
@@ -25,7 +25,7 @@ def test_profile_splits_time_by_layer_kind_and_part():
 
 
 def test_family_members_are_named_like_recipes():
-    from hybrid.eval.profile_prefill import _config
+    from benchmarks.profile import _config
 
     assert _config("family:tiny:0:4").pattern == recipes.attention_family("tiny", 0.0, 4).pattern
     assert _config("family:tiny:1:2").pattern == "*-*-"

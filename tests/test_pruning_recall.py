@@ -1,9 +1,9 @@
-"""The long-context recall scenario of the compression benchmark (eval/pruning_recall.py)."""
+"""The long-context recall scenario of the compression benchmark (benchmarks/compression_accuracy.py)."""
 
 import torch
 from hybrid.eval import mqar
-from hybrid.eval import pruning_recall as pr
 
+from benchmarks import compression_accuracy as pr
 from hybrid import HybridLM, recipes
 from hybrid.kv_pruning import SnapKV, StreamingLLM
 

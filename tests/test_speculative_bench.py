@@ -2,7 +2,7 @@
 
 import json
 
-from hybrid.eval import spec_bench
+from benchmarks import speculative as spec_bench
 
 
 def test_spec_bench_smoke(tmp_path):

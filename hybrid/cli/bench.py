@@ -3,7 +3,7 @@ through the engine, or the prefix-cache benchmark)."""
 
 from __future__ import annotations
 
-from .common import add_cache_dtype_args, add_model_args, models_from_args
+from .common import CLIError, add_cache_dtype_args, add_model_args, models_from_args
 
 
 def add_parser(sub) -> None:
@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--output", help="also write the rows to this .json or .csv file")
     p.add_argument("--prefix-caching", action="store_true",
                    help="run the prefix-cache benchmark instead (shared system prompt of --lengths[-1] tokens, "
-                        "a chat; cache off vs on; see hybrid.eval.prefix_bench)")
+                        "a chat; cache off vs on; see benchmarks/prefix.py)")
     add_cache_dtype_args(p)
     p.set_defaults(func=run)
 
@@ -38,15 +38,22 @@ def run(args) -> None:
     import torch
 
     from ..eval.engine_bench import decode_engine, decode_speed
-    from ..eval.prefill_bench import matmul_peak, peak_exceeded, set_threads, sweep
     from ..eval.tables import markdown, write_rows
+    from ..eval.timing import matmul_peak, peak_exceeded, set_threads, sweep
 
     threads = set_threads(args.threads)
     models = models_from_args(args)
     if args.prefix_caching:  # the prefix-cache benchmark instead: shared system prompt and a chat, cache off vs on
         import json
+        import sys
+        from pathlib import Path
 
-        from ..eval.prefix_bench import run_models
+        sys.path.append(str(Path(__file__).resolve().parents[2]))  # a checkout's benchmarks/ (never installed)
+        try:
+            from benchmarks.prefix import run_models
+        except ImportError:
+            raise CLIError("hybrid bench --prefix-caching runs benchmarks/prefix.py, which is not installed: run it "
+                           "from a checkout of the repo (python -m benchmarks.prefix --help)") from None
 
         print(json.dumps(run_models(models, ["shared", "chat"], ["--shared", str(args.lengths[-1])]), indent=1))
         return

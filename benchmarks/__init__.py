@@ -1,0 +1,1 @@
+"""Benchmark scripts (not installed into hybrid): run from the repo root as ``python -m benchmarks.NAME``."""
