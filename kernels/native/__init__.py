@@ -85,8 +85,11 @@ def owns_threads():
     and torch runs its few small ops on one. Two thread teams on the same cores, each spinning after its work,
     took turns at them (llama-d512 fp32, 2 threads: 16.9 ms a step, 13.2 with OMP_WAIT_POLICY=passive, 14.4
     on one thread alone)."""
+    from .. import dispatch
+
     n = torch.get_num_threads()
-    if n == 1 or _owned[0] or available() is not None:
+    # only when the native kernels run (HYBRID_BACKEND=torch: torch keeps its threads)
+    if n == 1 or _owned[0] or dispatch.choose("linear", "cpu")[0] != "native":
         yield
         return
     _owned[0] = n
