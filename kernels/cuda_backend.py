@@ -1,4 +1,4 @@
-"""The ``cuda`` backend: thin wrappers over the CUDA packages (flash-attn, mamba-ssm, causal-conv1d).
+"""The ``cuda`` backend: thin wrappers over the CUDA packages (flash-attn, mamba-ssm, causal-conv1d, fla-core).
 
 Each package is imported once, on first use; a failure (not installed, or installed without its
 compiled CUDA module, which raises at import) is remembered with its reason, which the probes
@@ -44,6 +44,11 @@ PACKAGES = {
         "fn": "causal_conv1d:causal_conv1d_fn",
         "update": "causal_conv1d:causal_conv1d_update",
     }),
+    # flash-linear-attention's Triton kernels (distribution fla-core): the gated delta rule
+    "fla": ("fla-core", {
+        "chunk": "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
+        "recurrent": "fla.ops.gated_delta_rule:fused_recurrent_gated_delta_rule",
+    }),
 }
 _loaded: dict[str, dict[str, Callable] | str] = {}  # package -> its functions, or why it failed
 
@@ -66,6 +71,11 @@ def _fns(package: str) -> dict[str, Callable]:
     if isinstance(fns, str):
         raise RuntimeError(fns)
     return fns
+
+
+def fla(name: str) -> Callable:
+    """flash-linear-attention's ``chunk`` or ``recurrent`` gated delta rule (imported on first use)."""
+    return _fns("fla")[name]
 
 
 def probe(package: str) -> Callable[[], str | None]:

@@ -1,0 +1,287 @@
+"""The gated delta rule (Gated DeltaNet, as Qwen3-Next and flash-linear-attention define it): chunked forward in
+the WY/UT form for prefill, the one-token step for decode, and the token-by-token ``*_ref`` beside them.
+
+Shapes: ``q, k: [B, L, Hk, K]`` (Hk key heads, each serving ``H / Hk`` consecutive value heads, as Qwen3-Next's
+``repeat_interleave``), ``v: [B, L, H, V]``, ``g: [B, L, H]`` (log decay, <= 0), ``beta: [B, L, H]`` (write
+strength in (0, 1)), state ``[B, H, K, V]`` in fp32. ``q`` and ``k`` come L2-normalised (the layer does it);
+``scale`` (default ``K ** -0.5``) multiplies ``q``.
+
+Recurrence (per value head): ``S_t = a_t S_{t-1} + k_t (beta_t (v_t - a_t S_{t-1}^T k_t))^T``, ``o_t = S_t^T q_t
+scale`` with ``a_t = exp(g_t)``: decay the state, read what it predicts for ``k_t``, write the correction.
+
+Chunked form (chunks of C tokens, running log-decay ``c_i`` inside a chunk, ``G_ij = exp(c_i - c_j)`` for
+``i >= j``): the C delta updates of a chunk collapse into one triangular solve (the UT transform),
+``T = (I + strictly_lower(beta K K^T * G))^-1``, ``U = T (beta V)``, ``W = T (beta K * exp(c))``; then per chunk,
+from the state ``S`` at its start: ``V' = U - W S`` (the new values), ``O = (Q * exp(c)) S + (Q K^T * G) V'`` and
+``S <- exp(c_C) S + (K * exp(c_C - c))^T V'``. Everything but the two-matmul walk of ``S`` through the chunks
+is batched over every chunk of a block of tokens; accumulation is fp32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import cuda_backend, dispatch
+from .packing import check_cu_seqlens, sequences, slot_rows
+from .state_tiles import scratch, tiles
+
+_CHUNK = 64  # chunk of the torch path: the [C, C] UT solve and decays stay small, the walk takes L / 64 steps
+# Tokens processed at once: the batched intra-chunk temporaries ([H, n, C, C] and the expanded q/k) are sized by
+# this block, not by the sequence, so a 32K prompt costs the working memory of a 2K one.
+_BLOCK = 2048
+# exp(c_i - c_j) is clamped from below at e^-80 (a normal fp32): a decay that small scales what it multiplies
+# by < 2e-35, below any fp32 rounding, and the exp never produces denormals (slow on x86) or sees -inf.
+_LOG_FLOOR = -80.0
+
+
+def _check_shapes(q, k, v, g, beta, lead: int) -> None:
+    if q.dim() != lead + 2 or k.shape != q.shape:
+        raise ValueError(f"gated delta: q and k must be [..., Hk, K] of one shape, got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+    H, Hk = v.shape[-2], q.shape[-2]
+    if v.shape[:-2] != q.shape[:-2] or H % Hk:
+        raise ValueError(f"gated delta: v {tuple(v.shape)} must share q's leading dims {tuple(q.shape[:-2])} and "
+                         f"have a multiple of q's {Hk} heads")
+    if g.shape != v.shape[:-1] or beta.shape != v.shape[:-1]:
+        raise ValueError(f"gated delta: g {tuple(g.shape)} and beta {tuple(beta.shape)} must be v's leading "
+                         f"dims {tuple(v.shape[:-1])}")
+
+
+def _expand(x: torch.Tensor, H: int) -> torch.Tensor:
+    """Key heads [..., Hk, K] -> one per value head [..., H, K] (head h reads key head h // (H / Hk))."""
+    return x if x.shape[-2] == H else x.repeat_interleave(H // x.shape[-2], dim=-2)
+
+
+# ---- reference ---------------------------------------------------------------------------------------------
+
+def gated_delta_ref(q, k, v, g, beta, *, scale=None, initial_state=None):
+    """Token by token in fp32 (the recurrence as written): the reference the chunked form is checked against.
+    Returns (o [B, L, H, V] in v's dtype, final state [B, H, K, V] fp32)."""
+    b, L, H, V = v.shape
+    K = q.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    qf, kf = _expand(q, H).float() * scale, _expand(k, H).float()
+    S = torch.zeros(b, H, K, V, device=v.device) if initial_state is None else initial_state.float().clone()
+    out = []
+    for t in range(L):
+        S = S * g[:, t].float().exp()[..., None, None]
+        pred = torch.einsum("bhkv,bhk->bhv", S, kf[:, t])
+        delta = beta[:, t].float()[..., None] * (v[:, t].float() - pred)
+        S = S + kf[:, t, :, :, None] * delta[:, :, None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", S, qf[:, t]))
+    return torch.stack(out, 1).to(v.dtype), S
+
+
+def gated_delta_step_ref(state, q, k, v, g, beta, *, scale=None):
+    """One token: state [n, H, K, V] (updated in place), q/k [n, Hk, K], v [n, H, V], g/beta [n, H] -> o [n, H, V]."""
+    o, S = gated_delta_ref(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale,
+                           initial_state=state)
+    state.copy_(S)
+    return o[:, 0]
+
+
+def gated_delta_varlen_ref(q, k, v, g, beta, cu_seqlens, *, scale=None, initial_states=None):
+    return _varlen(gated_delta_ref, q, k, v, g, beta, cu_seqlens, scale=scale, initial_states=initial_states)
+
+
+# ---- torch chunked path ------------------------------------------------------------------------------------
+
+def _block(q, k, v, g, beta, S, C):
+    """One block of whole chunks, heads first: q/k [b, H, n, C, K] fp32 (q scaled), v [b, H, n, C, V], g/beta
+    [b, H, n, C]; S [b, H, K, V] the state at the block's start. Returns (o [b, H, n, C, V], S at its end)."""
+    b, H, n = q.shape[:3]
+    c = g.cumsum(-1)  # running log-decay inside each chunk
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (c[..., :, None] - c[..., None, :]).clamp_(_LOG_FLOOR, 0.0).exp_().masked_fill_(~lower, 0.0)
+    kb = k * beta[..., None]
+    kT = k.transpose(-1, -2)
+    # the UT system I + strictly_lower(beta K K^T * G); solve_triangular ignores the diagonal (unitriangular)
+    ut = torch.matmul(kb, kT).mul_(decay)
+    rhs = torch.cat([v * beta[..., None], kb.mul_(c.exp()[..., None])], -1)  # [beta V | beta K exp(c)]
+    uw = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
+    V = v.shape[-1]
+    U, W = uw[..., :V], uw[..., V:]
+    attn = torch.matmul(q, kT).mul_(decay)  # intra-chunk scores, causal, decayed
+    c_last = c[..., -1:]
+    k_end = k.mul((c_last - c).exp()[..., None]).transpose(-1, -2)  # keys decayed to the chunk's end [.., K, C]
+    chunk_decay = c_last.exp()[..., None]  # [b, H, n, 1, 1]
+    starts = torch.empty(b, H, n, *S.shape[-2:], device=q.device)  # the state at each chunk's start
+    Vn = torch.empty_like(U)
+    for i in range(n):  # the walk: two matmuls per chunk
+        starts[:, :, i] = S
+        Vn[:, :, i] = torch.baddbmm(U[:, :, i].flatten(0, 1), W[:, :, i].flatten(0, 1), S.flatten(0, 1),
+                                    alpha=-1.0).view_as(U[:, :, i])
+        S = torch.baddbmm((S * chunk_decay[:, :, i]).flatten(0, 1), k_end[:, :, i].flatten(0, 1),
+                          Vn[:, :, i].flatten(0, 1)).view_as(S)
+    o = torch.matmul(q.mul_(c.exp()[..., None]), starts).add_(torch.matmul(attn, Vn))
+    return o, S
+
+
+def _heads_first(x, s, e, n, C):
+    """Tokens [s, e) of x [b, L, H, ...] -> fp32 [b, H, n, C, ...], zero-padded to n whole chunks (padded tokens:
+    beta = 0 writes nothing and g = 0 decays nothing, so the state leaving the block is exact)."""
+    x = x[:, s:e].float()
+    pad = n * C - (e - s)
+    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+    return x.movedim(1, 2).reshape(x.shape[0], x.shape[2], n, C, *x.shape[3:])
+
+
+def _chunk_torch(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size=_CHUNK):
+    b, L, H, V = v.shape
+    K = q.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    C = chunk_size
+    S = (torch.zeros(b, H, K, V, device=v.device) if initial_state is None
+         else initial_state.float().clone())
+    o = torch.empty(b, L, H, V, device=v.device, dtype=v.dtype)
+    block = max(C, _BLOCK // C * C)
+    for s in range(0, L, block):
+        e = min(L, s + block)
+        n = -(-(e - s) // C)
+        qb = _heads_first(_expand(q, H), s, e, n, C).mul_(scale)
+        ob, S = _block(qb, *(_heads_first(x, s, e, n, C) for x in (_expand(k, H), v, g, beta)), S, C)
+        o[:, s:e] = ob.reshape(b, H, n * C, V)[:, :, :e - s].transpose(1, 2)
+    return o, S
+
+
+def _varlen(chunk, q, k, v, g, beta, cu_seqlens, *, scale=None, initial_states=None, **kw):
+    o = torch.empty_like(v)
+    finals = []
+    for i, s in sequences(cu_seqlens):
+        init = None if initial_states is None else initial_states[i:i + 1]
+        oi, fi = chunk(q[None, s], k[None, s], v[None, s], g[None, s], beta[None, s], scale=scale,
+                       initial_state=init, **kw)
+        o[s] = oi[0]
+        finals.append(fi)
+    return o, torch.cat(finals)
+
+
+def _varlen_torch(q, k, v, g, beta, cu_seqlens, *, scale=None, initial_states=None, chunk_size=_CHUNK):
+    return _varlen(_chunk_torch, q, k, v, g, beta, cu_seqlens, scale=scale, initial_states=initial_states,
+                   chunk_size=chunk_size)
+
+
+def _step_torch(state, q, k, v, g, beta, *, scale=None, slots=None):
+    # Decode is bound by moving the state (H K V floats per sequence and layer): update the rows in place a
+    # tile of sequences at a time (.state_tiles), as one decay, one mat-vec read, one rank-1 write and one
+    # mat-vec output per head, batched; a bf16 state's tile is copied to fp32, updated and rounded back once.
+    rows, scatter = slot_rows(state, slots)
+    n, H, K, V = rows.shape
+    scale = K ** -0.5 if scale is None else scale
+    if not rows.is_contiguous():
+        y = gated_delta_step_ref(rows, q, k, v, g, beta, scale=scale)
+    else:
+        qf = (_expand(q, H).float() * scale).reshape(n * H, 1, K)
+        kf = _expand(k, H).float().reshape(n * H, 1, K)
+        decay = g.float().exp().reshape(n * H, 1, 1)
+        bv = beta.float().reshape(n * H, 1, 1)
+        vf = v.float().reshape(n * H, 1, V)
+        y = torch.empty(n * H, 1, V, device=v.device)
+        low = rows.dtype != torch.float32
+        for i, j in tiles(n, H * K * V, v.device):
+            f = scratch((j - i) * H * K * V, v.device).view(j - i, H, K, V).copy_(rows[i:j]) if low else rows[i:j]
+            r = slice(i * H, j * H)
+            S = f.view((j - i) * H, K, V).mul_(decay[r])
+            delta = torch.baddbmm(vf[r], kf[r], S, alpha=-1.0).mul_(bv[r])  # beta (v - S^T k)  [.., 1, V]
+            S.baddbmm_(kf[r].transpose(1, 2), delta)
+            torch.bmm(qf[r], S, out=y[r])
+            if low:
+                rows[i:j].copy_(f)
+        y = y.view(n, H, V).to(v.dtype)
+    if scatter:
+        state.index_copy_(0, slots, rows)
+    return y
+
+
+# ---- cuda: flash-linear-attention (fla-core) ---------------------------------------------------------------
+
+def _fla_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size=_CHUNK):
+    fn = cuda_backend.fla("chunk")
+    H = v.shape[-2]
+    o, S = fn(q=_expand(q, H), k=_expand(k, H), v=v, g=g.float(), beta=beta, scale=scale,
+              initial_state=initial_state, output_final_state=True)
+    return o, S.float()
+
+
+def _fla_varlen(q, k, v, g, beta, cu_seqlens, *, scale=None, initial_states=None, chunk_size=_CHUNK):
+    fn = cuda_backend.fla("chunk")
+    H = v.shape[-2]
+    o, S = fn(q=_expand(q, H)[None], k=_expand(k, H)[None], v=v[None], g=g.float()[None], beta=beta[None],
+              scale=scale, initial_state=initial_states, output_final_state=True, cu_seqlens=cu_seqlens.long())
+    return o[0], S.float()
+
+
+def _fla_step(state, q, k, v, g, beta, *, scale=None, slots=None):
+    fn = cuda_backend.fla("recurrent")
+    H = v.shape[-2]
+
+    def run(rows):
+        o, S = fn(q=_expand(q, H)[:, None], k=_expand(k, H)[:, None], v=v[:, None], g=g.float()[:, None],
+                  beta=beta[:, None], scale=scale, initial_state=rows.float(), output_final_state=True)
+        rows.copy_(S)
+        return o[:, 0]
+
+    rows, scatter = slot_rows(state, slots)
+    y = run(rows)
+    if scatter:
+        state.index_copy_(0, slots, rows)
+    return y
+
+
+# ---- public ops --------------------------------------------------------------------------------------------
+
+def gated_delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                      scale: float | None = None, initial_state: torch.Tensor | None = None,
+                      chunk_size: int = _CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over a batch: q/k [B, L, Hk, K], v [B, L, H, V], g/beta [B, L, H], initial_state
+    [B, H, K, V] or None (zeros). Returns (o [B, L, H, V] in v's dtype, final state [B, H, K, V] fp32)."""
+    _check_shapes(q, k, v, g, beta, 2)
+    _, fn = dispatch.choose("gated_delta_chunk", v.device.type)
+    return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+
+
+def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       cu_seqlens: torch.Tensor, *, scale: float | None = None,
+                       initial_states: torch.Tensor | None = None,
+                       chunk_size: int = _CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over a packed batch: q/k [T, Hk, K], v [T, H, V], g/beta [T, H], cu_seqlens [N+1], initial_states
+    [N, H, K, V] or None. Returns (o [T, H, V], final states [N, H, K, V] fp32); no state crosses a boundary."""
+    _check_shapes(q, k, v, g, beta, 1)
+    check_cu_seqlens(cu_seqlens, v.shape[0], "gated_delta_varlen")
+    _, fn = dispatch.choose("gated_delta_varlen", v.device.type)
+    return fn(q, k, v, g, beta, cu_seqlens, scale=scale, initial_states=initial_states, chunk_size=chunk_size)
+
+
+def gated_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, *, scale: float | None = None,
+                     slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step, updating the state in place: ``state`` [n, H, K, V] (fp32 or bf16), or with ``slots``
+    ([n] int64) a pool [S, H, K, V] whose rows ``slots`` belong to the batch. q/k [n, Hk, K], v [n, H, V],
+    g/beta [n, H] -> o [n, H, V]."""
+    _, fn = dispatch.choose("gated_delta_step", v.device.type)
+    return fn(state, q, k, v, g, beta, scale=scale, slots=slots)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim in fp32 (flash-linear-attention's and Qwen3-Next's form)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
+
+
+def flops_per_token(n_heads: int, head_k_dim: int, head_v_dim: int) -> float:
+    """FLOPs one token costs in the recurrent form (decay, read S^T k, rank-1 write, output S^T q: 7 per state
+    element), the count the GFLOP/s of a prefill are reported against (the chunked form does more work)."""
+    return 7.0 * n_heads * head_k_dim * head_v_dim
+
+
+dispatch.register("gated_delta_chunk", "torch", _chunk_torch)
+dispatch.register("gated_delta_varlen", "torch", _varlen_torch)
+dispatch.register("gated_delta_step", "torch", _step_torch)
+_fla = cuda_backend.probe("fla")
+dispatch.register("gated_delta_chunk", "cuda", _fla_chunk, _fla)
+dispatch.register("gated_delta_varlen", "cuda", _fla_varlen, _fla)
+dispatch.register("gated_delta_step", "cuda", _fla_step, _fla)
+
+__all__ = ["gated_delta_chunk", "gated_delta_ref", "gated_delta_step", "gated_delta_step_ref", "gated_delta_varlen",
+           "gated_delta_varlen_ref", "l2norm", "flops_per_token"]

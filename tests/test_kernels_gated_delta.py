@@ -1,0 +1,109 @@
+"""The gated delta rule: chunked (WY/UT) = step by step = the token-by-token reference, packed = alone, bf16
+within bf16 noise of the fp32 reference; and the reference itself against transformers' Qwen3-Next torch path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import rel_err
+from hybrid.kernels.gated_delta import l2norm
+
+from hybrid import kernels
+
+
+def _inputs(b, L, Hk, H, K, V, init=True, dtype=torch.float32):
+    q, k = l2norm(torch.randn(b, L, Hk, K)), l2norm(torch.randn(b, L, Hk, K))
+    v = torch.randn(b, L, H, V)
+    g = -F.softplus(torch.randn(b, L, H)) * torch.rand(H) * 2.0  # log decays, some close to 0 and some strong
+    beta = torch.sigmoid(torch.randn(b, L, H))
+    s0 = torch.randn(b, H, K, V) * 0.5 if init else None
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), s0
+
+
+@pytest.mark.parametrize("L", [1, 7, 63, 64, 65, 130])
+@pytest.mark.parametrize("Hk,H", [(2, 2), (1, 3)])
+def test_chunked_matches_recurrence(L, Hk, H):
+    q, k, v, g, beta, s0 = _inputs(2, L, Hk, H, 16, 24)
+    o_ref, s_ref = kernels.gated_delta_ref(q, k, v, g, beta, initial_state=s0)
+    o, s = kernels.gated_delta_chunk(q, k, v, g, beta, initial_state=s0)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+
+def test_chunk_size_and_block_change_nothing(monkeypatch):
+    """Small chunks and a block boundary inside the sequence (the walk carries the state across blocks)."""
+    from hybrid.kernels import gated_delta
+
+    q, k, v, g, beta, s0 = _inputs(1, 100, 2, 2, 8, 8)
+    o_ref, s_ref = kernels.gated_delta_ref(q, k, v, g, beta, initial_state=s0)
+    monkeypatch.setattr(gated_delta, "_BLOCK", 32)
+    o, s = kernels.gated_delta_chunk(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+
+def test_step_matches_recurrence_and_split_carries_state():
+    q, k, v, g, beta, s0 = _inputs(3, 9, 2, 4, 16, 8)
+    o_ref, s_ref = kernels.gated_delta_ref(q, k, v, g, beta, initial_state=s0)
+    state = s0.clone()
+    ys = [kernels.gated_delta_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t]) for t in range(9)]
+    assert rel_err(torch.stack(ys, 1), o_ref) < 1e-5 and rel_err(state, s_ref) < 1e-5
+    o1, s1 = kernels.gated_delta_chunk(q[:, :5], k[:, :5], v[:, :5], g[:, :5], beta[:, :5], initial_state=s0)
+    o2, s2 = kernels.gated_delta_chunk(q[:, 5:], k[:, 5:], v[:, 5:], g[:, 5:], beta[:, 5:], initial_state=s1)
+    assert rel_err(torch.cat([o1, o2], 1), o_ref) < 1e-5 and rel_err(s2, s_ref) < 1e-5
+
+
+def test_step_on_pool_slots_and_bf16_state():
+    q, k, v, g, beta, s0 = _inputs(2, 1, 2, 2, 8, 8)
+    pool = torch.randn(5, 2, 8, 8)
+    slots = torch.tensor([3, 1])
+    expect = pool[slots].clone()
+    low = pool.to(torch.bfloat16)  # the same rows stored in bf16 (before the fp32 pool is stepped)
+    y_ref = kernels.gated_delta_step_ref(expect, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    y = kernels.gated_delta_step(pool, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], slots=slots)
+    assert rel_err(y, y_ref) < 1e-5 and rel_err(pool[slots], expect) < 1e-5
+    y_low = kernels.gated_delta_step(low, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], slots=slots)
+    assert rel_err(y_low, y_ref) < 2e-2 and rel_err(low[slots], expect) < 1e-2
+
+
+def test_varlen_equals_each_sequence_alone():
+    lens = [5, 64, 70, 1]
+    T = sum(lens)
+    q, k, v, g, beta, _ = _inputs(1, T, 2, 4, 16, 8)
+    s0 = torch.randn(len(lens), 4, 16, 8)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    o, finals = kernels.gated_delta_varlen(q[0], k[0], v[0], g[0], beta[0], cu, initial_states=s0)
+    o_ref, f_ref = kernels.gated_delta_varlen_ref(q[0], k[0], v[0], g[0], beta[0], cu, initial_states=s0)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(finals, f_ref) < 1e-5
+    for i in range(len(lens)):
+        s = slice(int(cu[i]), int(cu[i + 1]))
+        oi, fi = kernels.gated_delta_chunk(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], initial_state=s0[i:i + 1])
+        assert torch.allclose(o[s], oi[0], atol=1e-6) and torch.allclose(finals[i], fi[0], atol=1e-6)
+
+
+def test_bf16_within_bf16_noise_of_fp32_reference():
+    """bf16 inputs: the chunked output is as close to the fp32 reference as rounding the fp32 output to bf16
+    and feeding bf16-rounded inputs through the exact reference (the noise bf16 itself brings), within 2x."""
+    q, k, v, g, beta, s0 = _inputs(1, 150, 2, 2, 32, 32)
+    o32, _ = kernels.gated_delta_ref(q, k, v, g, beta, initial_state=s0)
+    lo = [t.to(torch.bfloat16) for t in (q, k, v)]
+    o16, _ = kernels.gated_delta_chunk(*lo, g, beta.to(torch.bfloat16), initial_state=s0)
+    noise_ref, _ = kernels.gated_delta_ref(*lo, g, beta.to(torch.bfloat16), initial_state=s0)
+    noise = rel_err(noise_ref, o32)  # the reference on bf16 inputs, output rounded to bf16
+    assert o16.dtype == torch.bfloat16
+    assert rel_err(o16, o32) <= 2 * noise + 1e-6
+
+
+def test_bad_shapes_are_refused():
+    q, k, v, g, beta, _ = _inputs(1, 4, 2, 3, 8, 8)  # 3 value heads over 2 key heads
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.gated_delta_chunk(q, k, v, g, beta)
+
+
+def test_reference_matches_transformers_qwen3_next_torch_path():
+    mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    q, k, v, g, beta, s0 = _inputs(1, 70, 2, 4, 16, 8)
+    o_ref, s_ref = kernels.gated_delta_ref(q, k, v, g, beta, initial_state=s0)
+    o_hf, s_hf = mod.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=s0,
+                                                      output_final_state=True)
+    assert rel_err(o_hf, o_ref) < 1e-5 and rel_err(s_hf, s_ref) < 1e-5
+    o_hc, s_hc = mod.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=s0,
+                                                  output_final_state=True)
+    assert rel_err(o_hc, o_ref) < 1e-5 and rel_err(s_hc, s_ref) < 1e-5
