@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
+
+from .native.build import build
 
 ENV = "HYBRID_NATIVE_SCAN"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared"]
@@ -123,51 +119,14 @@ def _disabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off")
 
 
-def _compiler() -> str | None:
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("HYBRID_CACHE_DIR") or Path.home() / ".cache" / "hybrid-lm")
-
-
-def _cpu_identity() -> str:
-    """What ``-march=native`` compiles for: the CPU's feature flags (a cache shared by machines with other
-    CPUs must not hand one a library with instructions it lacks)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
-
-
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     """(the loaded library, None), or (None, why not)."""
     if _disabled():
         return None, f"{ENV}=0"
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler (cc / gcc) on PATH"
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), version, _cpu_identity()]).encode()).hexdigest()[:16]
-        lib_path = _cache_dir() / f"selective_scan_{key}.so"
-        if not lib_path.is_file():
-            lib_path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-                src, out = Path(tmp) / "scan.c", Path(tmp) / "scan.so"
-                src.write_text(_SOURCE)
-                res = subprocess.run([cc, *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True,
-                                     timeout=300)
-                if res.returncode != 0:
-                    return None, f"{cc} failed: {res.stderr.strip()[-300:]}"
-                os.replace(out, lib_path)  # atomic: a concurrent build of the same key loses nothing
-        lib = ctypes.CDLL(str(lib_path))
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"building or loading the C scan failed: {e}"
+    lib, why = build("selective_scan", _SOURCE, tuple(_FLAGS))
+    if lib is None:
+        return None, why
     fn = lib.selective_scan_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
