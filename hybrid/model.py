@@ -131,6 +131,10 @@ class HybridLM(nn.Module):
         ``all_logits``)."""
         if batch.rope is None and self.rope is not None:
             batch = batch.with_rope(self.rope.cos_sin(batch.positions, self.embed.weight.dtype))
+        if not all_logits:  # a decode-only step: one native program where it covers the model
+            logits = fused_decode.step(self, batch, cache)
+            if logits is not None:
+                return logits
         x = self.embed(batch.tokens)
         for block in self.layers:
             x = block(x, batch, cache)

@@ -105,8 +105,8 @@ class ModelRunner:
                 and observed_rows(self.manager, chunks) is None:  # SnapKV's window queries: eager capture
             return self._execute_compiled(chunks), True
         if self.device.type == "cpu" and all(len(c.tokens) == 1 for c in chunks):
-            # a decode step: its work is the native products (hybrid/layers/fused_decode.py), which take the
-            # intra-op threads while torch's small ops run on one
+            # a decode step: its work is the native program (hybrid/layers/fused_decode.py), which takes the
+            # intra-op threads while torch's small ops run on one (the engine holds them for its whole step)
             with native.owns_threads():
                 return self.model.forward_packed(build_batch(self.manager, chunks), self.cache), False
         return self.model.forward_packed(build_batch(self.manager, chunks), self.cache), False
@@ -146,6 +146,8 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], counters: list[int],
                contexts: list[list[int]] | None) -> list[int]:
         """Sample one token per row on the device; only the ids are copied back."""
+        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+            return logits.argmax(dim=-1).tolist()  # what sample() returns for these rows, without its tensors
         batch = SamplingBatch.build(params, seeds, counters, contexts, self.vocab, logits.device)
         return sample(logits, batch).tolist()
 

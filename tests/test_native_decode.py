@@ -1,5 +1,6 @@
-"""The native decode kernels (kernels/native/decode.c) against their torch references, and the fused decode
-sub-layers (hybrid/layers/fused_decode.py) against the eager layers and the full forward."""
+"""The native decode kernels (kernels/native/decode.c) against their torch references, and the decode program
+(hybrid/layers/fused_decode.py, kernels/native/program.c: per block, and the whole step as one call) against
+the eager layers and the full forward."""
 
 from __future__ import annotations
 
@@ -170,5 +171,82 @@ def test_fused_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
         return eager
 
     monkeypatch.setattr(model_mod.Block, "forward", both)
+    # the blocks one by one (their programs built), not the whole step
+    monkeypatch.setattr(fused_decode, "step", lambda m, b, c: fused_decode.program(m, c) and None)
     _greedy(model, [list(range(1, 12)), [7] * 20], 4)
     assert "mlp" in checked and ("attention" in checked or recipe != "llama-tiny")
+
+
+def _step_logits(model, prompts, whole: bool, monkeypatch):
+    """Each decode step's logits of an engine run, through the whole-step program or (whole=False) block by
+    block."""
+    from hybrid.layers import fused_decode
+
+    got, real, decoding = [], fused_decode.step, [False]
+
+    def record(m, batch, cache):
+        decoding[0] = batch.prefill is None
+        out = real(m, batch, cache) if whole else fused_decode.program(m, cache) and None
+        if whole and batch.prefill is None:
+            assert out is not None, fused_decode.coverage(m, cache)
+            got.append(out.clone())
+        return out
+
+    monkeypatch.setattr(fused_decode, "step", record)
+    if not whole:
+        import hybrid.model as model_mod
+
+        plain = model_mod.HybridLM.logits
+        def logits(self, h):
+            out = plain(self, h)
+            if decoding[0]:
+                got.append(out)
+            return out
+
+        monkeypatch.setattr(model_mod.HybridLM, "logits", logits)
+    _greedy(model, prompts, 6)
+    monkeypatch.undo()
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", ["llama-tiny", "mamba2-tiny", "hybrid-1to7-tiny"])
+def test_whole_step_program_equals_block_programs(recipe, dtype, monkeypatch):
+    """The whole decode step as one native call computes what the per-block programs and the eager final norm
+    and LM head compute: the blocks are the same ops, the final norm sums in another order (fp32 noise; in
+    bf16 at most a rounding of the largest logit)."""
+    torch.manual_seed(0)
+    model = HybridLM(recipes.get(recipe)).to(dtype).eval()
+    prompts = [list(range(1, 12)), [7] * 20, list(range(40, 45))]
+    whole = _step_logits(model, prompts, True, monkeypatch)
+    blocks = _step_logits(model, prompts, False, monkeypatch)
+    assert len(whole) == len(blocks) == 5  # the prefill samples the first of the 6 tokens
+    for a, b in zip(whole, blocks, strict=True):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape == (len(prompts), model.config.vocab_size)
+        assert (a.float() - b.float()).abs().max() <= 1e-5 + 2 * _noise(b, dtype)
+
+
+def test_program_follows_rebound_weights_and_skips_uncovered_layers():
+    """A program binds pointers: when a weight is replaced (not updated in place) the engine's next step
+    rebuilds it, and the tokens follow the new weights; a layer it does not cover (int8 K/V pages) runs eager
+    while the others keep their native ops."""
+    from hybrid.layers import fused_decode
+
+    torch.manual_seed(0)
+    model = HybridLM(recipes.get("llama-tiny")).eval()
+    prompts = [list(range(1, 12))]
+    before = _greedy(model, prompts, 8)
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.flip(0).contiguous())
+    after = _greedy(model, prompts, 8)
+    with use_backend("torch"):
+        assert after == _greedy(model, prompts, 8)
+    assert after != before
+    with torch.inference_mode():
+        engine = Engine(model, num_blocks=64, block_size=16, max_seqs=4, kv_dtype=torch.int8)
+        rid = engine.add_request(prompts[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        engine.run()
+        why = fused_decode.coverage(model, engine.cache)
+    assert any(w and "quantised" in w for w in why) and None in why
+    with use_backend("torch"):
+        assert [engine.requests[rid].output] == _greedy(model, prompts, 8, kv_dtype=torch.int8)

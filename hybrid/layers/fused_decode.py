@@ -1,28 +1,36 @@
-"""A decode step's residual sub-layers as a few native calls each (``x + mixer(norm(x))`` for the one-token rows
-of a decode-only step), for the layer kinds and cache layouts the native kernels cover; anything else runs
-the layers' eager forward, which computes the same thing.
+"""A decode step as a *program* of native ops (``kernels/native/program.c``), built once per engine: for the
+one-token rows of a decode-only step, each residual sub-layer ``x + mixer(norm(x))`` is a few ops with its
+weights, cache pools and scratch buffers bound, and when every layer is covered the whole step — all
+sub-layers, the final norm and the LM head — is a single call into C.
 
-Why: a decode step reads every weight once, and on a CPU that takes a few milliseconds (llama-d512: 221 MB at
-~28 GB/s, 7.9 ms). The eager layers spend as long again between the products — about 25 torch ops per
-sub-layer, each a few microseconds of dispatch, several an OpenMP fork/join — which no faster matrix-vector
-product can win back. Here an attention sub-layer is four calls (norm; q/k/v with RoPE and the K/V write in
-one pass over the three matrices; paged attention; out-projection with the residual), a gated MLP three, a
-Mamba-2 layer seven; each mirrors the rounding points of the torch ops it replaces (tests hold the two paths
-to each other, and both to the full forward).
+Why: a decode step reads every weight once, and on a CPU that takes a few milliseconds (llama-d512 fp32: 208
+MB at ~28 GB/s, 7.4 ms). The eager layers spend as long again between the products (about 25 torch ops a
+sub-layer, each microseconds of dispatch, several an OpenMP fork/join); the same ops called one by one from
+Python through ctypes still cost ~5 ms a step of interpreter and tensor bookkeeping and a thread wake-up per
+call (measured: issue 25's closing note). A program pays that once a step.
+
+An attention sub-layer is four ops (norm; q/k/v with RoPE and the K/V write in one pass over the three
+matrices; paged attention; out-projection with the residual), a gated MLP three, a plain MLP three, a
+Mamba-2 layer seven; each mirrors the rounding points of the torch ops it replaces (tests hold the program
+to the eager layers, bit for bit in bf16, and to the full forward).
 
 Covered: attention over fp32/bf16 K/V pools (no int8/fp8 pages, no StreamingLLM/SnapKV pruning), gated or
-plain MLPs, Mamba-2 with fp32/bf16 state pools (no int8 or stochastic-rounded state); fp32 or bf16 models, up
-to 16 decoding sequences (past that the products are compute-bound GEMMs, torch's). ``HYBRID_BACKEND=torch``
-turns it off with every other native op.
+plain MLPs, Mamba-2 with fp32/bf16 state pools (no int8 or stochastic-rounded state); fp32, bf16 or torchao
+int8 weight-only linear layers; up to 16 decoding sequences (past that the products are compute-bound GEMMs,
+torch's). A layer outside that runs its eager forward (the others keep their programs; the step is then one
+call per covered sub-layer). ``HYBRID_BACKEND=torch`` turns it all off.
 """
 
 from __future__ import annotations
 
+import ctypes
+import weakref
+
 import torch
 
-from .. import kernels
 from ..kernels import dispatch, native
-from ..kernels.native import ops
+from ..kernels.native import DTYPE_CODES
+from ..kernels.native.ops import ACTIVATIONS
 from ..quantize import int8_rows
 from .attention import Attention
 from .mamba2 import Mamba2
@@ -30,6 +38,23 @@ from .mlp import MLP
 from .norm import GatedRMSNorm, RMSNorm
 
 _FLOATS = (torch.float32, torch.bfloat16)
+(OP_RMSNORM, OP_GEMV, OP_GATED_UP, OP_QKV_ROPE, OP_PAGED, OP_CONV, OP_DT, OP_SSD, OP_GATED_RMSNORM) = range(9)
+X = object()  # an op argument standing for the step's residual stream (program.c's HL_STEP_X)
+
+
+class HlOp(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("p", ctypes.c_void_p * 14), ("i", ctypes.c_int64 * 14),
+                ("f", ctypes.c_double * 2)]
+
+
+class HlStep(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int64), ("x", ctypes.c_void_p), ("kv_slots", ctypes.c_void_p),
+                ("seq_lens", ctypes.c_void_p), ("tables", ctypes.c_void_p), ("tstride", ctypes.c_int64),
+                ("state_slots", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+
+
+class _Unsupported(Exception):
+    """This layer (or cache) is outside what the program covers; the message says why."""
 
 
 def _plain(*tensors) -> bool:
@@ -37,89 +62,302 @@ def _plain(*tensors) -> bool:
                              and t.dtype in _FLOATS) for t in tensors)
 
 
-def _weight(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, None) of a plain float linear layer, (int8 codes, row scales) of a torchao int8 one, else None."""
-    w = linear.weight
-    if _plain(w):
-        return w, None
-    return int8_rows(w)
+def _code(t) -> int:
+    return -1 if t is None else DTYPE_CODES[t.dtype]
 
 
-def _attention(block, x, batch, view):
-    attn, d = block.mixer, batch.decode
+class _Builder:
+    """Collects a program's ops, the scratch buffers they write (MAX_ROWS rows each) and every tensor they point
+    at (kept alive, and checked before each run that it still is what the program bound)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype, self.ops, self.bound, self.buffers = dtype, [], {}, {}
+
+    def buffer(self, width: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = torch.zeros(native.MAX_ROWS, width, dtype=dtype or self.dtype)
+        self.buffers[t.data_ptr()] = t
+        return t
+
+    def weight(self, linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, None) of a plain float linear layer, (int8 codes, row scales) of a torchao int8 one."""
+        w = linear.weight
+        if _plain(w):
+            return w, None
+        rows = int8_rows(w)
+        if rows is None:
+            raise _Unsupported(f"a {type(w).__name__} weight")
+        return rows
+
+    def op(self, kind: int, ptrs=(), ints=(), floats=()) -> None:
+        o = HlOp(kind=kind)
+        for k, t in enumerate(ptrs):
+            if t is X:
+                o.p[k] = 1
+            elif t is not None:
+                if t.device.type != "cpu":
+                    raise _Unsupported("not on the CPU")
+                o.p[k] = t.data_ptr()
+                if t.untyped_storage().data_ptr() not in self.buffers:  # a weight or pool, not our scratch
+                    self.bound.setdefault(id(t), t)
+        for k, v in enumerate(ints):
+            o.i[k] = int(v)
+        for k, v in enumerate(floats):
+            o.f[k] = float(v)
+        self.ops.append(o)
+
+    def rmsnorm(self, norm, x, y) -> None:
+        if type(norm) is not RMSNorm:
+            raise _Unsupported(f"a {type(norm).__name__}")
+        d = norm.weight.shape[0]
+        self.op(OP_RMSNORM, (x, norm.weight, y), (DTYPE_CODES[self.dtype], _code(norm.weight), d), (norm.eps,))
+
+    def gemv(self, linear, x, y, *, residual=None, act: str | None = None) -> None:
+        w, scale = self.weight(linear)
+        if not _plain(linear.bias):
+            raise _Unsupported("a bias of another dtype")
+        N, K = w.shape
+        dt = DTYPE_CODES[self.dtype]
+        self.op(OP_GEMV, (w, scale, linear.bias, x, residual, y),
+                (_code(w), _code(linear.bias), dt, dt, N, K, 0 if act is None else ACTIVATIONS[act] + 1))
+
+
+def _attention(b: _Builder, block, view) -> None:
+    attn = block.mixer
     if view.k_scale is not None or view.sinks is not None or view.observe is not None or view.renumber:
-        return None  # quantised pages or a pruning policy: the eager layer
+        raise _Unsupported("quantised K/V pages or a pruning policy")
     k_pool, v_pool = view.k_pool, view.v_pool
-    if k_pool.dtype not in _FLOATS or attn.head_dim > 512:
-        return None
+    if k_pool.dtype not in _FLOATS or v_pool.dtype != k_pool.dtype or attn.head_dim > 512 \
+            or attn.n_heads % attn.n_kv_heads or attn.n_heads // attn.n_kv_heads > 64:
+        raise _Unsupported(f"a {k_pool.dtype} pool or head layout")
+    rot = attn.rope.rotary_dim
+    if rot % 2 or rot > attn.head_dim:
+        raise _Unsupported(f"rotary_dim {rot}")
     q_, k_, v_, o_ = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-    if not _plain(q_.weight, k_.weight, v_.weight, q_.bias, k_.bias, v_.bias) or \
-            len({q_.weight.dtype, k_.weight.dtype, v_.weight.dtype}) != 1:
-        return None
-    cos, sin = batch.rope if attn.rope.rotary_dim else (None, None)
-    h = ops.rmsnorm(x, block.norm.weight, block.norm.eps)
-    q = ops.qkv_rope(h, attn, k_pool, v_pool, batch.slot_mapping, cos, sin)
-    o = kernels.paged_decode_attention(q, k_pool, v_pool, d.seq_lens, d.block_tables,
-                                       window=view.window)
-    return o_(o.view(x.shape[0], -1), residual=x)
+    (wq, sq), (wk, sk), (wv, sv) = b.weight(q_), b.weight(k_), b.weight(v_)
+    if len({wq.dtype, wk.dtype, wv.dtype}) != 1 or not _plain(q_.bias, k_.bias, v_.bias) \
+            or len({t.dtype for t in (q_.bias, k_.bias, v_.bias) if t is not None}) > 1:
+        raise _Unsupported("q/k/v weights of different dtypes")
+    d_model, Hq, Hkv, D = wq.shape[1], attn.n_heads, attn.n_kv_heads, attn.head_dim
+    dt = DTYPE_CODES[b.dtype]
+    h, q, o = b.buffer(d_model), b.buffer(Hq * D), b.buffer(Hq * D)
+    b.rmsnorm(block.norm, X, h)
+    b.op(OP_QKV_ROPE, (wq, q_.bias, wk, k_.bias, wv, v_.bias, sq, sk, sv, h, q, k_pool, v_pool),
+         (_code(wq), _code(q_.bias), dt, _code(k_pool), rot, Hq, Hkv, D, d_model))
+    b.op(OP_PAGED, (q, k_pool, v_pool, o), (dt, _code(k_pool), Hq, Hkv, D, k_pool.shape[1], view.window or 0),
+         (D ** -0.5,))
+    b.gemv(o_, o, X, residual=X)
 
 
-def _mlp(block, x, batch, view):
+def _mlp(b: _Builder, block, view) -> None:
     m = block.mixer
-    h = ops.rmsnorm(x, block.norm.weight, block.norm.eps)
-    gate, up = (_weight(m.gate_proj), _weight(m.up_proj)) if m.gate_proj is not None else (None, None)
-    if gate is not None and up is not None and gate[0].dtype == up[0].dtype \
-            and _plain(m.gate_proj.bias, m.up_proj.bias):
-        a = ops.gated_up(h, gate, up, m.gate_proj.bias, m.up_proj.bias, m.activation)
-    elif m.gate_proj is not None:
-        a = m.act(m.gate_proj(h)) * m.up_proj(h)
+    d_model, d_ff = m.up_proj.weight.shape[1], m.up_proj.weight.shape[0]
+    h, a = b.buffer(d_model), b.buffer(d_ff)
+    b.rmsnorm(block.norm, X, h)
+    if m.gate_proj is None:
+        b.gemv(m.up_proj, h, a, act=m.activation)
     else:
-        a = m.act(m.up_proj(h))
-    return m.down_proj(a, residual=x)
+        (wg, sg), (wu, su) = b.weight(m.gate_proj), b.weight(m.up_proj)
+        if wg.dtype != wu.dtype or not _plain(m.gate_proj.bias, m.up_proj.bias):
+            raise _Unsupported("gate/up weights of different dtypes")
+        b.op(OP_GATED_UP, (wg, sg, m.gate_proj.bias, wu, su, m.up_proj.bias, h, a),
+             (_code(wu), _code(m.up_proj.bias), DTYPE_CODES[b.dtype], ACTIVATIONS[m.activation], d_ff, d_model))
+    b.gemv(m.down_proj, a, X, residual=X)
 
 
-def _mamba2(block, x, batch, view):
-    m, d = block.mixer, batch.decode
-    pools = conv_pool, ssm_pool = view["conv"], view["ssm"]
+def _mamba2(b: _Builder, block, view) -> None:
+    m = block.mixer
+    conv_pool, ssm_pool = view["conv"], view["ssm"]
     # a plain float pool only (anything else, e.g. a study's stand-in codec pool, steps the eager way)
     if any(getattr(p, "quantized", True) or getattr(p, "stochastic", True) or p.data.dtype not in _FLOATS
-           for p in pools) or \
-            not isinstance(m.norm, GatedRMSNorm) or m.d_inner // m.norm.groups > 8192:
+           or not p.data.is_contiguous() for p in (conv_pool, ssm_pool)):
+        raise _Unsupported("a quantised or stochastic-rounded state pool")
+    if not isinstance(m.norm, GatedRMSNorm) or m.d_inner // m.norm.groups > 8192 or m.d_state > 512 \
+            or m.n_heads % m.n_groups:
+        raise _Unsupported("the gated norm or state layout")
+    conv_w = m.conv1d.weight[:, 0]
+    if not _plain(conv_w, m.conv1d.bias, m.dt_bias, m.A_log, m.D, m.norm.weight):
+        raise _Unsupported("conv / dt / A / D parameters")
+    d_model = m.in_proj.weight.shape[1]
+    width, conv_dim, H, gn = m.in_proj.weight.shape[0], m.cfg.conv_dim, m.n_heads, m.n_groups * m.d_state
+    dt = DTYPE_CODES[b.dtype]
+    h, zxbcdt, xbc = b.buffer(d_model), b.buffer(width), b.buffer(conv_dim)
+    dt_out, A = b.buffer(H, torch.float32), b.buffer(H, torch.float32)
+    y, g = b.buffer(m.d_inner), b.buffer(m.d_inner)
+    b.rmsnorm(block.norm, X, h)
+    b.gemv(m.in_proj, h, zxbcdt)
+    xbc_in = zxbcdt[:, m.d_inner:]  # z | xBC | dt rows of in_proj's output, read with its row stride
+    b.op(OP_CONV, (conv_pool.data, xbc_in, conv_w, m.conv1d.bias, xbc),
+         (_code(conv_pool.data), dt, width, _code(conv_w), _code(m.conv1d.bias), 1, conv_dim, conv_w.shape[-1]))
+    lo, hi = m.cfg.dt_limit
+    clamp = lo > 0.0 or hi != float("inf")
+    b.op(OP_DT, (zxbcdt[:, m.d_inner + conv_dim:], m.dt_bias, m.A_log, dt_out, A),
+         (dt, width, _code(m.dt_bias), _code(m.A_log), int(clamp), H), (lo, min(hi, 3.0e38)))
+    b.op(OP_SSD, (ssm_pool.data, xbc, dt_out, A, xbc[:, m.d_inner:], xbc[:, m.d_inner + gn:], m.D, y),
+         (_code(ssm_pool.data), dt, conv_dim, H, conv_dim, conv_dim, _code(m.D), H, m.head_dim, m.d_state,
+          m.n_groups))
+    b.op(OP_GATED_RMSNORM, (y, zxbcdt, m.norm.weight, g),
+         (width, dt, _code(m.norm.weight), m.norm.groups, int(m.norm.norm_before_gate), m.d_inner), (m.norm.eps,))
+    b.gemv(m.out_proj, g, X, residual=X)
+
+
+_EMITTERS = {Attention: _attention, MLP: _mlp, Mamba2: _mamba2}
+
+
+class _Ops:
+    """A list of ops as program.c takes it, and what it must find unchanged to run."""
+
+    def __init__(self, b: _Builder):
+        self.array = (HlOp * len(b.ops))(*b.ops)
+        self.scratch = list(b.buffers.values())
+        self.bound = [(t, t.data_ptr()) for t in b.bound.values()]
+        self.times = None  # set to a (ctypes.c_double * n)() to collect each op's microseconds
+
+    def valid(self) -> bool:
+        return all(t.data_ptr() == p for t, p in self.bound)
+
+    def run(self, step: HlStep) -> None:
+        rc = native.library().hl_program_run(self.array, len(self.array), ctypes.byref(step), self.times)
+        if rc:
+            raise RuntimeError(f"the native decode program refused op {-rc - 1} of {len(self.array)}: its arguments "
+                               "are outside what the kernels take (a bug: the builder should have refused them)")
+
+
+class DecodeProgram:
+    """The decode ops of one model over one cache: ``blocks[i]`` the ops of block i (None where it is not
+    covered: ``why[i]`` says why), ``whole`` every block plus the final norm and the LM head as one list (None
+    unless all are covered)."""
+
+    def __init__(self, model, cache):
+        self.dtype = model.embed.weight.dtype
+        self.d_model = model.config.d_model
+        self.vocab = model.config.vocab_size
+        self.views = {}
+        self.blocks, self.why, whole = [], [], _Builder(self.dtype)
+        for block in model.layers:
+            view = cache.view(block.index) if block.caches else None
+            self.views[block.index] = view
+            emit = _EMITTERS.get(type(block.mixer))
+            try:
+                if emit is None:
+                    raise _Unsupported(f"no native ops for {type(block.mixer).__name__}")
+                own = _Builder(self.dtype)
+                emit(own, block, view)
+                emit(whole, block, view)
+                self.blocks.append(_Ops(own))
+                self.why.append(None)
+            except _Unsupported as e:
+                self.blocks.append(None)
+                self.why.append(str(e))
+        self.whole = self.logits = None
+        if all(w is None for w in self.why):
+            try:
+                self.logits = whole.buffer(self.vocab)
+                h = whole.buffer(self.d_model)
+                whole.rmsnorm(model.norm_f, X, h)
+                head = model.lm_head
+                if head is None:  # tied embeddings
+                    if not _plain(model.embed.weight):
+                        raise _Unsupported("the tied embedding's weight")
+                    N, K = model.embed.weight.shape
+                    dt = DTYPE_CODES[self.dtype]
+                    whole.op(OP_GEMV, (model.embed.weight, None, None, h, None, self.logits),
+                             (dt, -1, dt, dt, N, K, 0))
+                else:
+                    whole.gemv(head, h, self.logits)
+                self.whole = _Ops(whole)
+            except _Unsupported as e:
+                self.why.append(f"LM head: {e}")
+
+    def valid(self, cache) -> bool:
+        """The cache still hands out the views it was built on (a pruning policy set since rebuilds them)."""
+        return all(cache.view(i) is v for i, v in self.views.items() if v is not None)
+
+    @staticmethod
+    def step_args(batch, x: torch.Tensor) -> HlStep:
+        d = batch.decode
+        cos, sin = batch.rope if batch.rope is not None else (None, None)
+        tables = d.block_tables
+        return HlStep(n=x.shape[0], x=x.data_ptr(), kv_slots=batch.slot_mapping.data_ptr(),
+                      seq_lens=d.seq_lens.data_ptr(), tables=tables.data_ptr(),
+                      tstride=tables.stride(0) if tables.dim() == 2 else 0, state_slots=d.state_slots.data_ptr(),
+                      cos=None if cos is None else cos.data_ptr(), sin=None if sin is None else sin.data_ptr())
+
+
+_programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> (model ref, DecodeProgram)
+
+
+def _batch_ok(batch, x: torch.Tensor) -> bool:
+    d = batch.decode
+    return (d is not None and batch.prefill is None and x.dtype in _FLOATS and x.is_contiguous()
+            and 0 < x.shape[0] <= native.MAX_ROWS and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and batch.observe is None
+            and batch.slot_mapping.dtype == torch.int64 and batch.slot_mapping.is_contiguous()
+            and d.seq_lens.dtype == torch.int32 and d.block_tables.dtype == torch.int32
+            and d.block_tables.is_contiguous() and d.state_slots.dtype == torch.int64
+            and (batch.rope is None or all(t.dtype == x.dtype and t.is_contiguous() for t in batch.rope)))
+
+
+def program(model, cache) -> DecodeProgram:
+    """The decode program of ``model`` over ``cache`` (built on first use, rebuilt when a view or a bound tensor
+    changed)."""
+    entry = _programs.get(cache)
+    if entry is not None:
+        ref, prog = entry
+        # the whole step's ops bind every block's tensors; without it each block checks its own when it runs
+        if ref() is model and prog.valid(cache) and (prog.whole is None or prog.whole.valid()):
+            return prog
+    prog = DecodeProgram(model, cache)
+    _programs[cache] = (weakref.ref(model), prog)
+    return prog
+
+
+def _fused_sublayer(block, x, batch, cache):
+    entry = _programs.get(cache) if cache is not None else None
+    if entry is None or not _batch_ok(batch, x):
         return None
-    n = x.shape[0]
-    h = ops.rmsnorm(x, block.norm.weight, block.norm.eps)
-    z, xBC, dt_raw = m.split_projection(m.in_proj(h))
-    xBC = kernels.causal_conv1d_step(conv_pool.data, xBC, m.conv1d.weight[:, 0], m.conv1d.bias, activation="silu",
-                                     slots=d.state_slots)
-    xs, B, C = m.split_xBC(xBC)
-    dt, A = ops.mamba2_dt(dt_raw, m)
-    y = kernels.ssd_step(ssm_pool.data, xs, dt, A, B, C, D=m.D, slots=d.state_slots)
-    y = ops.gated_rmsnorm(y.view(n, m.d_inner), z, m.norm)
-    return m.out_proj(y, residual=x)
-
-
-_SUBLAYERS = {Attention: _attention, MLP: _mlp, Mamba2: _mamba2}
-
-
-def _fused(block, x, batch, cache):
-    fn = _SUBLAYERS.get(type(block.mixer))
-    if fn is None or type(block.norm) is not RMSNorm or x.dtype not in _FLOATS or not x.is_contiguous() \
-            or x.shape[0] > native.MAX_ROWS or x.device.type != "cpu" or torch.is_grad_enabled() \
-            or torch.compiler.is_compiling():
+    prog = entry[1]
+    ops = prog.blocks[block.index] if block.index < len(prog.blocks) else None
+    if ops is None or not ops.valid() or (block.caches and cache.view(block.index) is not prog.views[block.index]):
         return None
-    return fn(block, x, batch, cache.view(block.index) if block.caches else None)
+    y = x.clone()
+    ops.run(DecodeProgram.step_args(batch, y))
+    return y
 
 
-def _eager(block, x, batch, cache):
+def _none(*args):
     return None
 
 
+def step(model, batch, cache) -> torch.Tensor | None:
+    """The logits [n, vocab] of a decode-only step's rows (``batch.rope`` computed) as one native program, or
+    None when the program does not cover this model, cache or batch: the caller then runs the blocks, and those
+    the program covers run their own ops (:func:`sublayer`)."""
+    if batch.prefill is not None or batch.decode is None or torch.compiler.is_compiling():
+        return None  # (a compiled decode graph runs the layers: Inductor's code, not ours)
+    _, fn = dispatch.choose("decode_sublayer", batch.tokens.device.type)
+    if fn is _none or batch.tokens.device.type != "cpu":
+        return None
+    prog = program(model, cache)  # built here, so that the per-block path finds it too
+    if prog.whole is None:
+        return None
+    x = model.embed(batch.tokens)
+    if not _batch_ok(batch, x) or x.dtype != prog.dtype:
+        return None
+    prog.whole.run(prog.step_args(batch, x))
+    return prog.logits[:x.shape[0]].clone()
+
+
 def sublayer(block, x: torch.Tensor, batch, cache) -> torch.Tensor | None:
-    """``x + mixer(norm(x))`` of ``block`` for a decode-only step's rows x [n, d_model], or None when the fused
-    path does not cover this layer or cache (the caller then runs the layer's own forward)."""
+    """``x + mixer(norm(x))`` of ``block`` for a decode-only step's rows x [n, d_model], or None when no program
+    covers this layer or cache (the caller then runs the layer's own forward)."""
     _, fn = dispatch.choose("decode_sublayer", x.device.type)
     return fn(block, x, batch, cache)
 
 
-dispatch.register("decode_sublayer", "torch", _eager)
-dispatch.register("decode_sublayer", "native", _fused, native.available)
+dispatch.register("decode_sublayer", "torch", _none)
+dispatch.register("decode_sublayer", "native", _fused_sublayer, native.available)
+
+
+def coverage(model, cache) -> list[str | None]:
+    """Per block, None when its decode runs as native ops, else why not (then an LM-head line if that failed)."""
+    return list(program(model, cache).why)

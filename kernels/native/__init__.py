@@ -33,7 +33,9 @@ def _disabled() -> bool:
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if _disabled():
         return None, f"{ENV}=0"
-    source = (Path(__file__).parent / "decode.c").read_text()
+    here = Path(__file__).parent
+    # one translation unit: program.c runs decode.c's static ops back to back
+    source = (here / "decode.c").read_text() + "\n" + (here / "program.c").read_text()
     lib, why = build("hybrid_decode", source, FLAGS, ("-lm", "-lpthread"))
     if lib is None:
         return None, why
@@ -47,8 +49,10 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     f32 = ctypes.c_float
     lib.hl_rmsnorm.argtypes = [p, i32, p, i32, f32, p, i64, i64]
     lib.hl_gated_up.argtypes = [p, p, p, p, p, p, i32, i32, p, i32, p, i32, i64, i64, i64]
-    lib.hl_qkv_rope.argtypes = [p, p, p, p, p, p, i32, i32, p, i32, p, p, p, i32, p, p, p, i64, i64, i64, i64, i64,
-                                i64]
+    lib.hl_qkv_rope.argtypes = [p, p, p, p, p, p, p, p, p, i32, i32, p, i32, p, p, p, i32, p, p, p, i64, i64, i64,
+                                i64, i64, i64]
+    lib.hl_program_run.argtypes, lib.hl_program_run.restype = [p, i64, p, p], i64
+    lib.hl_program_abi.argtypes, lib.hl_program_abi.restype = [], i64
     lib.hl_gated_rmsnorm.argtypes = [p, p, i64, i32, p, i32, f32, i64, i32, p, i64, i64]
     lib.hl_mamba2_dt.argtypes = [p, i32, i64, p, i32, p, i32, f32, f32, i32, p, p, i64, i64]
     for fn in (lib.hl_ssd_step, lib.hl_conv_step, lib.hl_paged_decode, lib.hl_gated_up, lib.hl_qkv_rope):

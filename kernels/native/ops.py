@@ -155,7 +155,7 @@ def qkv_rope(x: torch.Tensor, attn, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     rot = attn.rope.rotary_dim
     library().hl_qkv_rope(attn.q_proj.weight.data_ptr(), _ptr(attn.q_proj.bias), attn.k_proj.weight.data_ptr(),
                           _ptr(attn.k_proj.bias), attn.v_proj.weight.data_ptr(), _ptr(attn.v_proj.bias),
-                          DTYPE_CODES[attn.q_proj.weight.dtype], _code(attn.q_proj.bias), x.data_ptr(),
+                          None, None, None, DTYPE_CODES[attn.q_proj.weight.dtype], _code(attn.q_proj.bias), x.data_ptr(),
                           DTYPE_CODES[x.dtype], q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
                           DTYPE_CODES[k_pool.dtype], slots.data_ptr(), _ptr(cos), _ptr(sin), rot, n, attn.n_heads,
                           attn.n_kv_heads, attn.head_dim, x.shape[1])

@@ -1,0 +1,111 @@
+/* A whole decode step as one call: the model's decode ops, listed once per engine (hybrid/decode_program.py
+   builds the list: weights, cache pools and scratch buffers bound), run here back to back.
+
+   Why: a fused decode step is ~60 native products and small ops; called one by one from Python, the ~5-20 us
+   of interpreter, ctypes and tensor bookkeeping between them added up to as long as the products themselves,
+   and each call woke the pool's sleeping workers anew. Here the step's per-step inputs (the rows' K/V slots,
+   lengths, block tables, state slots, RoPE cos/sin) come in one HlStep; the workers spin between the ops of a
+   program (P.hot) and sleep after it.
+
+   Compiled together with decode.c (one translation unit: the ops are its static functions). */
+
+enum {
+    OP_RMSNORM = 0,
+    OP_GEMV = 1,
+    OP_GATED_UP = 2,
+    OP_QKV_ROPE = 3,
+    OP_PAGED = 4,
+    OP_CONV = 5,
+    OP_DT = 6,
+    OP_SSD = 7,
+    OP_GATED_RMSNORM = 8,
+};
+
+#define HL_OP_PTRS 14
+#define HL_OP_INTS 14
+
+typedef struct {
+    int64_t kind;
+    const void *p[HL_OP_PTRS];
+    int64_t i[HL_OP_INTS];
+    double f[2];
+} HlOp;
+
+typedef struct {
+    int64_t n;                 /* rows (one token each) */
+    void *x;                   /* [n, d_model] the residual stream, updated in place */
+    const int64_t *kv_slots;   /* [n] each row's K/V pool slot */
+    const int32_t *seq_lens;   /* [n] K/V length after this token */
+    const int32_t *tables;     /* [n, tstride] block tables */
+    int64_t tstride;
+    const int64_t *state_slots; /* [n] constant-state slots */
+    const void *cos, *sin;     /* [n, rot] in the model dtype */
+} HlStep;
+
+/* a pointer slot holding this stands for the step's residual stream */
+#define HL_STEP_X ((const void *)1)
+
+static inline void *resolve(const void *p, const HlStep *st) { return p == HL_STEP_X ? st->x : (void *)p; }
+
+static int run_op(const HlOp *o, const HlStep *st) {
+    const int64_t n = st->n;
+#define P(k) resolve(o->p[k], st)
+#define I(k) (o->i[k])
+    switch (o->kind) {
+    case OP_RMSNORM:
+        hl_rmsnorm(P(0), (int)I(0), P(1), (int)I(1), (float)o->f[0], P(2), n, I(2));
+        return 0;
+    case OP_GEMV:
+        return gemv_act(P(0), (int)I(0), P(1), P(2), (int)I(1), P(3), (int)I(2), P(4), P(5), (int)I(3), n, I(4),
+                        I(5), (int)I(6));
+    case OP_GATED_UP:
+        return hl_gated_up(P(0), P(1), P(2), P(3), P(4), P(5), (int)I(0), (int)I(1), P(6), (int)I(2), P(7),
+                           (int)I(3), n, I(4), I(5));
+    case OP_QKV_ROPE:
+        return hl_qkv_rope(P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), P(8), (int)I(0), (int)I(1), P(9),
+                           (int)I(2), P(10), P(11), P(12), (int)I(3), st->kv_slots, st->cos, st->sin, I(4), n,
+                           I(5), I(6), I(7), I(8));
+    case OP_PAGED:
+        return hl_paged_decode(P(0), (int)I(0), P(1), P(2), (int)I(1), st->seq_lens, st->tables, st->tstride,
+                               P(3), n, I(2), I(3), I(4), I(5), I(6), (float)o->f[0]);
+    case OP_CONV:
+        return hl_conv_step(P(0), (int)I(0), st->state_slots, P(1), (int)I(1), I(2), P(2), (int)I(3), P(3),
+                            (int)I(4), (int)I(5), P(4), n, I(6), I(7));
+    case OP_DT:
+        hl_mamba2_dt(P(0), (int)I(0), I(1), P(1), (int)I(2), P(2), (int)I(3), (float)o->f[0], (float)o->f[1],
+                     (int)I(4), P(3), P(4), n, I(5));
+        return 0;
+    case OP_SSD:
+        return hl_ssd_step(P(0), (int)I(0), st->state_slots, P(1), (int)I(1), I(2), P(2), I(3), P(3), P(4), I(4),
+                           P(5), I(5), P(6), (int)I(6), P(7), n, I(7), I(8), I(9), I(10));
+    case OP_GATED_RMSNORM:
+        hl_gated_rmsnorm(P(0), P(1), I(0), (int)I(1), P(2), (int)I(2), (float)o->f[0], I(3), (int)I(4), P(3), n,
+                         I(5));
+        return 0;
+    default:
+        return -1;
+    }
+#undef P
+#undef I
+}
+
+/* Runs ops[0..nops) on one step. Returns 0, or -(k + 1) when op k refused its arguments (nothing after it
+   ran). times (or NULL): each op's wall time in microseconds is added to times[k]. */
+int64_t hl_program_run(const HlOp *ops, int64_t nops, const HlStep *st, double *times) {
+    if (st->n < 1 || st->n > MAXB) return -(nops + 1);
+    atomic_store_explicit(&P.hot, 1, memory_order_relaxed);
+    int64_t rc = 0;
+    for (int64_t k = 0; k < nops; ++k) {
+        const double t0 = times ? now_us() : 0.0;
+        if (run_op(&ops[k], st) != 0) {
+            rc = -(k + 1);
+            break;
+        }
+        if (times) times[k] += now_us() - t0;
+    }
+    atomic_store_explicit(&P.hot, 0, memory_order_relaxed);
+    return rc;
+}
+
+/* sizeof(HlOp), sizeof(HlStep): the Python side checks its ctypes mirror against them */
+int64_t hl_program_abi(void) { return (int64_t)sizeof(HlOp) * 1000 + (int64_t)sizeof(HlStep); }
