@@ -147,7 +147,8 @@ class ModelRunner:
                contexts: list[list[int]] | None) -> list[int]:
         """Sample one token per row on the device; only the ids are copied back."""
         if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
-            return logits.argmax(dim=-1).tolist()  # what sample() returns for these rows, without its tensors
+            # what sample() returns for these rows, without building its tensors
+            return native.argmax(logits) if native.argmax_supports(logits) else logits.argmax(dim=-1).tolist()
         batch = SamplingBatch.build(params, seeds, counters, contexts, self.vocab, logits.device)
         return sample(logits, batch).tolist()
 

@@ -250,3 +250,17 @@ def test_program_follows_rebound_weights_and_skips_uncovered_layers():
     assert any(w and "quantised" in w for w in why) and None in why
     with use_backend("torch"):
         assert [engine.requests[rid].output] == _greedy(model, prompts, 8, kv_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_equals_torch(dtype):
+    """Greedy sampling's native argmax = torch.argmax: first index of the largest, NaN largest, ties, +inf, tails."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 32003, generator=g).to(dtype)
+    x[2, 100] = float("nan")
+    x[3, :] = 1.0
+    x[4, 7] = float("inf")
+    x[5, 32001] = 9.0
+    x[6, 5], x[6, 9] = 50.0, 50.0
+    assert native.argmax(x) == x.argmax(-1).tolist()
+    assert native.argmax(x[:1]) == x[:1].argmax(-1).tolist()

@@ -516,10 +516,14 @@ typedef struct {
     int sdt, xdt, wdt, bdt, silu;
 } ConvStep;
 
-static void conv_step_chunk(const void *job, int64_t b) {
+#define CONV_BLOCK 256 /* channels a chunk takes: a one-sequence step is still split across the threads */
+
+static void conv_step_chunk(const void *job, int64_t item) {
     const ConvStep *j = job;
+    const int64_t nblk = (j->C + CONV_BLOCK - 1) / CONV_BLOCK, b = item / nblk, c0 = (item % nblk) * CONV_BLOCK;
+    const int64_t c1 = c0 + CONV_BLOCK < j->C ? c0 + CONV_BLOCK : j->C;
     const int64_t row = j->slots ? j->slots[b] : b, K1 = j->K - 1;
-    for (int64_t c = 0; c < j->C; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
         const int64_t s0 = (row * j->C + c) * K1;
         float xin = load_as_f32(j->x, j->xdt, b * j->xs + c);
         if (j->sdt == DT_BF16) xin = bf16_to_f32(f32_to_bf16(xin));
@@ -550,7 +554,7 @@ int hl_conv_step(void *state, int sdt, const int64_t *slots, const void *x, int 
                  int wdt, const void *bias, int bdt, int silu, void *y, int64_t Bsz, int64_t C, int64_t K) {
     if (K < 1) return -1;
     ConvStep j = {state, slots, x, w, bias, y, xs, C, K, sdt, xdt, wdt, bdt, silu};
-    pool_run(conv_step_chunk, &j, Bsz);
+    pool_run(conv_step_chunk, &j, Bsz * ((C + CONV_BLOCK - 1) / CONV_BLOCK));
     return 0;
 }
 

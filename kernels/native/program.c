@@ -109,3 +109,58 @@ int64_t hl_program_run(const HlOp *ops, int64_t nops, const HlStep *st, double *
 
 /* sizeof(HlOp), sizeof(HlStep): the Python side checks its ctypes mirror against them */
 int64_t hl_program_abi(void) { return (int64_t)sizeof(HlOp) * 1000 + (int64_t)sizeof(HlStep); }
+
+/* Greedy sampling's argmax over rows of logits [rows, V] (fp32 or bf16): the first index of the largest value,
+   NaN counted largest as torch.argmax counts it. Torch's took 74 us for one 32000-wide row on one thread, 1% of
+   a decode step. */
+static inline int is_nan_bits(float v) { /* not v != v: -ffast-math assumes no NaNs and drops that test */
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    return (b & 0x7fffffffu) > 0x7f800000u;
+}
+
+void hl_argmax(const void *x, int dt, int64_t rows, int64_t V, int64_t *out) {
+#ifdef __AVX2__
+    if (dt == DT_F32) { /* two vector passes: the largest value (and any NaN), then its first index */
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *p = (const float *)x + r * V;
+            __m256 mx = _mm256_set1_ps(-FLT_MAX), nan = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 8 <= V; i += 8) {
+                const __m256 v = _mm256_loadu_ps(p + i);
+                mx = _mm256_max_ps(mx, v);
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            }
+            float m = -FLT_MAX, lanes[8];
+            int has_nan = _mm256_movemask_ps(nan) != 0;
+            _mm256_storeu_ps(lanes, mx);
+            for (int l = 0; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
+            for (; i < V; ++i) {
+                has_nan |= is_nan_bits(p[i]);
+                m = p[i] > m ? p[i] : m;
+            }
+            int64_t best = 0;
+            i = 0;
+            if (!has_nan) {
+                const __m256 mv = _mm256_set1_ps(m);
+                for (; i + 8 <= V; i += 8)
+                    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), mv, _CMP_EQ_OQ))) break;
+            }
+            for (; i < V; ++i)
+                if (has_nan ? is_nan_bits(p[i]) : p[i] == m) break;
+            best = i < V ? i : 0;
+            out[r] = best;
+        }
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t best = 0;
+        float bv = load_as_f32(x, dt, r * V);
+        for (int64_t i = 1; i < V && !is_nan_bits(bv); ++i) {
+            const float v = load_as_f32(x, dt, r * V + i);
+            if (v > bv || is_nan_bits(v)) best = i, bv = v;
+        }
+        out[r] = best;
+    }
+}
