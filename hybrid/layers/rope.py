@@ -32,6 +32,23 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [..., L] -> cos, sin [..., L, rotary_dim] (computed in fp32, cast to ``dtype``)."""
+        if positions.dim() == 1 and positions.numel() <= 64 and positions.device.type == "cpu" \
+                and not torch.compiler.is_compiling():
+            return self._decode_cos_sin(positions, dtype)
+        return self._cos_sin(positions, dtype)
+
+    def _decode_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # A decode step's few rows, looked up in a table of every position so far (grown by doubling): the
+        # six small ops of _cos_sin took ~130 us of a 5 ms step. The table rows are _cos_sin's own values.
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        tables = self.__dict__.setdefault("_tables", {})
+        cos, sin = tables.get(dtype, (None, None))
+        if cos is None or cos.shape[0] < need:
+            size = max(1024, 1 << (need - 1).bit_length())
+            cos, sin = tables[dtype] = self._cos_sin(torch.arange(size, device=positions.device), dtype)
+        return cos[positions], sin[positions]
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq(positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

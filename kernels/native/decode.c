@@ -334,6 +334,10 @@ static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, l0, h0, l1, h1;
             int64_t k = 0;
             for (; k < K32; k += 32) {
+                /* non-temporal prefetch 1 KB ahead: the weights stream through without evicting the caches'
+                   working set (K/V, states, the interpreter between steps); bf16 llama-d512 step 5.1 -> 4.2 ms
+                   median of 3 A/B runs. The same for fp32 weights measured slower (6.5 -> 7.6 ms): not there. */
+                _mm_prefetch((const char *)(w + k) + 1024, _MM_HINT_NTA);
                 bf16x16(w + k, &l0, &h0);
                 bf16x16(w + k + 16, &l1, &h1);
                 a0 += l0 * *(const v8u *)(x + k);
