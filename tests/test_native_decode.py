@@ -22,7 +22,7 @@ def _noise(ref: torch.Tensor, dtype: torch.dtype) -> float:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 29, 64])  # the one-row, few-row and blocked 4x3 paths
 def test_linear_matches_reference(dtype, rows, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # the pool re-sizes to it; 1: the caller alone
@@ -46,11 +46,12 @@ def _check_linear(dtype, rows):
         assert (got.float() - ref.float()).abs().max().item() <= tol
 
 
-def test_linear_int8_row_scales():
+@pytest.mark.parametrize("rows", [2, 7, 64])
+def test_linear_int8_row_scales(rows):
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(-127, 128, (301, 133), dtype=torch.int8, generator=g)
     scale = torch.rand(301, generator=g) * 0.01
-    x = torch.randn(2, 133, generator=g)
+    x = torch.randn(rows, 133, generator=g)
     got = projection._linear_native(x, codes, None, None, scale)
     ref = projection.linear_ref(x, codes, None, None, scale)
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
@@ -59,7 +60,7 @@ def test_linear_int8_row_scales():
 def test_linear_dispatch_takes_torch_for_many_rows_and_autograd():
     w = torch.randn(8, 4, requires_grad=True)
     assert projection._native_supports(torch.randn(2, 4), w) == "autograd"
-    assert "rows" in projection._native_supports(torch.randn(17, 4), w.detach())
+    assert "rows" in projection._native_supports(torch.randn(native.MAX_ROWS + 1, 4), w.detach())
     y = projection.linear(torch.randn(2, 4), w)  # autograd still works through the dispatch
     y.sum().backward()
     assert w.grad is not None
@@ -121,9 +122,9 @@ def test_paged_decode_matches_reference(dtype, window):
     assert (got.float() - ref.float()).abs().max() <= 1e-5 + 2 * _noise(ref, dtype)
 
 
-def _greedy(model, prompts, new_tokens, backend=None, **engine_kw):
+def _greedy(model, prompts, new_tokens, backend=None, max_seqs=4, **engine_kw):
     with torch.inference_mode(), use_backend(backend):
-        engine = Engine(model, num_blocks=64, block_size=16, max_seqs=4, **engine_kw)
+        engine = Engine(model, num_blocks=64, block_size=16, max_seqs=max_seqs, **engine_kw)
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)) for p in prompts]
         engine.run()
         return [engine.requests[i].output for i in ids]
@@ -264,3 +265,17 @@ def test_argmax_equals_torch(dtype):
     x[6, 5], x[6, 9] = 50.0, 50.0
     assert native.argmax(x) == x.argmax(-1).tolist()
     assert native.argmax(x[:1]) == x[:1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("recipe", ["llama-tiny", "hybrid-1to7-tiny"])
+def test_batched_program_equals_eager(recipe):
+    """Seven sequences decoding together (the blocked 4x3 products of a batched step, and its row tails) give
+    the eager layers' tokens, and each sequence its tokens alone."""
+    torch.manual_seed(0)
+    model = HybridLM(recipes.get(recipe)).eval()
+    with torch.no_grad():
+        (model.lm_head.weight if model.lm_head is not None else model.embed.weight).mul_(20)
+    prompts = [list(range(1 + i, 9 + 3 * i)) for i in range(7)]
+    together = _greedy(model, prompts, 10, max_seqs=8)
+    assert together == _greedy(model, prompts, 10, backend="torch", max_seqs=8)
+    assert together[5] == _greedy(model, [prompts[5]], 10)[0]

@@ -16,9 +16,10 @@ to the eager layers, bit for bit in bf16, and to the full forward).
 
 Covered: attention over fp32/bf16 K/V pools (no int8/fp8 pages, no StreamingLLM/SnapKV pruning), gated or
 plain MLPs, Mamba-2 with fp32/bf16 state pools (no int8 or stochastic-rounded state); fp32, bf16 or torchao
-int8 weight-only linear layers; up to 16 decoding sequences (past that the products are compute-bound GEMMs,
-torch's). A layer outside that runs its eager forward (the others keep their programs; the step is then one
-call per covered sub-layer). ``HYBRID_BACKEND=torch`` turns it all off.
+int8 weight-only linear layers; up to 64 decoding sequences (from 4 on, the products are blocked 4 weight rows
+x 3 input rows: a batched step is compute-bound; past 64 torch's GEMMs take them). A layer outside that runs
+its eager forward (the others keep their programs; the step is then one call per covered sub-layer).
+``HYBRID_BACKEND=torch`` turns it all off.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ ENV = "HYBRID_NATIVE"
 # worker slowed the Python between the products more than its wake-ups cost; a dedicated machine may prefer
 # some (HYBRID_NATIVE_SPIN_US).
 SPIN = int(os.environ.get("HYBRID_NATIVE_SPIN_US", "0"))
-MAX_ROWS = 16  # input rows one product takes (decode batches up to this; larger ones go through torch's GEMM)
+MAX_ROWS = 64  # input rows one product takes (decode batches up to this; larger ones go through torch's GEMM)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 

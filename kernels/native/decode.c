@@ -32,7 +32,7 @@
 #endif
 
 #define MAXT 64
-#define MAXB 16 /* input rows a product takes at once (a larger batch goes through torch's GEMM) */
+#define MAXB 64 /* input rows a product takes at once (a larger batch goes through torch's GEMM) */
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
@@ -389,10 +389,91 @@ static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t
     }
 }
 
+/* Several input rows (a batched decode step): past a few rows the product is compute-bound, and one weight row
+   against each input row in turn does one FMA per two loads. Here 4 weight rows (widened to fp32 once, into
+   this thread's scratch, for bf16 / int8) meet 3 input rows at a time: 12 accumulators, 7 loads per 12 FMAs. */
+#define MULTI_ROWS 4 /* from this many input rows on */
+
+static float *w_scratch(int64_t n) {
+    static _Thread_local float *buf = NULL;
+    static _Thread_local int64_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        buf = aligned_alloc(64, ((n * 4 + 63) / 64) * 64);
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+
+/* weight row n as fp32, in the order the (permuted, for bf16) x takes it */
+static const float *row_f32(const Gemv *g, int64_t n, float *dst, const int wdt) {
+    const int64_t K = g->K;
+    if (wdt == DT_F32) return (const float *)g->w + n * K;
+    int64_t k = 0;
+    if (wdt == DT_BF16) {
+        const uint16_t *w = (const uint16_t *)g->w + n * K;
+#ifdef BF16_UNPACK
+        for (; k + 16 <= K; k += 16) {
+            v8 lo, hi;
+            bf16x16(w + k, &lo, &hi);
+            *(v8u *)(dst + k) = lo;
+            *(v8u *)(dst + k + 8) = hi;
+        }
+#endif
+        for (; k < K; ++k) dst[k] = bf16_to_f32(w[k]);
+    } else {
+        const int8_t *w = (const int8_t *)g->w + n * K;
+        for (; k + 8 <= K; k += 8) *(v8u *)(dst + k) = load_w8(w, DT_I8, k);
+        for (; k < K; ++k) dst[k] = (float)w[k];
+    }
+    return dst;
+}
+
+static inline __attribute__((always_inline)) void block_4xNB(const float *const *w, const float *x, int64_t K,
+                                                             float out[4][MAXB], int64_t b0, const int NB) {
+    v8 a[4][3] = {{{0}}};
+    const int64_t K8 = K & ~(int64_t)7;
+    int64_t k = 0;
+    for (; k < K8; k += 8) {
+        v8 xv[3];
+        for (int j = 0; j < NB; ++j) xv[j] = *(const v8u *)(x + (b0 + j) * K + k);
+        for (int r = 0; r < 4; ++r) {
+            const v8 wv = *(const v8u *)(w[r] + k);
+            for (int j = 0; j < NB; ++j) a[r][j] += wv * xv[j];
+        }
+    }
+    for (int r = 0; r < 4; ++r)
+        for (int j = 0; j < NB; ++j) {
+            float sum = hsum(a[r][j]);
+            for (int64_t t = k; t < K; ++t) sum += w[r][t] * x[(b0 + j) * K + t];
+            out[r][b0 + j] = sum;
+        }
+}
+
+/* out[r][b] = row n0 + r (r < nr <= 4) of W against input row b, for all B input rows */
+static inline __attribute__((always_inline)) void dot_rows(const Gemv *g, int64_t n0, int nr, float out[4][MAXB],
+                                                           const int wdt) {
+    if (g->B < MULTI_ROWS) {
+        for (int r = 0; r < nr; ++r) dot_row(g, n0 + r, out[r], wdt);
+        return;
+    }
+    const int64_t K = g->K;
+    float *buf = wdt == DT_F32 ? NULL : w_scratch(4 * K);
+    const float *w[4];
+    for (int r = 0; r < 4; ++r) /* a short block repeats its last row (its sums are dropped) */
+        w[r] = row_f32(g, n0 + (r < nr ? r : nr - 1), buf ? buf + r * K : NULL, wdt);
+    int64_t b = 0;
+    for (; b + 3 <= g->B; b += 3) block_4xNB(w, g->x, K, out, b, 3);
+    if (g->B - b == 2) block_4xNB(w, g->x, K, out, b, 2);
+    else if (g->B - b == 1) block_4xNB(w, g->x, K, out, b, 1);
+}
+
 static inline __attribute__((always_inline)) void gemv_rows(const Gemv *g, int64_t lo, int64_t hi, const int wdt) {
-    float out[MAXB];
-    for (int64_t n = lo; n < hi; ++n) {
-        dot_row(g, n, out, wdt);
+    float outs[4][MAXB];
+    for (int64_t n0 = lo; n0 < hi; n0 += 4)
+    for (int64_t n = n0, nr = hi - n0 < 4 ? hi - n0 : 4; n < n0 + nr; ++n) {
+        if (n == n0) dot_rows(g, n0, (int)nr, outs, wdt);
+        const float *out = outs[n - n0];
         const float sc = wdt == DT_I8 ? g->scale[n] : 1.0f;
         const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
         for (int64_t b = 0; b < g->B; ++b) {
@@ -702,11 +783,15 @@ static void gated_up_chunk(const void *job, int64_t chunk) {
     const GatedUp *j = job;
     const Gemv *g = &j->g, *u = &j->u;
     const int64_t lo = chunk * g->rows, hi = lo + g->rows < g->N ? lo + g->rows : g->N;
-    float og[MAXB], ou[MAXB];
-    for (int64_t n = lo; n < hi; ++n) {
-        if (g->wdt == DT_F32) dot_row(g, n, og, DT_F32), dot_row(u, n, ou, DT_F32);
-        else if (g->wdt == DT_BF16) dot_row(g, n, og, DT_BF16), dot_row(u, n, ou, DT_BF16);
-        else dot_row(g, n, og, DT_I8), dot_row(u, n, ou, DT_I8);
+    float OG[4][MAXB], OU[4][MAXB];
+    for (int64_t n0 = lo; n0 < hi; n0 += 4)
+    for (int64_t n = n0, nr = hi - n0 < 4 ? hi - n0 : 4; n < n0 + nr; ++n) {
+        if (n == n0) {
+            if (g->wdt == DT_F32) dot_rows(g, n0, (int)nr, OG, DT_F32), dot_rows(u, n0, (int)nr, OU, DT_F32);
+            else if (g->wdt == DT_BF16) dot_rows(g, n0, (int)nr, OG, DT_BF16), dot_rows(u, n0, (int)nr, OU, DT_BF16);
+            else dot_rows(g, n0, (int)nr, OG, DT_I8), dot_rows(u, n0, (int)nr, OU, DT_I8);
+        }
+        const float *og = OG[n - n0], *ou = OU[n - n0];
         const float sg = g->wdt == DT_I8 ? g->scale[n] : 1.0f, su = u->wdt == DT_I8 ? u->scale[n] : 1.0f;
         const float bg = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
         const float bu = u->bias ? load_as_f32(u->bias, u->bdt, n) : 0.0f;
@@ -749,12 +834,16 @@ static void qkv_rope_chunk(const void *job, int64_t head) {
     const int64_t h = which == 0 ? head : which == 1 ? head - j->Hq : head - j->Hq - j->Hkv;
     const Gemv *g = &j->m[which];
     const int64_t D = j->D, rot = j->rot, half = rot / 2, B = g->B;
-    float acc[MAXB][512], out[MAXB];
+    float acc[MAXB][512], outs[4][MAXB];
     for (int64_t d = 0; d < D; ++d) {
         const int64_t n = h * D + d;
-        if (g->wdt == DT_F32) dot_row(g, n, out, DT_F32);
-        else if (g->wdt == DT_BF16) dot_row(g, n, out, DT_BF16);
-        else dot_row(g, n, out, DT_I8);
+        if (d % 4 == 0) {
+            const int nr = D - d < 4 ? (int)(D - d) : 4;
+            if (g->wdt == DT_F32) dot_rows(g, n, nr, outs, DT_F32);
+            else if (g->wdt == DT_BF16) dot_rows(g, n, nr, outs, DT_BF16);
+            else dot_rows(g, n, nr, outs, DT_I8);
+        }
+        const float *out = outs[d % 4];
         const float sc = g->wdt == DT_I8 ? g->scale[n] : 1.0f;
         const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
         for (int64_t b = 0; b < B; ++b) acc[b][d] = round_to(out[b] * sc + bias, g->ydt);
