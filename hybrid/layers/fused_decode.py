@@ -204,13 +204,24 @@ def _mamba2(b: _Builder, block, view) -> None:
 _EMITTERS = {Attention: _attention, MLP: _mlp, Mamba2: _mamba2}
 
 
-class _Ops:
-    """A list of ops as program.c takes it, and what it must find unchanged to run."""
+def _check_abi() -> None:
+    lib = native.library()
+    want = ctypes.sizeof(HlOp) * 1000 + ctypes.sizeof(HlStep)
+    if lib.hl_program_abi() != want:
+        raise RuntimeError(f"kernels/native/program.c's HlOp/HlStep ({lib.hl_program_abi()}) differ from their "
+                           f"ctypes mirrors in {__name__} ({want}): the two must change together")
 
-    def __init__(self, b: _Builder):
-        self.array = (HlOp * len(b.ops))(*b.ops)
-        self.scratch = list(b.buffers.values())
-        self.bound = [(t, t.data_ptr()) for t in b.bound.values()]
+
+class _Ops:
+    """The ops of one or more builders, in order, as program.c takes them, and what they must find unchanged to
+    run (their scratch buffers are kept here: the ops point into them)."""
+
+    def __init__(self, *builders: _Builder):
+        ops = [o for b in builders for o in b.ops]
+        self.array = (HlOp * len(ops))(*ops)
+        self.scratch = [t for b in builders for t in b.buffers.values()]
+        bound = {k: t for b in builders for k, t in b.bound.items()}
+        self.bound = [(t, t.data_ptr()) for t in bound.values()]
         self.times = None  # set to a (ctypes.c_double * n)() to collect each op's microseconds
 
     def valid(self) -> bool:
@@ -229,11 +240,12 @@ class DecodeProgram:
     unless all are covered)."""
 
     def __init__(self, model, cache):
+        _check_abi()
         self.dtype = model.embed.weight.dtype
         self.d_model = model.config.d_model
         self.vocab = model.config.vocab_size
         self.views = {}
-        self.blocks, self.why, whole = [], [], _Builder(self.dtype)
+        self.blocks, self.why, built = [], [], []
         for block in model.layers:
             view = cache.view(block.index) if block.caches else None
             self.views[block.index] = view
@@ -243,7 +255,7 @@ class DecodeProgram:
                     raise _Unsupported(f"no native ops for {type(block.mixer).__name__}")
                 own = _Builder(self.dtype)
                 emit(own, block, view)
-                emit(whole, block, view)
+                built.append(own)
                 self.blocks.append(_Ops(own))
                 self.why.append(None)
             except _Unsupported as e:
@@ -251,6 +263,8 @@ class DecodeProgram:
                 self.why.append(str(e))
         self.whole = self.logits = None
         if all(w is None for w in self.why):
+            # the whole step: every block's own ops (and buffers; blocks run one after another), then the head
+            whole = _Builder(self.dtype)
             try:
                 self.logits = whole.buffer(self.vocab)
                 h = whole.buffer(self.d_model)
@@ -265,7 +279,7 @@ class DecodeProgram:
                              (dt, -1, dt, dt, N, K, 0))
                 else:
                     whole.gemv(head, h, self.logits)
-                self.whole = _Ops(whole)
+                self.whole = _Ops(*built, whole)
             except _Unsupported as e:
                 self.why.append(f"LM head: {e}")
 

@@ -269,17 +269,22 @@ static inline float load_w1(const void *w, int wdt, int64_t i) {
     return wdt == DT_I8 ? (float)((const int8_t *)w)[i] : load_as_f32(w, wdt, i);
 }
 
-/* One row against B input rows: 4 independent accumulators per input row over 32 weights, so the loads of
-   the row stream without waiting on the adds; every weight read from memory once. */
+/* A thread's scratch of at least n floats (*buf / *cap: that thread's own), grown when too small; NULL when
+   out of memory. */
+static float *grow_scratch(float **buf, int64_t *cap, int64_t n) {
+    if (n > *cap) {
+        free(*buf);
+        *buf = aligned_alloc(64, ((n * 4 + 63) / 64) * 64);
+        *cap = *buf ? n : 0;
+    }
+    return *buf;
+}
+
+/* the input rows converted to fp32 (load_x) */
 static float *x_scratch(int64_t n) {
     static _Thread_local float *buf = NULL;
     static _Thread_local int64_t cap = 0;
-    if (n > cap) {
-        free(buf);
-        buf = aligned_alloc(64, ((n * 4 + 63) / 64) * 64);
-        cap = buf ? n : 0;
-    }
-    return buf;
+    return grow_scratch(&buf, &cap, n);
 }
 
 #ifdef __AVX2__
@@ -321,6 +326,8 @@ static float *load_x(const void *x, int xdt, int64_t B, int64_t K, int wdt) {
     return xf;
 }
 
+/* One row against B input rows: 4 independent accumulators per input row over 32 weights, so the loads of
+   the row stream without waiting on the adds; every weight read from memory once. */
 static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t n, float *out, const int wdt) {
     const int64_t K = g->K, K32 = K & ~(int64_t)31, K8 = K & ~(int64_t)7;
     const int64_t B = g->B;
@@ -394,15 +401,11 @@ static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t
    this thread's scratch, for bf16 / int8) meet 3 input rows at a time: 12 accumulators, 7 loads per 12 FMAs. */
 #define MULTI_ROWS 4 /* from this many input rows on */
 
+/* a block of weight rows widened to fp32 (dot_rows) */
 static float *w_scratch(int64_t n) {
     static _Thread_local float *buf = NULL;
     static _Thread_local int64_t cap = 0;
-    if (n > cap) {
-        free(buf);
-        buf = aligned_alloc(64, ((n * 4 + 63) / 64) * 64);
-        cap = buf ? n : 0;
-    }
-    return buf;
+    return grow_scratch(&buf, &cap, n);
 }
 
 /* weight row n as fp32, in the order the (permuted, for bf16) x takes it */
@@ -459,6 +462,10 @@ static inline __attribute__((always_inline)) void dot_rows(const Gemv *g, int64_
     }
     const int64_t K = g->K;
     float *buf = wdt == DT_F32 ? NULL : w_scratch(4 * K);
+    if (wdt != DT_F32 && !buf) { /* no memory for the widened rows: one row at a time */
+        for (int r = 0; r < nr; ++r) dot_row(g, n0 + r, out[r], wdt);
+        return;
+    }
     const float *w[4];
     for (int r = 0; r < 4; ++r) /* a short block repeats its last row (its sums are dropped) */
         w[r] = row_f32(g, n0 + (r < nr ? r : nr - 1), buf ? buf + r * K : NULL, wdt);
