@@ -107,10 +107,13 @@ def owns_threads():
 
 
 def argmax_supports(logits: torch.Tensor) -> bool:
-    """Whether :func:`argmax` takes these logits: contiguous fp32/bf16 rows [n, V] on the CPU, kernels built."""
+    """Whether :func:`argmax` takes these logits: contiguous fp32/bf16 rows [n, V] on the CPU, the native backend
+    chosen (``HYBRID_BACKEND=torch`` keeps torch's)."""
+    from .. import dispatch
+
     return (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16)
-            and logits.is_contiguous() and logits.shape[1] > 0 and available() is None
-            and not torch.compiler.is_compiling())
+            and logits.is_contiguous() and logits.shape[1] > 0 and not torch.compiler.is_compiling()
+            and dispatch.choose("linear", "cpu")[0] == "native")
 
 
 def argmax(logits: torch.Tensor) -> list[int]:
