@@ -27,8 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..config import (AttentionConfig, GatedDeltaNetConfig, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig,
-                      MoEConfig)
+from ..config import (
+    AttentionConfig,
+    GatedDeltaNetConfig,
+    HybridConfig,
+    Mamba1Config,
+    Mamba2Config,
+    MLPConfig,
+    MoEConfig,
+)
 from ..pattern import blocks_pattern, ratio_pattern
 
 _SIZES = {

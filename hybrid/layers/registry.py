@@ -17,7 +17,8 @@ from .mamba2 import Mamba2
 from .mlp import MLP
 from .moe import MoE
 
-LAYER_CLASSES: dict[str, type[nn.Module]] = {cls.kind: cls for cls in (Attention, Mamba2, Mamba1, GatedDeltaNet, MLP, MoE)}
+LAYER_CLASSES: dict[str, type[nn.Module]] = {
+    cls.kind: cls for cls in (Attention, Mamba2, Mamba1, GatedDeltaNet, MLP, MoE)}
 
 
 def layer_class(kind: str) -> type[nn.Module]:
