@@ -156,6 +156,45 @@ class Mamba1Config:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GatedDeltaNetConfig:
+    """Gated DeltaNet mixer (``G``), as Qwen3-Next / flash-linear-attention: ``n_heads`` value heads with a
+    ``[head_k_dim, head_v_dim]`` state each, ``n_k_heads`` query/key heads (each serving ``n_heads / n_k_heads``
+    value heads), a ``d_conv``-tap causal conv on q/k/v."""
+
+    n_heads: int = 4
+    n_k_heads: int | None = None  # None: n_heads
+    head_k_dim: int | None = None  # None: d_model // n_heads
+    head_v_dim: int | None = None  # None: head_k_dim
+    d_conv: int = 4
+    chunk_size: int = 64  # chunk of the chunked (WY/UT) prefill
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    A_init_range: tuple[float, float] = (1.0, 16.0)
+    conv_bias: bool = False
+    proj_bias: bool = False
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv (and of its state): q, k and v."""
+        return 2 * self.n_k_heads * self.head_k_dim + self.n_heads * self.head_v_dim
+
+    def _validate(self) -> None:
+        for name in ("n_heads", "n_k_heads", "head_k_dim", "head_v_dim", "chunk_size"):
+            _check(getattr(self, name) >= 1, f"gated_deltanet.{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.d_conv >= 2, f"gated_deltanet.d_conv must be >= 2 (a causal conv keeps d_conv - 1 inputs), "
+               f"got {self.d_conv}")
+        _check(self.n_heads % self.n_k_heads == 0,
+               f"gated_deltanet.n_heads ({self.n_heads}) must be a multiple of gated_deltanet.n_k_heads "
+               f"({self.n_k_heads}): each key head serves a whole number of value heads")
+        _check(0 < self.dt_min <= self.dt_max,
+               f"need 0 < gated_deltanet.dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
+        a, b = self.A_init_range
+        _check(0 < a <= b,
+               f"gated_deltanet.A_init_range must be (lo, hi) with 0 < lo <= hi, got {self.A_init_range}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class MLPConfig:
     """MLP (``-``): ``down(act(gate(x)) * up(x))`` when gated (SwiGLU), else ``down(act(up(x)))``."""
 
@@ -193,14 +232,15 @@ class MoEConfig:
                f"moe.activation {self.activation!r} is not supported; choose one of {ACTIVATIONS}")
 
 
-_SUBCONFIGS = {"attention": AttentionConfig, "mamba2": Mamba2Config, "mamba1": Mamba1Config, "mlp": MLPConfig,
-               "moe": MoEConfig}
+_SUBCONFIGS = {"attention": AttentionConfig, "mamba2": Mamba2Config, "mamba1": Mamba1Config,
+               "gated_deltanet": GatedDeltaNetConfig, "mlp": MLPConfig, "moe": MoEConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
 class HybridConfig:
     """Whole-model configuration. ``pattern`` has one symbol per residual sub-layer
-    (``M`` Mamba-2, ``m`` Mamba-1, ``*`` attention, ``-`` MLP, ``E`` mixture-of-experts MLP)."""
+    (``M`` Mamba-2, ``m`` Mamba-1, ``G`` Gated DeltaNet, ``*`` attention, ``-`` MLP, ``E`` mixture-of-experts
+    MLP)."""
 
     vocab_size: int
     d_model: int
@@ -208,6 +248,7 @@ class HybridConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     mamba2: Mamba2Config = field(default_factory=Mamba2Config)
     mamba1: Mamba1Config = field(default_factory=Mamba1Config)
+    gated_deltanet: GatedDeltaNetConfig = field(default_factory=GatedDeltaNetConfig)
     mlp: MLPConfig = field(default_factory=MLPConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     norm_eps: float = 1e-5
@@ -245,6 +286,12 @@ class HybridConfig:
         object.__setattr__(self, "mamba1", dataclasses.replace(
             m1, d_inner=m1.d_inner if m1.d_inner is not None else m1.expand * d,
             dt_rank=m1.dt_rank if m1.dt_rank is not None else math.ceil(d / 16)))
+        gd = self.gated_deltanet
+        n_k = gd.n_k_heads if gd.n_k_heads is not None else gd.n_heads
+        k_dim = gd.head_k_dim if gd.head_k_dim is not None else d // max(gd.n_heads, 1)
+        object.__setattr__(self, "gated_deltanet", dataclasses.replace(
+            gd, n_k_heads=n_k, head_k_dim=k_dim, head_v_dim=gd.head_v_dim if gd.head_v_dim is not None else k_dim,
+            A_init_range=tuple(gd.A_init_range)))
         mlp = self.mlp
         if mlp.d_ff is None:
             raw = 8 * d / 3 if mlp.gated else 4 * d

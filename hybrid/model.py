@@ -187,16 +187,9 @@ class HybridLM(nn.Module):
         if self.lm_head is None:
             matmul += self.embed.weight.numel()
         total = 2.0 * matmul
-        a = cfg.attention
-        w = min(a.sliding_window or seq_len, seq_len)
-        avg_ctx = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len  # mean over p = 1..L of min(p, w)
-        total += cfg.count("attention") * 4.0 * a.n_heads * a.head_dim * avg_ctx
-        m2, m1 = cfg.mamba2, cfg.mamba1
-        total += cfg.count("mamba2") * (6.0 * m2.d_inner * m2.d_state + 2.0 * m2.d_conv * m2.conv_dim)
-        total += cfg.count("mamba1") * (6.0 * m1.d_inner * m1.d_state + 2.0 * m1.d_conv * m1.d_inner)
-        moe = cfg.moe
-        expert_matrices = 3 if moe.gated else 2
-        total += cfg.count("moe") * 2.0 * moe.top_k * expert_matrices * cfg.d_model * moe.d_ff
+        # what each layer adds beyond its weights' matmuls, as its class declares (no switch on kinds here)
+        for kind in sorted(set(cfg.layer_kinds)):
+            total += cfg.count(kind) * layer_class(kind).flops_per_token(cfg, seq_len)
         return total
 
     def cache_spec(self, *, kv_dtype: torch.dtype | None = None, conv_dtype: torch.dtype | None = None,

@@ -1,6 +1,7 @@
 """The layer pattern language: one symbol per residual sub-layer.
 
-``M`` Mamba-2 mixer, ``m`` Mamba-1 mixer, ``*`` GQA attention, ``-`` MLP, ``E`` mixture-of-experts
+``M`` Mamba-2 mixer, ``m`` Mamba-1 mixer, ``G`` Gated DeltaNet mixer (gated delta rule, as Qwen3-Next),
+``*`` GQA attention, ``-`` MLP, ``E`` mixture-of-experts
 MLP (top-k routed, as in Jamba). Each symbol is one
 pre-norm residual sub-layer (``x = x + f(norm(x))``), after Megatron-LM's hybrid models.
 """
@@ -10,11 +11,12 @@ from __future__ import annotations
 SYMBOLS: dict[str, str] = {
     "M": "mamba2",
     "m": "mamba1",
+    "G": "gated_deltanet",
     "*": "attention",
     "-": "mlp",
     "E": "moe",
 }
-MIXER_SYMBOLS = frozenset("Mm*")
+MIXER_SYMBOLS = frozenset("MmG*")
 
 
 class PatternError(ValueError):
@@ -41,7 +43,7 @@ def blocks_pattern(n_blocks: int, mixer: str, *, attn_every: int = 0, attn_offse
     """Pattern of ``n_blocks`` blocks of (mixer, MLP), with attention replacing the mixer every
     ``attn_every``-th block.
 
-    ``mixer`` is ``"M"`` or ``"m"`` (or ``"*"`` for an attention-only model). ``attn_offset`` is the
+    ``mixer`` is ``"M"``, ``"m"`` or ``"G"`` (or ``"*"`` for an attention-only model). ``attn_offset`` is the
     index within each group of ``attn_every`` blocks that gets attention (default: the last one,
     as in Bamba; Jamba uses ``attn_every=8, attn_offset=4``).
 

@@ -15,13 +15,27 @@ Each family comes at three sizes: ``tiny`` (d_model 64, byte vocab; for tests, s
 | jamba-moe     | as jamba, top-2 experts every other block | Jamba (exports to it exactly) |
 | nemotronh     | ``M-M-M-M*-`` (no RoPE, squared-ReLU MLP) | NemotronH                     |
 | samba         | ``m-*-`` with sliding-window attention    | Samba                         |
+| gdn           | ``G`` repeated (Gated DeltaNet)           | flash-linear-attention GDN    |
+| qwen3next-like| ``G-G-G-*-`` (3 Gated DeltaNet : 1 attn)  | Qwen3-Next (dense MLP, plain  |
+|               |                                           | GQA: no MoE, no output gate)  |
+
+The Gated DeltaNet state of each size holds as many elements as its Mamba-2 layer's SSM state (``small``:
+12 value heads x 128 x 128 = 1536 x 128), so the two mixers compare at equal state bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..config import AttentionConfig, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig, MoEConfig
+from ..config import (
+    AttentionConfig,
+    GatedDeltaNetConfig,
+    HybridConfig,
+    Mamba1Config,
+    Mamba2Config,
+    MLPConfig,
+    MoEConfig,
+)
 from ..pattern import blocks_pattern, ratio_pattern
 
 _SIZES = {
@@ -29,11 +43,15 @@ _SIZES = {
                  attention=AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=16),
                  mamba2=Mamba2Config(d_state=16, head_dim=16, chunk_size=16),
                  mamba1=Mamba1Config(d_state=8),
+                 # chunks of 16 so test prompts cross chunk boundaries of the chunked delta rule
+                 gated_deltanet=GatedDeltaNetConfig(n_heads=4, n_k_heads=2, head_k_dim=16, head_v_dim=16,
+                                                    chunk_size=16),
                  mlp=MLPConfig(d_ff=128)),
     "small": dict(d_model=768, vocab_size=32000, tie_embeddings=True,
                   attention=AttentionConfig(n_heads=12, n_kv_heads=4, head_dim=64),
                   mamba2=Mamba2Config(d_state=128, head_dim=64, chunk_size=256),
                   mamba1=Mamba1Config(d_state=16),
+                  gated_deltanet=GatedDeltaNetConfig(n_heads=12, n_k_heads=6, head_k_dim=128, head_v_dim=128),
                   mlp=MLPConfig(d_ff=2048)),
     # GQA 8/2 x 64 as llama.cpp's Llama runs it; the head untied so every exporter and llama.cpp converter
     # writes the same separate output matrix; d_ff 1408 ~ 8/3 d_model, rounded to 64
@@ -41,6 +59,7 @@ _SIZES = {
                  attention=AttentionConfig(n_heads=8, n_kv_heads=2, head_dim=64),
                  mamba2=Mamba2Config(d_state=128, head_dim=64, chunk_size=256),
                  mamba1=Mamba1Config(d_state=16),
+                 gated_deltanet=GatedDeltaNetConfig(n_heads=8, n_k_heads=4, head_k_dim=128, head_v_dim=128),
                  mlp=MLPConfig(d_ff=1408)),
 }
 # Depth per size: (blocks for families with MLPs, layers for pure Mamba stacks)
@@ -105,6 +124,15 @@ def _samba(size):
                                            sliding_window=_WINDOW[size]))
 
 
+def _gdn(size):
+    return _make(size, "G" * _DEPTH[size][1])
+
+
+def _qwen3next_like(size):
+    """Qwen3-Next's layout: three Gated DeltaNet blocks then one attention block, each with its MLP."""
+    return _make(size, blocks_pattern(_DEPTH[size][0], "G", attn_every=4))
+
+
 _FAMILIES: dict[str, Callable[[str], HybridConfig]] = {
     "llama": _llama,
     "mamba2": _mamba2,
@@ -114,6 +142,8 @@ _FAMILIES: dict[str, Callable[[str], HybridConfig]] = {
     "jamba-moe": _jamba_moe,
     "nemotronh": _nemotronh,
     "samba": _samba,
+    "gdn": _gdn,
+    "qwen3next-like": _qwen3next_like,
 }
 
 

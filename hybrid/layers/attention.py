@@ -24,6 +24,15 @@ class Attention(nn.Module):
         a = cfg.attention
         return AttentionSpec(n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, window=a.sliding_window, dtype=dtypes.kv)
 
+    @staticmethod
+    def flops_per_token(cfg: HybridConfig, seq_len: int) -> float:
+        """FLOPs of one token beyond the projections: scores and values over the average visible context of a
+        causal prefill of ``seq_len`` tokens (the sliding window respected)."""
+        a = cfg.attention
+        w = min(a.sliding_window or seq_len, seq_len)
+        avg_ctx = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len  # mean over p = 1..L of min(p, w)
+        return 4.0 * a.n_heads * a.head_dim * avg_ctx
+
     def __init__(self, d_model: int, cfg: AttentionConfig):
         super().__init__()
         self.cfg = cfg

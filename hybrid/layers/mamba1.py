@@ -30,6 +30,12 @@ class Mamba1(nn.Module):
         return MambaStateSpec(conv_shape=(m.d_inner, m.d_conv - 1), ssm_shape=(m.d_inner, m.d_state),
                               conv_dtype=dtypes.conv, ssm_dtype=dtypes.ssm, conv_groups=groups, ssm_groups=groups)
 
+    @staticmethod
+    def flops_per_token(cfg: HybridConfig, seq_len: int) -> float:
+        """FLOPs of one token beyond the projections: the selective scan (~6 per state element) and the conv."""
+        m = cfg.mamba1
+        return 6.0 * m.d_inner * m.d_state + 2.0 * m.d_conv * m.d_inner
+
     def __init__(self, d_model: int, cfg: Mamba1Config, norm_eps: float = 1e-5):
         super().__init__()
         self.cfg = cfg

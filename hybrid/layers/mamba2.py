@@ -42,6 +42,12 @@ class Mamba2(nn.Module):
                               # measured 3x the logit KL, eval/compression_bench.py), per head of the conv state
                               conv_groups=state_scale_groups(m.conv_dim, m.n_heads), ssm_groups=m.n_heads * m.head_dim)
 
+    @staticmethod
+    def flops_per_token(cfg: HybridConfig, seq_len: int) -> float:
+        """FLOPs of one token beyond the projections: the SSM recurrence (~6 per state element) and the conv."""
+        m = cfg.mamba2
+        return 6.0 * m.d_inner * m.d_state + 2.0 * m.d_conv * m.conv_dim
+
     def __init__(self, d_model: int, cfg: Mamba2Config, norm_eps: float = 1e-5):
         super().__init__()
         self.cfg = cfg

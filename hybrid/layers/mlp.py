@@ -31,6 +31,10 @@ class MLP(nn.Module):
     def cache_spec(cfg: HybridConfig, dtypes) -> None:
         return None  # token-wise: nothing to cache
 
+    @staticmethod
+    def flops_per_token(cfg: HybridConfig, seq_len: int) -> float:
+        return 0.0  # its matmuls are counted with the model's weights
+
     def __init__(self, d_model: int, cfg: MLPConfig):
         super().__init__()
         self.activation = cfg.activation

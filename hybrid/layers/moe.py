@@ -29,6 +29,12 @@ class MoE(nn.Module):
     def cache_spec(cfg: HybridConfig, dtypes) -> None:
         return None  # token-wise: nothing to cache
 
+    @staticmethod
+    def flops_per_token(cfg: HybridConfig, seq_len: int) -> float:
+        """The ``top_k`` experts a token runs through (the router is an nn.Linear, counted with the weights)."""
+        moe = cfg.moe
+        return 2.0 * moe.top_k * (3 if moe.gated else 2) * cfg.d_model * moe.d_ff
+
     def __init__(self, d_model: int, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg

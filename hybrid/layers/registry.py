@@ -11,12 +11,14 @@ from torch import nn
 from ..config import HybridConfig
 from ..specs import CacheDtypes, ModelCacheSpec
 from .attention import Attention
+from .gated_deltanet import GatedDeltaNet
 from .mamba1 import Mamba1
 from .mamba2 import Mamba2
 from .mlp import MLP
 from .moe import MoE
 
-LAYER_CLASSES: dict[str, type[nn.Module]] = {cls.kind: cls for cls in (Attention, Mamba2, Mamba1, MLP, MoE)}
+LAYER_CLASSES: dict[str, type[nn.Module]] = {
+    cls.kind: cls for cls in (Attention, Mamba2, Mamba1, GatedDeltaNet, MLP, MoE)}
 
 
 def layer_class(kind: str) -> type[nn.Module]:
