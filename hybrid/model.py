@@ -31,7 +31,9 @@ class Block(nn.Module):
         self.caches = cls.cache_spec(cfg, CacheDtypes(kv=torch.float32, conv=torch.float32)) is not None
 
     def forward(self, x: torch.Tensor, batch=None, cache=None) -> torch.Tensor:
-        if batch is not None and batch.prefill is None:  # a decode-only step: the fused sub-layer if it covers it
+        # a decode-only step: the fused sub-layer if it covers it. Never under Dynamo: a compiled graph runs the
+        # layers, and tracing the program lookup would guard on a weak dict's keys that change as caches die.
+        if batch is not None and batch.prefill is None and not torch.compiler.is_compiling():
             y = fused_decode.sublayer(self, x, batch, cache)
             if y is not None:
                 return y

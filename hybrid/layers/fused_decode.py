@@ -327,7 +327,9 @@ def program(model, cache) -> DecodeProgram:
 
 
 def _fused_sublayer(block, x, batch, cache):
-    entry = _programs.get(cache) if cache is not None else None
+    if cache is None or torch.compiler.is_compiling():
+        return None
+    entry = _programs.get(cache)
     if entry is None or not _batch_ok(batch, x):
         return None
     prog = entry[1]
