@@ -1,8 +1,10 @@
 """Weight-only quantisation of a model's linear layers through torchao (the PyTorch library for it):
 ``hybrid.quantize(model, "int8wo")`` — int8 codes with one fp32 scale per output row (torchao's
-``Int8WeightOnlyConfig``), ``"int4wo"`` — int4 in groups of 128 (torchao's ``Int4WeightOnlyConfig``,
-its tinygemm layout: CUDA only — torchao 0.18 has no int4 weight-only format for a CPU: ``plain`` needs mslk,
-``plain_int32`` refuses the CPU device, so on a CPU it is refused with that message).
+``Int8WeightOnlyConfig``), ``"int4wo"`` — int4 in groups of 128 (torchao's ``Int4WeightOnlyConfig`` in its tinygemm layout on
+CUDA; on a CPU torchao's ``PrototypeInt4WeightOnlyConfig``, the ``Int4OpaqueTensor`` packed for aten's
+``_weight_int4pack_mm_for_cpu``: torchao 0.18's stable int4 formats do not run on a CPU — ``plain`` needs mslk,
+``plain_int32`` refuses the device). The CPU kernel takes groups of 32, 64 or 128 only, so a layer whose input
+width no group divides (or whose output width is not a multiple of 16) keeps its dtype.
 Decode is the bytes of the weights: int8 reads a quarter of fp32's.
 
 torchao's int8 tensor computes through its own ``__torch_dispatch__`` (tens of microseconds of Python per call at
@@ -31,14 +33,38 @@ def quantize(model: torch.nn.Module, method: str) -> torch.nn.Module:
         config = Int8WeightOnlyConfig()
     else:
         device = next(model.parameters()).device
+        if device.type == "cpu":
+            _int4_cpu(model, quantize_)
+            model.quantization = method
+            return model
         if device.type != "cuda":
-            raise ValueError(f"quantize('int4wo') on {device.type}: torchao's int4 weight-only formats run on CUDA "
-                             "only (its CPU one is not in this torchao); use 'int8wo' on a CPU")
+            raise ValueError(f"quantize('int4wo') on {device.type}: torchao's int4 weight-only formats run on "
+                             "CUDA and CPU only")
         config = Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
     with torch.no_grad():
         quantize_(model, config)
     model.quantization = method
     return model
+
+
+def _int4_cpu(model: torch.nn.Module, quantize_) -> None:
+    """int4 weight-only on a CPU through torchao's prototype opaque format: each linear layer in the largest
+    group (128, 64, 32) that divides its input width; a layer none divides keeps its dtype. The CPU kernel
+    computes in bfloat16, so the quantised layers' activations are cast there and back."""
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+    def fits(group):
+        def check(module, _fqn):
+            w = getattr(module, "weight", None)
+            return (isinstance(module, torch.nn.Linear) and w is not None and w.dim() == 2
+                    and type(w) in (torch.Tensor, torch.nn.Parameter) and w.shape[1] % group == 0
+                    and w.shape[0] % 16 == 0)
+        return check
+
+    with torch.no_grad():
+        for group in (128, 64, 32):
+            quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=group, set_inductor_config=False),
+                      filter_fn=fits(group))
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
