@@ -68,6 +68,8 @@ class HybridEvalLM(TemplateLM):
         budget when a task gives none. backend: force a kernel backend (torch/triton/cuda).
         prefix_caching: score through the engine with its prefix cache (``prefix_state_bytes``,
         ``prefix_checkpoint_interval``, ``cache_bytes`` and ``max_batch_tokens`` size it).
+        quantize: torchao weight-only quantisation of the linear layers (``int8wo`` or ``int4wo``,
+        :func:`hybrid.quantize`), to measure what it costs in accuracy.
     """
 
     def __init__(self, pretrained: str | HybridLM | None = None, recipe: str | None = None,
@@ -75,7 +77,7 @@ class HybridEvalLM(TemplateLM):
                  batch_size: int | str = 8, max_length: int = 2048, max_gen_toks: int = 256,
                  backend: str | None = None, prefix_caching: bool | str = False,
                  prefix_state_bytes: int | None = None, prefix_checkpoint_interval: int | None = None,
-                 cache_bytes: int = 1024 * 2**20, max_batch_tokens: int = 512):
+                 cache_bytes: int = 1024 * 2**20, max_batch_tokens: int = 512, quantize: str | None = None):
         super().__init__()
         if (pretrained is None) == (recipe is None):
             raise ValueError("give exactly one of pretrained=DIR (a checkpoint folder) or recipe=NAME")
@@ -102,6 +104,10 @@ class HybridEvalLM(TemplateLM):
         self.tokens_computed = 0  # model input positions run for log-likelihoods (both paths)
         self._device = resolve_device(device)
         self.model = self._build_model(pretrained, recipe, DTYPES[dtype])
+        if quantize:
+            from ..quantize import quantize as quantize_model
+
+            quantize_model(self.model, quantize)  # ValueError naming the methods for an unknown one
         tok_source = tokenizer if tokenizer is not None else (pretrained if isinstance(pretrained, str) else None)
         self.tokenizer = load_tokenizer(tok_source)
         self.name = pretrained if isinstance(pretrained, str) else recipe or type(pretrained).__name__

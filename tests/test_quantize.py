@@ -107,3 +107,29 @@ def test_cli_quantize_flag():
     assert ok4.returncode == 0 and "decode:" in ok4.stdout + ok4.stderr, ok4.stderr[-2000:]
     bad = subprocess.run(cmd + ["--quantize", "int3"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "int3" in bad.stderr
+
+
+def test_lm_eval_model_scores_the_quantised_model():
+    """``quantize=`` in the lm-eval model (``hybrid eval --quantize``) scores the quantised model: its
+    log-likelihood equals that model's own logits, and differs from the unquantised model's."""
+    import torch.nn.functional as F
+    from hybrid.eval.lm_eval_model import HybridEvalLM
+    from lm_eval.api.instance import Instance
+
+    torch.manual_seed(0)
+    plain = HybridEvalLM(recipe="llama-tiny")
+    torch.manual_seed(0)
+    lm = HybridEvalLM(recipe="llama-tiny", quantize="int8wo")
+    assert type(lm.model.lm_head.weight).__name__ == "Int8Tensor"
+    ctx, cont = "The answer is", " four"
+    (got, _), = lm.loglikelihood([Instance("loglikelihood", {}, (ctx, cont), 0)], disable_tqdm=True)
+    (ref, _), = plain.loglikelihood([Instance("loglikelihood", {}, (ctx, cont), 0)], disable_tqdm=True)
+    a = lm.tokenizer.encode(ctx, add_special_tokens=False)
+    whole = lm.tokenizer.encode(ctx + cont, add_special_tokens=False)
+    with torch.inference_mode():
+        logp = F.log_softmax(lm.model(torch.tensor([whole]))[0].float(), dim=-1)
+    direct = float(sum(logp[i - 1, whole[i]] for i in range(len(a), len(whole))))
+    assert got == pytest.approx(direct, abs=1e-3)
+    assert got != pytest.approx(ref, abs=1e-6)
+    with pytest.raises(ValueError, match="unknown quantisation 'int2'"):
+        HybridEvalLM(recipe="llama-tiny", quantize="int2")

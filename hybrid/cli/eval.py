@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", type=device_arg, help="where the model runs (cpu, cuda, cuda:N)")
     p.add_argument("--backend", choices=["torch", "triton", "cuda"],
                    help="force a kernel backend (default: the best available, see `hybrid doctor`)")
+    p.add_argument("--quantize", choices=["int8wo", "int4wo"], default=None,
+                   help="torchao weight-only quantisation of the linear layers (hybrid.quantize)")
     p.add_argument("--output", default="out/eval", help="folder for lm-eval's results JSON")
     p.set_defaults(func=run)
 
@@ -51,7 +53,8 @@ def run(args) -> None:
 
     results = run_tasks(args.model, recipe=args.recipe, tasks=args.tasks, num_fewshot=args.num_fewshot,
                         limit=args.limit, mmlu_dir=args.mmlu_dir, batch_size=args.batch_size, device=args.device,
-                        dtype=args.dtype, max_length=args.max_length, backend=args.backend)
+                        dtype=args.dtype, max_length=args.max_length, backend=args.backend,
+                        **({"quantize": args.quantize} if args.quantize else {}))
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
