@@ -81,7 +81,7 @@ def decode_rows(batch: int, context: int, steps: int, dtype: torch.dtype, *, rep
     median's speed relative to the first pair (bf16 K/V, fp32 state)."""
     import statistics
 
-    from hybrid.eval.engine_bench import decode_engine
+    from hybrid.eval.decode_timing import decode_engine
 
     rows = []
     for name in tqdm(names or RECIPES, desc="decode", unit="model"):

@@ -3,7 +3,7 @@
 Each family comes at three sizes: ``tiny`` (d_model 64, byte vocab; for tests, seconds on a CPU),
 ``small`` (d_model 768, 32k vocab, ~90-115M parameters, like mamba-130m / GPT-2 small) and ``d512``
 (d_model 512, 32k vocab, 8 blocks / 8 Mamba layers, untied head: the weights the llama.cpp comparison,
-``hybrid.eval.llamacpp_bench``, runs on both sides).
+``benchmarks/llamacpp.py``, runs on both sides).
 
 | family        | pattern                                   | after                         |
 |---------------|-------------------------------------------|-------------------------------|

@@ -255,7 +255,7 @@ def test_request_errors():
 def test_engine_greedy_equals_transformers_generate():
     """16 greedy tokens through the engine equal transformers' generate on the same Llama weights."""
     pytest.importorskip("transformers")
-    from hybrid.eval.engine_bench import hf_pair
+    from benchmarks.decode import hf_pair
 
     hf, ours = hf_pair(recipes.get("llama-tiny"), torch.float32)  # logits sharpened: argmax far from ties
     prompts = prompts_of([12, 5], seed=8)

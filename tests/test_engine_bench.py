@@ -3,7 +3,7 @@
 import json
 
 import torch
-from hybrid.eval.engine_bench import copy_bandwidth, decode_step_bytes, main
+from benchmarks.decode import copy_bandwidth, decode_step_bytes, main
 
 from hybrid import HybridLM, recipes
 

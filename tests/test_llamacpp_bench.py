@@ -1,10 +1,10 @@
-"""eval/llamacpp_bench without llama.cpp: llama-bench's JSON read back, the rows / ratios / goal verdicts,
+"""benchmarks/llamacpp.py without llama.cpp: llama-bench's JSON read back, the rows / ratios / goal verdicts,
 the table, the JSON + PNG report, the turn-taking, and the clear stops when llama.cpp is not there."""
 
 import json
 
 import pytest
-from hybrid.eval import llamacpp_bench as lb
+from benchmarks import llamacpp as lb
 
 # what `llama-bench -m model.gguf -p 2048 -n 0,16 -t 2 -r 2 -o json` prints (fields trimmed; values as it writes)
 CANNED = json.dumps([

@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
 def run(args) -> None:
     import torch
 
-    from ..eval.engine_bench import decode_engine, decode_speed
+    from ..eval.decode_timing import decode_engine, decode_speed
     from ..eval.tables import markdown, write_rows
     from ..eval.timing import matmul_peak, peak_exceeded, set_threads, sweep
 

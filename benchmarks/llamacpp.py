@@ -20,7 +20,7 @@ load apart), repeated ``--repeats`` times so a change in the machine's load fall
 It prints one table (min / median / max tokens/s on each side, the ratio of medians ours / llama.cpp, and
 whether the issue's goal, >= 1x for Mamba-2 and the hybrid, is met) and writes it as JSON with a bar chart.
 
-    python -m hybrid.eval.llamacpp_bench --llama-cpp /work/scratch/llama.cpp \\
+    python -m benchmarks.llamacpp --llama-cpp /work/scratch/llama.cpp \\
         --llama-bench /work/scratch/llama-bench-build/bin/llama-bench --lengths 2048 8192 --threads 2
 
 The llama.cpp tree comes from ``--llama-cpp DIR`` or ``$LLAMA_CPP_DIR`` and is never downloaded
@@ -45,13 +45,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from hybrid.eval.timing import engine_prefill_fn, set_threads
+from hybrid.kernels import host_memory
+from hybrid.recipes import get as get_recipe
 from tqdm import tqdm
 
-from ..kernels import host_memory
-from ..model import HybridLM
-from ..pretrained import save_pretrained
-from ..recipes import get as get_recipe
-from .prefill_bench import engine_prefill_fn, set_threads
+from hybrid.model import HybridLM
+from hybrid.pretrained import save_pretrained
 
 # name -> (recipe, export format llama.cpp converts): the three models (Llama GQA 8/2, Mamba-2, a
 # Bamba-like 7:1 hybrid with RoPE attention, which llama.cpp rotates only in Bamba checkpoints)
@@ -328,7 +328,7 @@ def _load() -> list[float] | None:
 def run(names: list[str], lengths: list[int], *, tree: Path, llama_bench: Path, llama_greedy: Path, work: Path,
         threads: int, repeats: int, warmup: int, chunk: int, paths: tuple[str, ...], lock: str | None,
         progress: bool = True, dtype: torch.dtype = torch.float32) -> tuple[list[dict], dict]:
-    from .tradeoff import timing_lock
+    from hybrid.eval.tradeoff import timing_lock
 
     threads = set_threads(threads)
     settings: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "threads": threads,

@@ -1,7 +1,7 @@
 """Inference-engine benchmark: decode speed through the engine, eager and compiled, next to ``transformers``'
 ``generate`` on the same weights, against this machine's memory-bandwidth floor; prefill speed; cache memory.
 
-    python -m hybrid.eval.engine_bench --recipes llama-small hybrid-1to7-small mamba2-small --threads 2
+    python -m benchmarks.decode --recipes llama-small hybrid-1to7-small mamba2-small --threads 2
 
 Decode rows: ``batch`` sequences at ``context`` tokens each decode together; the first sequence is prefilled
 once and forked ``batch - 1`` times (the prompt's KV blocks are shared, every sequence reads its whole
@@ -31,40 +31,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from hybrid.eval.decode_timing import BLOCK, decode_engine, decode_speed, random_prompt, spread, sync
+from hybrid.kernels import host_memory
 from tqdm import tqdm
 
-from .. import recipes
-from ..cache import sequences_that_fit
-from ..engine import Engine
-from ..kernels import host_memory
-from ..layers.registry import cache_specs
-from ..model import HybridLM
-from ..pretrained import save_pretrained
-from ..report import format_table
-from ..sampling import SamplingParams
-from ..specs import CacheDtypes
-
-BLOCK = 16
+from hybrid import recipes
+from hybrid.cache import sequences_that_fit
+from hybrid.engine import Engine
+from hybrid.layers.registry import cache_specs
+from hybrid.model import HybridLM
+from hybrid.pretrained import save_pretrained
+from hybrid.report import format_table
+from hybrid.sampling import SamplingParams
+from hybrid.specs import CacheDtypes
 
 
-def _sync(model: HybridLM) -> None:
-    p = next(model.parameters())
-    if p.device.type == "cuda":
-        torch.cuda.synchronize(p.device)
-
-
-def _prompt(model: HybridLM, n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
-
-
-def spread(times: list[float]) -> dict:
-    """min / median / max in milliseconds, and whether the spread is wide (max > 1.25 x min)."""
-    return {"ms_min": round(min(times) * 1e3, 2), "ms_med": round(statistics.median(times) * 1e3, 2),
-            "ms_max": round(max(times) * 1e3, 2), "wide": max(times) > 1.25 * min(times)}
-
-
-# ---- the machine -----------------------------------------------------------------------------------
 def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
     """Bytes per second a streaming read of a ``mib`` MiB buffer (``sum``) moves, best of ``repeats``: the rate a
     decode step can read its weights at, at most."""
@@ -120,7 +101,7 @@ def decode_step_bytes(model: HybridLM, batch: int, context: int) -> int:
     """Bytes one decode step must move at least: every weight once (the embedding only for the looked-up
     rows unless it is also the LM head), each sequence's K/V for its context, each Mamba state read and
     written."""
-    from ..quantize import int8_rows
+    from hybrid.quantize import int8_rows
 
     def nbytes(p):  # a torchao int8 weight reports its dtype's element size: count its codes and scales
         rows = int8_rows(p)
@@ -141,50 +122,14 @@ def prefill_speed(model: HybridLM, context: int, repeats: int) -> dict:
     for r in range(repeats + 1):  # the first run warms up and is not counted
         engine = Engine(model, num_blocks=-(-context // BLOCK) + 1, block_size=BLOCK, max_seqs=1,
                         max_batch_tokens=context)
-        engine.add_request(_prompt(model, context, r), SamplingParams(max_new_tokens=1))
-        _sync(model)
+        engine.add_request(random_prompt(model, context, r), SamplingParams(max_new_tokens=1))
+        sync(model)
         t0 = time.perf_counter()
         engine.step()
-        _sync(model)
+        sync(model)
         times.append(time.perf_counter() - t0)
     s = spread(times[1:])
     return {"context": context, **s, "prefill_tok/s": round(context / (s["ms_med"] / 1e3), 1)}
-
-
-def decode_engine(model: HybridLM, batch: int, context: int, *, steps: int, compile: bool, warmup: int,
-                  kv_dtype: str | None = None, state_dtype: str | None = None) -> Engine:
-    """An engine holding ``batch`` sequences of ``context`` tokens, all decoding (compiled steps warmed up),
-    with room for ``steps`` more timed steps; cache dtypes as ``Engine`` takes them (None: the defaults)."""
-    new = warmup + steps + 2
-    blocks = -(-(context + new) // BLOCK) + (batch - 1) * (-(-new // BLOCK) + 1)  # shared prompt + own tails
-    engine = Engine(model, num_blocks=blocks, block_size=BLOCK, max_seqs=batch, max_batch_tokens=max(context, 1),
-                    compile=compile, kv_dtype=kv_dtype, state_dtype=state_dtype)
-    rid = engine.add_request(_prompt(model, context, 0), SamplingParams(max_new_tokens=new, ignore_eos=True))
-    while not engine.requests[rid].output:
-        engine.step()  # the prompt, prefilled once
-    for _ in range(batch - 1):
-        engine.fork(rid)
-    for _ in range(warmup):
-        engine.step()
-    return engine
-
-
-def decode_speed(engine: Engine, steps: int) -> tuple[dict, dict]:
-    """Time ``steps`` decode steps; returns the speed row and the mean time split of a step."""
-    model, batch = engine.model, len(engine.running)
-    s0 = dict(engine.stats.__dict__)
-    times = []
-    for _ in range(steps):
-        _sync(model)
-        t0 = time.perf_counter()
-        engine.step()
-        _sync(model)
-        times.append(time.perf_counter() - t0)
-    s = spread(times)
-    split = {k.replace("_seconds", "_ms"): round((engine.stats.__dict__[k] - s0[k]) / steps * 1e3, 3)
-             for k in ("schedule_seconds", "forward_seconds", "sample_seconds", "output_seconds")}
-    split["overhead_ms"] = round(s["ms_med"] - sum(split.values()), 3)  # step() outside the four parts
-    return {"batch": batch, **s, "decode_tok/s": round(batch / (s["ms_med"] / 1e3), 1)}, split
 
 
 # ---- transformers -----------------------------------------------------------------------------------
@@ -255,7 +200,7 @@ def memory_rows(names: list[str], context: int, seq_len: int, cache_gib: float, 
 
 # ---- the run -----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m hybrid.eval.engine_bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="+", default=["llama-small", "hybrid-1to7-small", "mamba2-small"])
     ap.add_argument("--contexts", type=int, nargs="*", default=[512, 2048, 8192], help="prefill lengths (none: skip)")
@@ -314,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in tqdm(hf_names, desc="transformers", unit="model"):
         torch.manual_seed(0)
         hf, ours = hf_pair(recipes.get(name), dtype)
-        prompt = _prompt(ours, args.hf_context, 0)
+        prompt = random_prompt(ours, args.hf_context, 0)
         for b in args.hf_batches:
             rate, tokens = hf_decode(hf, prompt, b, args.hf_new_tokens)
             hf_rate[(name, b)] = rate
@@ -335,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.manual_seed(0)
             models[name] = HybridLM(recipes.get(name)).to(dtype).eval()
             if args.quantize:
-                from ..quantize import quantize
+                from hybrid.quantize import quantize
 
                 quantize(models[name], args.quantize)
         model = models[name]

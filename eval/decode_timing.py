@@ -1,0 +1,69 @@
+"""Timing a decode step through the engine: an engine holding a batch of sequences mid-generation, and the
+median step with its split. ``hybrid bench`` and the decode benchmarks (``benchmarks/decode.py``) share it."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..engine import Engine
+from ..model import HybridLM
+from ..sampling import SamplingParams
+
+BLOCK = 16
+
+
+def sync(model: HybridLM) -> None:
+    p = next(model.parameters())
+    if p.device.type == "cuda":
+        torch.cuda.synchronize(p.device)
+
+
+def random_prompt(model: HybridLM, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+
+
+def spread(times: list[float]) -> dict:
+    """min / median / max in milliseconds, and whether the spread is wide (max > 1.25 x min)."""
+    return {"ms_min": round(min(times) * 1e3, 2), "ms_med": round(statistics.median(times) * 1e3, 2),
+            "ms_max": round(max(times) * 1e3, 2), "wide": max(times) > 1.25 * min(times)}
+
+
+# ---- the machine -----------------------------------------------------------------------------------
+def decode_engine(model: HybridLM, batch: int, context: int, *, steps: int, compile: bool, warmup: int,
+                  kv_dtype: str | None = None, state_dtype: str | None = None) -> Engine:
+    """An engine holding ``batch`` sequences of ``context`` tokens, all decoding (compiled steps warmed up),
+    with room for ``steps`` more timed steps; cache dtypes as ``Engine`` takes them (None: the defaults)."""
+    new = warmup + steps + 2
+    blocks = -(-(context + new) // BLOCK) + (batch - 1) * (-(-new // BLOCK) + 1)  # shared prompt + own tails
+    engine = Engine(model, num_blocks=blocks, block_size=BLOCK, max_seqs=batch, max_batch_tokens=max(context, 1),
+                    compile=compile, kv_dtype=kv_dtype, state_dtype=state_dtype)
+    rid = engine.add_request(random_prompt(model, context, 0), SamplingParams(max_new_tokens=new, ignore_eos=True))
+    while not engine.requests[rid].output:
+        engine.step()  # the prompt, prefilled once
+    for _ in range(batch - 1):
+        engine.fork(rid)
+    for _ in range(warmup):
+        engine.step()
+    return engine
+
+
+def decode_speed(engine: Engine, steps: int) -> tuple[dict, dict]:
+    """Time ``steps`` decode steps; returns the speed row and the mean time split of a step."""
+    model, batch = engine.model, len(engine.running)
+    s0 = dict(engine.stats.__dict__)
+    times = []
+    for _ in range(steps):
+        sync(model)
+        t0 = time.perf_counter()
+        engine.step()
+        sync(model)
+        times.append(time.perf_counter() - t0)
+    s = spread(times)
+    split = {k.replace("_seconds", "_ms"): round((engine.stats.__dict__[k] - s0[k]) / steps * 1e3, 3)
+             for k in ("schedule_seconds", "forward_seconds", "sample_seconds", "output_seconds")}
+    split["overhead_ms"] = round(s["ms_med"] - sum(split.values()), 3)  # step() outside the four parts
+    return {"batch": batch, **s, "decode_tok/s": round(batch / (s["ms_med"] / 1e3), 1)}, split
