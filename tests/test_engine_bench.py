@@ -3,8 +3,8 @@
 import json
 
 import torch
-from benchmarks.decode import copy_bandwidth, decode_step_bytes, main
 
+from benchmarks.decode import copy_bandwidth, decode_step_bytes, main
 from hybrid import HybridLM, recipes
 
 

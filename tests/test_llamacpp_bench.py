@@ -4,6 +4,7 @@ the table, the JSON + PNG report, the turn-taking, and the clear stops when llam
 import json
 
 import pytest
+
 from benchmarks import llamacpp as lb
 
 # what `llama-bench -m model.gguf -p 2048 -n 0,16 -t 2 -r 2 -o json` prints (fields trimmed; values as it writes)

@@ -71,7 +71,11 @@ def test_int4wo_on_cpu_is_torchaos_int4_tensor_and_computes_its_quantised_weight
     primitives (the kernel is aten's; this checks we hand it the layer as torchao expects)."""
     from torchao.prototype.quantization.int4 import Int4OpaqueTensor
     from torchao.quantization.quant_primitives import (
-        MappingType, _choose_qparams_affine_tinygemm, _dequantize_affine_tinygemm, _quantize_affine_tinygemm)
+        MappingType,
+        _choose_qparams_affine_tinygemm,
+        _dequantize_affine_tinygemm,
+        _quantize_affine_tinygemm,
+    )
 
     torch.manual_seed(0)
     model = HybridLM(recipes.get("llama-tiny")).eval()

@@ -41,7 +41,8 @@ def add_dtype_device(p: argparse.ArgumentParser, *, device_help: str = "where th
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
     p.add_argument("--device", default="cpu", type=device_arg, help=device_help)
     p.add_argument("--quantize", choices=["int8wo", "int4wo"], default=None,
-                   help="torchao weight-only quantisation of the linear layers (hybrid.quantize; int4wo on a CPU: torchao's prototype int4 format)")
+                   help="torchao weight-only quantisation of the linear layers (hybrid.quantize; int4wo on a "
+                        "CPU: torchao's prototype int4 format)")
 
 
 def quantized(model, args):
