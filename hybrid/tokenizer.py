@@ -3,15 +3,18 @@
 Both expose ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``bos_token_id``,
 ``eos_token_id``, ``pad_token_id``, ``eos_token_ids`` (every id that ends generation) and
 ``vocab_size``. :class:`StreamDecoder` turns a growing id list into text deltas without ever
-emitting half of a multi-byte character.
+emitting half of a multi-byte character (through ``tokenizers.decoders.DecodeStream`` where the
+tokenizer has a ``tokenizers`` backend).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 REPLACEMENT = "\ufffd"
+log = logging.getLogger("hybrid.tokenizer")
 
 
 class ByteTokenizer:
@@ -86,6 +89,11 @@ class HFTokenizer:
         self.pad_token_id = gen.get("pad_token_id", ids["pad"])
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def backend_tokenizer(self):
+        """The ``tokenizers.Tokenizer`` itself (transformers' fast tokenizers name it the same)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -111,38 +119,106 @@ def load_tokenizer(path: str | Path | None = None) -> ByteTokenizer | HFTokenize
 
 
 class StreamDecoder:
-    """Incremental detokenizer: ``push(ids)`` returns the new text those ids complete.
+    """Incremental detokenizer: ``push(ids)`` returns the new text those ids complete; ``flush()``
+    returns what is left at the end (a character cut by the end shows as U+FFFD, as in a full decode).
 
-    Text is decoded over a short window of recent ids (decoding single tokens loses the spaces
-    and byte pieces that only make sense together) and held back while it ends in U+FFFD, i.e.
-    mid-way through a multi-byte character; ``flush()`` returns whatever is left at the end.
+    A tokenizer with a ``tokenizers`` backend (ours, or a transformers fast tokenizer: its
+    ``backend_tokenizer``) streams through ``tokenizers.decoders.DecodeStream``, the library's own
+    incremental decoder (byte-fallback pieces, multi-byte characters, a decoder's prefix handling).
+    Other tokenizers -- the byte-level fallback, a slow transformers tokenizer, one that cleans up
+    spaces after decoding, which DecodeStream does not do -- use the same method written here: decode a
+    short window of recent ids (single tokens lose spaces and byte pieces that only make sense
+    together) and hold the text back while it ends in U+FFFD, i.e. mid-way through a character.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
-        self._prefix = 0  # ids[_prefix:_read] are already emitted; they give the window its context
+        self._streamed = ""  # what push() returned so far (``text`` may be cut at a stop string)
+        self._backend = _stream_backend(tokenizer)
+        self.stream = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._full = False  # after a DecodeStream error: diff full decodes
+        self._pending = 0  # ids[_pending:] have not shown in any delta yet
+        self._prefix = 0  # the fallback's window: ids[_prefix:_read] are already emitted and give context
         self._read = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def push(self, ids: list[int]) -> str:
-        self.ids.extend(int(i) for i in ids)
-        before = self._decode(self.ids[self._prefix:self._read])
-        now = self._decode(self.ids[self._prefix:])
-        if len(now) <= len(before) or now.endswith(REPLACEMENT):
-            return ""
-        delta = now[len(before):]
-        self._prefix, self._read = self._read, len(self.ids)
+        ids = [int(i) for i in ids]
+        self.ids.extend(ids)
+        if self.stream is not None:
+            delta = self._stream_step(ids)
+        elif self._full:
+            full = self._decode(self.ids)
+            ok = not full.endswith(REPLACEMENT) and full.startswith(self._streamed)
+            delta = full[len(self._streamed):] if ok else ""
+            if ok:
+                self._pending = len(self.ids)
+        else:
+            before = self._decode(self.ids[self._prefix:self._read])
+            now = self._decode(self.ids[self._prefix:])
+            if len(now) <= len(before) or now.endswith(REPLACEMENT):
+                return ""
+            delta = now[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        self._streamed += delta
         self.text += delta
         return delta
 
+    def _stream_step(self, ids: list[int]) -> str:
+        parts = []
+        start = len(self.ids) - len(ids)
+        try:
+            for k, i in enumerate(ids):  # one id a step: what every tokenizers release with DecodeStream accepts
+                chunk = self.stream.step(self._backend, i)
+                if chunk is not None:
+                    parts.append(chunk)
+                    self._pending = start + k + 1
+        except Exception:  # noqa: BLE001 - DecodeStream refuses a decoder whose window text rewrites its
+            # earlier text (InvalidPrefix): the rest of this stream diffs full decodes; a request never fails
+            log.warning("DecodeStream failed; streaming the rest of this request by full decodes", exc_info=True)
+            self.stream, self._full = None, True
+            full = self._decode(self.ids)
+            if full.endswith(REPLACEMENT) or not full.startswith(self._streamed + "".join(parts)):
+                return "".join(parts)
+            self._pending = len(self.ids)
+            return full[len(self._streamed):]
+        return "".join(parts)
+
     def flush(self) -> str:
-        before = self._decode(self.ids[self._prefix:self._read])
-        now = self._decode(self.ids[self._prefix:])
-        delta = now[len(before):]
-        self._prefix = self._read = len(self.ids)
+        if self.stream is not None or self._full:
+            # the ids DecodeStream still holds back (a character cut by the end): the full decode's tail, or
+            # where that rewrites what streamed (byte-fallback decoders garble a whole cut byte run), their own
+            delta = ""
+            if self._pending < len(self.ids):
+                full = self._decode(self.ids)
+                delta = (full[len(self._streamed):] if full.startswith(self._streamed)
+                         else self._decode(self.ids[self._pending:]))
+            self._pending = len(self.ids)
+        else:
+            before = self._decode(self.ids[self._prefix:self._read])
+            delta = self._decode(self.ids[self._prefix:])[len(before):]
+            self._prefix = self._read = len(self.ids)
+        self._streamed += delta
         self.text += delta
         return delta
+
+
+def _stream_backend(tokenizer):
+    """The ``tokenizers.Tokenizer`` that DecodeStream can step for ``tokenizer``, or None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream  # noqa: F401 - tokenizers >= 0.21
+    except ImportError:
+        return None
+    return backend if isinstance(backend, Tokenizer) else None

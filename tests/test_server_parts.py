@@ -8,13 +8,21 @@ import json
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from server_helpers import post, running_server
 
 import hybrid
 from hybrid import recipes
 from hybrid.cli import _byte_size, build_parser, main
 from hybrid.server.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from hybrid.server.metrics import Counter, Histogram, parse_metrics
+from hybrid.server.metrics import (
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    EngineSnapshot,
+    ServerMetrics,
+    parse_metrics,
+)
 
 LLAMA_LIKE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
               "{{ raise_exception('no tools here') }}{% endif %}"
@@ -45,18 +53,55 @@ def test_checkpoint_template_string_list_and_file(tmp_path):
 
 
 def test_prometheus_text():
-    c = Counter("x_total", "help text", label="reason")
-    c.inc(2, "stop")
-    c.inc(label_value="length")
-    h = Histogram("lat_seconds", "latency", (0.1, 1.0))
+    registry = CollectorRegistry()
+    c = Counter("x_total", "help text", ["reason"], registry=registry)
+    c.labels("stop").inc(2)
+    c.labels("length").inc()
+    h = Histogram("lat_seconds", "latency", buckets=(0.1, 1.0), registry=registry)
     for v in (0.05, 0.5, 0.7, 3.0):
         h.observe(v)
-    text = "\n".join(c.render() + h.render())
+    text = generate_latest(registry).decode()
     assert "# TYPE x_total counter" in text and "# TYPE lat_seconds histogram" in text
     m = parse_metrics(text)
     assert m['x_total{reason="stop"}'] == 2 and m['x_total{reason="length"}'] == 1
     assert [m[f'lat_seconds_bucket{{le="{b}"}}'] for b in ("0.1", "1.0", "+Inf")] == [1, 3, 4]  # cumulative
     assert m["lat_seconds_count"] == 4 and m["lat_seconds_sum"] == pytest.approx(4.25)
+
+
+# every series /metrics exposed when it was written by hand: the switch to prometheus-client keeps them all
+GAUGES = ["running", "waiting", "kv_blocks_total", "kv_blocks_in_use", "state_slots_total", "state_slots_in_use",
+          "cache_bytes_total", "cache_bytes_in_use"]
+COUNTERS = ["prompt_tokens_total", "generation_tokens_total", "requests_rejected_total", "engine_steps_total"]
+HISTOGRAMS = {"time_to_first_token_seconds": TTFT_BUCKETS, "inter_token_latency_seconds": ITL_BUCKETS,
+              "e2e_request_latency_seconds": E2E_BUCKETS}
+
+
+def test_server_metrics_names_types_and_registries():
+    a, b = ServerMetrics(), ServerMetrics()  # two servers in one process: separate registries, no clash
+    a.prompt_tokens.inc(5)
+    a.finished("stop")
+    a.ttft.observe(0.003)
+    a.snapshot = EngineSnapshot(running=2, kv_blocks_total=64, cache_bytes_in_use=4096)
+    text = a.render()
+    m, other = parse_metrics(text), parse_metrics(b.render())
+    for g in GAUGES:
+        assert f"# TYPE hybrid_{g} gauge" in text
+    for c in COUNTERS + ["requests_finished_total"]:
+        assert f"# TYPE hybrid_{c} counter" in text
+    for name, buckets in HISTOGRAMS.items():
+        assert f"# TYPE hybrid_{name} histogram" in text
+        assert {k for k in m if k.startswith(f"hybrid_{name}_bucket")} == {
+            f'hybrid_{name}_bucket{{le="{le}"}}' for le in [*map(repr, map(float, buckets)), "+Inf"]}
+    assert "_created" not in text
+    assert (m["hybrid_running"], m["hybrid_kv_blocks_total"], m["hybrid_cache_bytes_in_use"]) == (2, 64, 4096)
+    assert m["hybrid_prompt_tokens_total"] == 5 and other["hybrid_prompt_tokens_total"] == 0
+    assert m['hybrid_requests_finished_total{finish_reason="stop"}'] == 1
+    assert m['hybrid_requests_finished_total{finish_reason="abort"}'] == 0  # every reason from the start
+    assert m['hybrid_time_to_first_token_seconds_bucket{le="0.0025"}'] == 0
+    assert m['hybrid_time_to_first_token_seconds_bucket{le="0.005"}'] == 1
+    body, content_type = a.exposition("application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
+    assert a.exposition(None)[1].startswith("text/plain; version=0.0.4")
 
 
 def test_serve_command_line():

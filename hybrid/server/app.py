@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling import SamplingParams
@@ -193,8 +193,9 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(loop.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request):
+        body, content_type = loop.metrics.exposition(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
     @app.get("/v1/models")
     async def models():

@@ -266,7 +266,7 @@ class EngineLoop:
         choice = track.group.choices[track.index]
         output = list(req.output)
         logprobs = self._score(choice, output)
-        self.metrics.requests_finished.inc(label_value=reason)
+        self.metrics.finished(reason)
         self.metrics.e2e.observe(now - track.group.arrival)
         return FinalEvent(track.index, list(last_ids), last_text, output, req.text, reason, logprobs)
 
@@ -298,7 +298,7 @@ class EngineLoop:
         now = time.perf_counter()
         for i, choice in enumerate(group.choices):
             if choice.params is None:  # max_tokens=0: only the prompt (and its log-probabilities)
-                self.metrics.requests_finished.inc(label_value="length")
+                self.metrics.finished("length")
                 group.push(FinalEvent(i, [], "", [], "", "length", self._score(choice, [])))
                 self.metrics.e2e.observe(now - group.arrival)
         return added
@@ -309,7 +309,7 @@ class EngineLoop:
             self.engine.abort(rid)
             self.engine.forget(rid)
             del self._tracks[rid]
-            self.metrics.requests_finished.inc(label_value="abort")
+            self.metrics.finished("abort")
         if live:
             self.stats.aborts.append(AbortRecord(live, asked, self.stats.steps))
 
@@ -321,7 +321,7 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - a broken request must not keep the others alive
                 log.error("could not abort request %d:\n%s", rid, traceback.format_exc())
             del self._tracks[rid]
-            self.metrics.requests_finished.inc(label_value=reason)
+            self.metrics.finished(reason)
             if message is not None:
                 track.group.push(ErrorEvent(message))
             else:

@@ -1,75 +1,33 @@
-"""``GET /metrics``: the server's counters, gauges and latency histograms in Prometheus' text format.
+"""``GET /metrics``: the server's counters, gauges and latency histograms, through ``prometheus-client``.
 
-Written by hand (the exposition format is a few lines of text; no prometheus-client dependency).
-Counters and histograms are updated by the engine-loop thread and read by the HTTP thread, so
-each metric takes a lock. Gauges are a snapshot the loop thread publishes after every step.
+``prometheus-client`` is the library Python servers (and vLLM) export with; it writes the text format
+(or OpenMetrics, when a scraper asks for it in ``Accept``) and its metrics are thread-safe, so the
+engine-loop thread updates counters and histograms while the HTTP thread renders them. Each
+:class:`ServerMetrics` owns its own ``CollectorRegistry`` (not the process-global default), so two
+servers in one process -- tests, a benchmark beside a server -- never collide on a metric name.
+Gauges are a snapshot the loop thread publishes after every step, read by a collector at scrape time.
+Names keep our ``hybrid_`` prefix where vLLM writes ``vllm:``.
 """
 
 from __future__ import annotations
 
-import math
-import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+
+# A ``_created`` timestamp per counter and histogram doubles the series and says nothing a rate()
+# needs; vLLM, TensorRT-LLM and lmdeploy switch it off the same way (the switch is process-wide).
+prometheus_client.disable_created_metrics()
 
 # Seconds. TTFT spans a queue wait plus a prefill; inter-token latency one engine step.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-
-class Counter:
-    def __init__(self, name: str, help: str, label: str | None = None):
-        self.name, self.help, self.label = name, help, label
-        self._values: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def inc(self, amount: float = 1.0, label_value: str = "") -> None:
-        with self._lock:
-            self._values[label_value] = self._values.get(label_value, 0.0) + amount
-
-    def value(self, label_value: str = "") -> float:
-        with self._lock:
-            return self._values.get(label_value, 0.0)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            values = dict(self._values) or {"": 0.0}
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        for lv, v in sorted(values.items()):
-            labels = f'{{{self.label}="{lv}"}}' if self.label and lv else ""
-            lines.append(f"{self.name}{labels} {_num(v)}")
-        return lines
-
-
-class Histogram:
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help, tuple(buckets)
-        self._counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, seconds: float) -> None:
-        i = next((k for k, b in enumerate(self.buckets) if seconds <= b), len(self.buckets))
-        with self._lock:
-            self._counts[i] += 1
-            self._sum += seconds
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return sum(self._counts)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for bound, c in zip((*self.buckets, math.inf), counts, strict=True):
-            running += c
-            le = "+Inf" if bound == math.inf else repr(bound)
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {running}')
-        lines += [f"{self.name}_sum {_num(total)}", f"{self.name}_count {running}"]
-        return lines
+FINISH_REASONS = ("length", "stop", "abort", "error")  # exported at 0 from the start: no series appears late
 
 
 @dataclass(frozen=True)
@@ -86,7 +44,7 @@ class EngineSnapshot:
     cache_bytes_in_use: int = 0
 
 
-_GAUGES = {
+GAUGE_HELP = {
     "running": "requests the engine is running (holding cache)",
     "waiting": "requests queued for cache or batch room",
     "kv_blocks_total": "KV cache blocks in the pool",
@@ -96,43 +54,63 @@ _GAUGES = {
     "cache_bytes_total": "bytes of KV blocks plus state slots",
     "cache_bytes_in_use": "bytes of KV blocks plus state slots held by requests",
 }
+assert set(GAUGE_HELP) == {f.name for f in fields(EngineSnapshot)}
+
+
+class _SnapshotGauges:
+    """A collector: one gauge per :class:`EngineSnapshot` field, read when the registry is scraped."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self._metrics = metrics
+
+    def collect(self):
+        snap = self._metrics.snapshot
+        for name, help in GAUGE_HELP.items():
+            yield GaugeMetricFamily(ServerMetrics.PREFIX + name, help, value=getattr(snap, name))
 
 
 class ServerMetrics:
+    """The server's metrics in a registry of their own. Counters are ``prometheus_client`` counters
+    (``requests_finished.labels(finish_reason=...).inc()``), histograms take ``observe(seconds)``."""
+
     PREFIX = "hybrid_"
 
     def __init__(self):
-        p = self.PREFIX
-        self.prompt_tokens = Counter(p + "prompt_tokens_total",
-                                     "prompt tokens of accepted requests (counted per choice)")
-        self.generation_tokens = Counter(p + "generation_tokens_total", "tokens generated")
-        self.requests_finished = Counter(p + "requests_finished_total",
+        p, reg = self.PREFIX, CollectorRegistry()
+        self.registry = reg
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of accepted requests (counted per choice)",
+                                     registry=reg)
+        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=reg)
+        self.requests_finished = Counter(p + "requests_finished",
                                          "engine requests finished, by reason (length, stop, abort, error)",
-                                         label="finish_reason")
-        self.requests_rejected = Counter(p + "requests_rejected_total", "HTTP requests refused with a 4xx error")
-        self.engine_steps = Counter(p + "engine_steps_total", "engine steps run")
+                                         ["finish_reason"], registry=reg)
+        for reason in FINISH_REASONS:
+            self.requests_finished.labels(finish_reason=reason)
+        self.requests_rejected = Counter(p + "requests_rejected", "HTTP requests refused with a 4xx error",
+                                         registry=reg)
+        self.engine_steps = Counter(p + "engine_steps", "engine steps run", registry=reg)
         self.ttft = Histogram(p + "time_to_first_token_seconds",
-                              "from the HTTP request's arrival to its first generated token", TTFT_BUCKETS)
+                              "from the HTTP request's arrival to its first generated token",
+                              buckets=TTFT_BUCKETS, registry=reg)
         self.itl = Histogram(p + "inter_token_latency_seconds",
-                             "between consecutive generated tokens of one request", ITL_BUCKETS)
+                             "between consecutive generated tokens of one request", buckets=ITL_BUCKETS, registry=reg)
         self.e2e = Histogram(p + "e2e_request_latency_seconds",
-                             "from arrival to the last token of an engine request", E2E_BUCKETS)
+                             "from arrival to the last token of an engine request", buckets=E2E_BUCKETS, registry=reg)
         self.snapshot = EngineSnapshot()
+        reg.register(_SnapshotGauges(self))
+
+    def finished(self, reason: str) -> None:
+        self.requests_finished.labels(finish_reason=reason).inc()
 
     def render(self) -> str:
-        lines: list[str] = []
-        snap = self.snapshot
-        for field, help in _GAUGES.items():
-            name = f"{self.PREFIX}{field}"
-            lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {getattr(snap, field)}"]
-        for m in (self.prompt_tokens, self.generation_tokens, self.requests_finished, self.requests_rejected,
-                  self.engine_steps, self.ttft, self.itl, self.e2e):
-            lines += m.render()
-        return "\n".join(lines) + "\n"
+        """The Prometheus text format (version 0.0.4)."""
+        return prometheus_client.generate_latest(self.registry).decode()
 
-
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """(body, content type) for a scrape with this ``Accept`` header: OpenMetrics when the scraper
+        asks for it, else the text format -- the negotiation prometheus-client's own handlers do."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
 
 
 def parse_metrics(text: str) -> dict[str, float]:
