@@ -136,14 +136,15 @@ class TrainConfig:
 
 
 def family_config(size: str, share: float, n_mixers: int, vocab_size: int,
-                  init_std: float | None = None) -> HybridConfig:
+                  init_std: float | None = None, mixer: str = "mamba2") -> HybridConfig:
     """The accuracy model of one family member: ``recipes.attention_family(size, share, n_mixers,
     mlp=False)`` -- ``n_mixers`` Mamba-2/attention mixers with no MLPs between them, as Zoology
     compares sequence mixers -- with its vocabulary cut to the MQAR tokens (an MQAR model never sees
-    any other id) and, if given, ``init_std`` as its initializer range."""
+    any other id) and, if given, ``init_std`` as its initializer range. ``mixer``: the constant-state mixer
+    (``recipes.FAMILY_MIXERS``: ``mamba2`` or ``gdn``)."""
     from ..recipes import attention_family
 
-    cfg = dataclasses.replace(attention_family(size, share, n_mixers, mlp=False), vocab_size=vocab_size)
+    cfg = dataclasses.replace(attention_family(size, share, n_mixers, mlp=False, mixer=mixer), vocab_size=vocab_size)
     return cfg if init_std is None else dataclasses.replace(cfg, initializer_range=init_std)
 
 
@@ -161,9 +162,10 @@ def zero_residual_outputs(model: HybridLM) -> HybridLM:
     return model
 
 
-def build_model(size: str, share: float, n_mixers: int, cfg: TrainConfig) -> HybridLM:
+def build_model(size: str, share: float, n_mixers: int, cfg: TrainConfig, mixer: str = "mamba2") -> HybridLM:
     """A freshly initialised accuracy model of one member (seed it first with ``torch.manual_seed``)."""
-    return zero_residual_outputs(HybridLM(family_config(size, share, n_mixers, cfg.vocab_size, cfg.init_std)))
+    return zero_residual_outputs(HybridLM(family_config(size, share, n_mixers, cfg.vocab_size, cfg.init_std,
+                                                        mixer)))
 
 
 def accuracy(model: HybridLM, batch: MQARBatch) -> float:
@@ -187,11 +189,21 @@ def evaluate(model: HybridLM, cfg: TrainConfig) -> dict[int, float]:
 
 def param_groups(model: HybridLM, cfg: TrainConfig) -> list[dict]:
     """AdamW groups: weight decay on matrices only (never on A_log, dt_bias, D, norms, biases), and the
-    Mamba-2 mixers' parameters at ``cfg.mamba_lr_scale`` times the lr if the model also has attention
-    (see ``TrainConfig``)."""
-    mamba = {id(p) for block in model.layers if block.kind == "mamba2" for p in block.mixer.parameters()}
-    if not any(block.kind == "attention" for block in model.layers):
-        mamba = set()  # nothing to balance the Mamba branches against: all at the full lr
+    constant-state mixers' parameters (Mamba-2, Gated DeltaNet, ...: every layer whose class declares a
+    constant-state cache) at ``cfg.mamba_lr_scale`` times the lr if the model also has a mixer with a
+    KV cache (attention; see ``TrainConfig``). The kinds are told apart by what their layer classes declare
+    (``hybrid.layers.registry``), not by name, so a new mixer kind needs no edit here."""
+    from ..layers.registry import layer_class
+    from ..specs import AttentionSpec, CacheDtypes, ConstantStateSpec
+
+    dtypes = CacheDtypes(torch.float32, torch.float32, torch.float32)
+
+    def caches(block, spec_cls) -> bool:
+        return isinstance(layer_class(block.kind).cache_spec(model.config, dtypes), spec_cls)
+
+    mamba = {id(p) for block in model.layers if caches(block, ConstantStateSpec) for p in block.mixer.parameters()}
+    if not any(caches(block, AttentionSpec) for block in model.layers):
+        mamba = set()  # nothing to balance the constant-state branches against: all at the full lr
     groups = []
     for is_mamba in (False, True):
         for decays in (True, False):

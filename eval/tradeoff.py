@@ -84,13 +84,14 @@ def _load() -> list[float] | None:
 
 # ---- accuracy -----------------------------------------------------------------------------------
 
-def _train_member(size: str, share: float, n_blocks: int, cfg: mqar.TrainConfig, steps_done=None) -> dict:
+def _train_member(size: str, share: float, n_blocks: int, cfg: mqar.TrainConfig, mixer: str = "mamba2",
+                  steps_done=None) -> dict:
     """Train and score one family member for one seed (``cfg.seed``), on one thread; a worker process
     runs this (the models are small: two single-thread trainings use two cores better than one
     two-thread training). ``steps_done``: a queue told how many steps are done, for the parent's bar."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
-    model = mqar.build_model(size, share, n_blocks, cfg)
+    model = mqar.build_model(size, share, n_blocks, cfg, mixer)
     t0 = time.perf_counter()
     losses = mqar.train(model, cfg, progress=False, on_steps=steps_done.put if steps_done is not None else None)
     acc = mqar.evaluate(model, cfg)
@@ -145,11 +146,11 @@ def _drain(queue, bar, timeout: float) -> None:
 
 
 def mqar_accuracy(shares: tuple[float, ...], n_blocks: int, cfg: mqar.TrainConfig, seeds: tuple[int, ...], *,
-                  size: str, workers: int = 1, progress: bool = True) -> dict[str, dict]:
+                  size: str, workers: int = 1, progress: bool = True, mixer: str = "mamba2") -> dict[str, dict]:
     """Train one model per share and seed on MQAR and score it. Per member: the mean over seeds of
     the mean accuracy over the scored pair counts, its min and max over seeds, the per-pair-count
     accuracy (mean, min and max over seeds), and each seed's numbers."""
-    jobs = [(size, share, n_blocks, dataclasses.replace(cfg, seed=seed)) for share in shares for seed in seeds]
+    jobs = [(size, share, n_blocks, dataclasses.replace(cfg, seed=seed), mixer) for share in shares for seed in seeds]
     results = _train_all(jobs, workers, cfg.steps * len(jobs), progress)
     out = {}
     for share in shares:
@@ -292,14 +293,15 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
         max_spread: float = MAX_SPREAD, cache_budget: int = CACHE_BUDGET, device: str = "cpu",
         dtype: str = "float32", threads: int | None = None, output: str | Path = "out/tradeoff",
         lock: str | Path | None = None, kv_dtype: str | None = None, state_dtype: str | None = None,
-        progress: bool = True) -> tuple[TradeoffResult, dict[str, Path]]:
+        mixer: str = "mamba2", progress: bool = True) -> tuple[TradeoffResult, dict[str, Path]]:
     """The whole report: accuracy (MQAR on a trained family, or lm-eval on ``checkpoints``), engine
     prefill timings, cache memory (``kv_dtype`` / ``state_dtype``: the cache's storage, as ``hybrid.Engine``
     takes them; the timings use the default cache), then the four output files under ``output``. ``lock``: a file
     held with an exclusive ``flock`` while timing (not while training), so that on a shared machine
-    no two benchmarks that take the same lock run at once."""
+    no two benchmarks that take the same lock run at once. ``mixer``: the family's constant-state mixer
+    (``recipes.FAMILY_MIXERS``: ``mamba2`` or ``gdn``; MQAR family only, checkpoints are what they are)."""
     from .. import from_pretrained
-    from ..recipes import attention_family
+    from ..recipes import FAMILY_MIXERS, attention_family
     from .tradeoff_report import write_report
 
     t_start = time.perf_counter()
@@ -312,6 +314,8 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
         raise ValueError(f"chunk, repeats and long_repeats must be >= 1, got {chunk}, {repeats}, {long_repeats}")
     if not seeds:
         raise ValueError("give at least one seed")
+    if mixer not in FAMILY_MIXERS:
+        raise ValueError(f"unknown family mixer {mixer!r}; choose one of {sorted(FAMILY_MIXERS)}")
     settings = {"date": started.isoformat(timespec="seconds"), "machine": machine_facts(),
                 "device": device, "threads": threads, "dtype": dtype, "repeats": repeats,
                 "long_repeats": long_repeats, "warmup": warmup, "max_spread": max_spread, "chunk": chunk,
@@ -343,7 +347,7 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
             raise ValueError(f"long_shares {bad} are not among the family's shares {list(shares)}")
         t0 = time.perf_counter()
         accuracy = mqar_accuracy(tuple(shares), n_blocks, train, tuple(seeds), size=size, workers=threads,
-                                  progress=progress)
+                                  progress=progress, mixer=mixer)
         settings["accuracy_s"] = round(time.perf_counter() - t0, 1)
         # the training is the long part: keep its numbers even if the timing never happens
         output.mkdir(parents=True, exist_ok=True)
@@ -353,21 +357,24 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
         for share in shares:
             torch.manual_seed(0)
             with torch.device(device):
-                models[share_label(share)] = HybridLM(attention_family(speed_size, share, n_blocks)).to(
+                models[share_label(share)] = HybridLM(attention_family(speed_size, share, n_blocks, mixer=mixer)).to(
                     torch_dtype).eval()
         long_members = {share_label(s) for s in long_shares}
-        acc_cfg = mqar.family_config(size, 0.0, n_blocks, train.vocab_size, train.init_std)
+        acc_cfg = mqar.family_config(size, 0.0, n_blocks, train.vocab_size, train.init_std, mixer)
         acc_state = HybridLM(acc_cfg).cache_spec().state_bytes_per_sequence  # its conv + SSM state, fp32
-        speed_cfg = attention_family(speed_size, 0.0, n_blocks)
-        settings.update(source="mqar", size=size, speed_size=speed_size, n_blocks=n_blocks, seeds=list(seeds),
+        speed_cfg = attention_family(speed_size, 0.0, n_blocks, mixer=mixer)
+        fam = "" if mixer == "mamba2" else f", mixer='{mixer}'"  # the default's text as it always was
+        pure = {"mamba2": "Mamba-2", "gdn": "Gated DeltaNet"}[mixer]
+        settings.update(source="mqar", mixer=mixer, size=size, speed_size=speed_size, n_blocks=n_blocks,
+                        seeds=list(seeds),
                         train=asdict(train), long_shares=list(long_shares),
-                        accuracy_model=f"attention_family('{size}', share, {n_blocks}, mlp=False) with vocab "
+                        accuracy_model=f"attention_family('{size}', share, {n_blocks}, mlp=False{fam}) with vocab "
                                        f"{train.vocab_size}: {n_blocks} mixers and no MLPs, d_model {acc_cfg.d_model}, "
                                        f"init std {train.init_std} with every block's output projection zeroed, "
                                        f"trained here on MQAR ({len(seeds)} seeds, "
                                        f"{min(threads, len(shares) * len(seeds))} at a time, one thread each); the "
-                                       f"pure Mamba-2 member holds {acc_state} bytes of state per sequence",
-                        speed_model=f"attention_family('{speed_size}', share, {n_blocks}): d_model "
+                                       f"pure {pure} member holds {acc_state} bytes of state per sequence",
+                        speed_model=f"attention_family('{speed_size}', share, {n_blocks}{fam}): d_model "
                                     f"{speed_cfg.d_model}, untrained weights (prefill time does not depend on them)")
     with timing_lock(lock, settings, progress):
         settings["load_at_timing"] = _load()

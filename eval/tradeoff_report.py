@@ -82,13 +82,14 @@ def claim_lines(members: list[dict], settings: dict) -> list[str]:
         c = cuts(low, ref)
         first, interp = crossing(c["prefill"])
         longest = max(c["prefill"]) if c["prefill"] else None
+        pure = {"gdn": "Pure Gated DeltaNet"}.get(settings.get("mixer"), "Pure Mamba-2")
         if first is None:
             at = f" ({100 * c['prefill'][longest]:.0f}% at {_k(longest)})" if longest else ""
-            lines.append(f"Pure Mamba-2 (`{low['model']}`) does not reach an {TARGET_CUT:.0%} prefill-latency "
+            lines.append(f"{pure} (`{low['model']}`) does not reach an {TARGET_CUT:.0%} prefill-latency "
                          f"reduction within {_k(longest) if longest else 'the timed lengths'} tokens{at}.")
         else:
             est = f" (about {interp / 1024:.1f}K by log-linear interpolation)" if interp else ""
-            lines.append(f"Pure Mamba-2 (`{low['model']}`) reaches an {TARGET_CUT:.0%} prefill-latency reduction "
+            lines.append(f"{pure} (`{low['model']}`) reaches an {TARGET_CUT:.0%} prefill-latency reduction "
                          f"at {_k(first)} tokens{est}.")
         mfirst, _ = crossing(c["memory"], 0.7)
         lines.append(f"Its memory cut reaches 70% at {_k(mfirst)} tokens." if mfirst else

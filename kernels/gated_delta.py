@@ -91,30 +91,45 @@ def _block(q, k, v, g, beta, S, C):
     """One block of whole chunks, heads first: q/k [b, H, n, C, K] fp32 (q scaled), v [b, H, n, C, V], g/beta
     [b, H, n, C]; S [b, H, K, V] the state at the block's start. Returns (o [b, H, n, C, V], S at its end)."""
     b, H, n = q.shape[:3]
+    # in place where nothing is differentiated (inference); out of place under autograd (training, e.g. MQAR),
+    # which needs the tensors the in-place forms overwrite
+    grad = torch.is_grad_enabled()
     c = g.cumsum(-1)  # running log-decay inside each chunk
     lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay = (c[..., :, None] - c[..., None, :]).clamp_(_LOG_FLOOR, 0.0).exp_().masked_fill_(~lower, 0.0)
+    diff = c[..., :, None] - c[..., None, :]
+    decay = (diff.clamp(_LOG_FLOOR, 0.0).exp().masked_fill(~lower, 0.0) if grad
+             else diff.clamp_(_LOG_FLOOR, 0.0).exp_().masked_fill_(~lower, 0.0))
     kb = k * beta[..., None]
     kT = k.transpose(-1, -2)
     # the UT system I + strictly_lower(beta K K^T * G); solve_triangular ignores the diagonal (unitriangular)
-    ut = torch.matmul(kb, kT).mul_(decay)
-    rhs = torch.cat([v * beta[..., None], kb.mul_(c.exp()[..., None])], -1)  # [beta V | beta K exp(c)]
+    ut = torch.matmul(kb, kT) * decay if grad else torch.matmul(kb, kT).mul_(decay)
+    kbe = kb * c.exp()[..., None] if grad else kb.mul_(c.exp()[..., None])
+    rhs = torch.cat([v * beta[..., None], kbe], -1)  # [beta V | beta K exp(c)]
     uw = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
     V = v.shape[-1]
     U, W = uw[..., :V], uw[..., V:]
-    attn = torch.matmul(q, kT).mul_(decay)  # intra-chunk scores, causal, decayed
+    attn = torch.matmul(q, kT) * decay if grad else torch.matmul(q, kT).mul_(decay)  # intra-chunk, causal
     c_last = c[..., -1:]
     k_end = k.mul((c_last - c).exp()[..., None]).transpose(-1, -2)  # keys decayed to the chunk's end [.., K, C]
     chunk_decay = c_last.exp()[..., None]  # [b, H, n, 1, 1]
     starts = torch.empty(b, H, n, *S.shape[-2:], device=q.device)  # the state at each chunk's start
     Vn = torch.empty_like(U)
+    starts_l, vn_l = [], []  # under autograd: kept per chunk and stacked (a slice write would bump their version)
     for i in range(n):  # the walk: two matmuls per chunk
-        starts[:, :, i] = S
-        Vn[:, :, i] = torch.baddbmm(U[:, :, i].flatten(0, 1), W[:, :, i].flatten(0, 1), S.flatten(0, 1),
-                                    alpha=-1.0).view_as(U[:, :, i])
+        vn = torch.baddbmm(U[:, :, i].flatten(0, 1), W[:, :, i].flatten(0, 1), S.flatten(0, 1),
+                           alpha=-1.0).view_as(U[:, :, i])
+        if grad:
+            starts_l.append(S)
+            vn_l.append(vn)
+        else:
+            starts[:, :, i] = S
+            Vn[:, :, i] = vn
         S = torch.baddbmm((S * chunk_decay[:, :, i]).flatten(0, 1), k_end[:, :, i].flatten(0, 1),
-                          Vn[:, :, i].flatten(0, 1)).view_as(S)
-    o = torch.matmul(q.mul_(c.exp()[..., None]), starts).add_(torch.matmul(attn, Vn))
+                          vn.flatten(0, 1)).view_as(S)
+    if grad:
+        starts, Vn = torch.stack(starts_l, 2), torch.stack(vn_l, 2)
+    qe = q * c.exp()[..., None] if grad else q.mul_(c.exp()[..., None])
+    o = torch.matmul(qe, starts) + torch.matmul(attn, Vn)
     return o, S
 
 
@@ -139,7 +154,7 @@ def _chunk_torch(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size
     for s in range(0, L, block):
         e = min(L, s + block)
         n = -(-(e - s) // C)
-        qb = _heads_first(_expand(q, H), s, e, n, C).mul_(scale)
+        qb = _heads_first(_expand(q, H), s, e, n, C) * scale
         ob, S = _block(qb, *(_heads_first(x, s, e, n, C) for x in (_expand(k, H), v, g, beta)), S, C)
         o[:, s:e] = ob.reshape(b, H, n * C, V)[:, :, :e - s].transpose(1, 2)
     return o, S

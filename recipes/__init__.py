@@ -159,11 +159,18 @@ def get(name: str) -> HybridConfig:
     return _FAMILIES[fam](size)
 
 
-def attention_family(size: str, share: float, n_blocks: int = 8, *, mlp: bool = True) -> HybridConfig:
+# The constant-state mixers a tradeoff family can be built with (``hybrid tradeoff --mixer``): name -> symbol
+FAMILY_MIXERS = {"mamba2": "M", "gdn": "G"}
+
+
+def attention_family(size: str, share: float, n_blocks: int = 8, *, mlp: bool = True,
+                     mixer: str = "mamba2") -> HybridConfig:
     """One member of a same-width family whose attention share of mixers is ``share`` (0..1):
-    ``n_blocks`` blocks of (mixer, MLP), Mamba-2 mixers, attention spread evenly; ``mlp=False``:
-    the mixers alone (``MMM*`` instead of ``M-M-M-*-``), the pure sequence-mixer stacks of the
-    MQAR accuracy family."""
+    ``n_blocks`` blocks of (mixer, MLP), ``mixer`` (a name of ``FAMILY_MIXERS``: Mamba-2 or Gated DeltaNet)
+    for the constant-state mixers, attention spread evenly; ``mlp=False``: the mixers alone (``MMM*`` instead
+    of ``M-M-M-*-``), the pure sequence-mixer stacks of the MQAR accuracy family."""
     if size not in _SIZES:
         raise KeyError(f"unknown size {size!r}; known sizes: {list(_SIZES)}")
-    return _make(size, ratio_pattern(n_blocks, share, "M", mlp=mlp))
+    if mixer not in FAMILY_MIXERS:
+        raise ValueError(f"unknown family mixer {mixer!r}; choose one of {sorted(FAMILY_MIXERS)}")
+    return _make(size, ratio_pattern(n_blocks, share, FAMILY_MIXERS[mixer], mlp=mlp))

@@ -65,6 +65,20 @@ def test_tradeoff_micro_writes_json_csv_markdown_png(tmp_path, capsys):
     assert (out / "tradeoff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_tradeoff_mixer_gdn_builds_the_family_with_gated_deltanet(tmp_path):
+    """--mixer gdn: the same report, the constant-state mixers of both the MQAR and the timed models are G."""
+    out = tmp_path / "gdn"
+    main(["tradeoff", "--mixer", "gdn", "--shares", "0", "0.5", "--n-blocks", "2", "--seeds", "0", "--steps", "2",
+          "--train-batch", "4", "--train-kv-pairs", "2", "--kv-pairs", "2", "--eval-sequences", "4",
+          "--speed-size", "tiny", "--lengths", "16", "--long-lengths", "--long-shares", "--chunk", "16",
+          "--repeats", "1", "--warmup", "0", "--threads", "1", "--output", str(out)])
+    report = json.loads((out / "tradeoff.json").read_text())
+    assert report["settings"]["mixer"] == "gdn"
+    assert [(m["acc_pattern"], m["speed_model"]["pattern"]) for m in report["members"]] == [
+        ("GG", "G-G-"), ("G*", "G-*-")]
+    assert "Pure Gated DeltaNet (`attn=0`)" in (out / "tradeoff.md").read_text()
+
+
 def test_tradeoff_rejects_long_shares_outside_the_family(tmp_path):
     with pytest.raises(SystemExit, match="long_shares"):
         main(["tradeoff", "--shares", "0", "1", "--long-shares", "0.5", "--steps", "1", "--output", str(tmp_path)])

@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
                    help="width the same patterns are timed and sized at (recipes.attention_family size)")
     p.add_argument("--n-blocks", type=int, default=4,
                    help="mixers per family member (timed models: blocks of mixer + MLP; MQAR models: mixers only)")
+    p.add_argument("--mixer", default="mamba2", choices=["mamba2", "gdn"],
+                   help="the family's constant-state mixer (recipes.FAMILY_MIXERS): Mamba-2 (M) or Gated DeltaNet (G)")
     p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="attention shares of the family members")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="MQAR training seeds per member")
@@ -92,7 +94,7 @@ def run(args) -> None:
             chunk=args.chunk, repeats=args.repeats, long_repeats=args.long_repeats, warmup=args.warmup,
             max_spread=args.max_spread, cache_budget=int(args.cache_gib * 2**30), device=args.device,
             dtype=args.dtype, threads=args.threads, output=args.output, lock=args.lock, kv_dtype=args.kv_dtype,
-            state_dtype=args.state_dtype)
+            state_dtype=args.state_dtype, mixer=args.mixer)
     except KeyError as e:  # recipes.attention_family's unknown --size / --speed-size; any other KeyError is a bug
         if not (e.args and str(e.args[0]).startswith("unknown size")):
             raise
