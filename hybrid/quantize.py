@@ -3,8 +3,8 @@
 ``Int8WeightOnlyConfig``), ``"int4wo"`` — int4 in groups of 128 (torchao's ``Int4WeightOnlyConfig`` in its
 tinygemm layout on CUDA; on a CPU torchao's ``PrototypeInt4WeightOnlyConfig``, the ``Int4OpaqueTensor``
 packed for aten's ``_weight_int4pack_mm_for_cpu``: torchao 0.18's stable int4 formats do not run on a CPU —
-``plain`` needs mslk, ``plain_int32`` refuses the device). The CPU kernel takes groups of 32, 64 or 128 only, so a layer whose input
-width no group divides (or whose output width is not a multiple of 16) keeps its dtype.
+``plain`` needs mslk, ``plain_int32`` refuses the device). The CPU kernel takes groups of 32, 64 or 128 only,
+so a layer whose input width no group divides (or whose output width is not a multiple of 16) keeps its dtype.
 Decode is the bytes of the weights: int8 reads a quarter of fp32's.
 
 torchao's int8 tensor computes through its own ``__torch_dispatch__`` (tens of microseconds of Python per call at
