@@ -78,11 +78,11 @@ def _pattern(hf: dict) -> str:
         if not isinstance(interval, int) or interval < 1:
             raise refuse(ARCH, f"full_attention_interval={interval!r} (a positive int)")
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
-    if len(types) != n:
-        raise CheckpointError(f"{ARCH}: layer_types has {len(types)} entries for num_hidden_layers={n}")
     bad = [(i, t) for i, t in enumerate(types) if t not in LAYER_SYMBOL]
     if bad:
         raise refuse(ARCH, f"layer {bad[0][0]} of type {bad[0][1]!r} (known: {sorted(LAYER_SYMBOL)})")
+    if len(types) != n:
+        raise CheckpointError(f"{ARCH}: layer_types has {len(types)} entries for num_hidden_layers={n}")
     dense = set(hf["mlp_only_layers"] or [])
     outside = sorted(i for i in dense if not 0 <= i < n)
     if outside:
@@ -91,7 +91,7 @@ def _pattern(hf: dict) -> str:
     if hf["num_experts"] > 0 and (not isinstance(step, int) or step < 1):
         raise refuse(ARCH, f"decoder_sparse_step={step!r} (a positive int)")
     ffn = ["E" if i not in dense and hf["num_experts"] > 0 and (i + 1) % step == 0 else "-" for i in range(n)]
-    return "".join(LAYER_SYMBOL[t] + f for t, f in zip(types, ffn))
+    return "".join(LAYER_SYMBOL[t] + f for t, f in zip(types, ffn, strict=True))
 
 
 def config_from_hf(raw: dict) -> HybridConfig:
