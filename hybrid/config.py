@@ -42,6 +42,10 @@ class AttentionConfig:
     # RoPE frequency scaling in Hugging Face's form, e.g. {"rope_type": "linear", "factor": 4.0} or Llama-3's
     # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}.
     rope_scaling: dict | None = None
+    # Qwen3-Next's gated attention: q_proj also yields a per-channel output gate (per head, the head's query
+    # rows then its gate rows), and the attention output is multiplied by sigmoid(gate) before o_proj
+    output_gate: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Qwen3-Next)
 
     @property
     def rotary_dim(self) -> int:
@@ -222,8 +226,15 @@ class MoEConfig:
     activation: str = "silu"
     gated: bool = True
     normalize_top_k: bool = False
+    # A shared expert every token also runs through (Qwen2-MoE / Qwen3-Next): a dense MLP of this width with the
+    # experts' activation, added to the routed sum (times sigmoid(shared_expert_gate(x)) when shared_gate). 0: none.
+    shared_d_ff: int = 0
+    shared_gate: bool = False
 
     def _validate(self) -> None:
+        _check(self.shared_d_ff >= 0, f"moe.shared_d_ff must be >= 0 (0: no shared expert), got {self.shared_d_ff}")
+        _check(self.shared_d_ff > 0 or not self.shared_gate,
+               "moe.shared_gate=True needs a shared expert (moe.shared_d_ff > 0)")
         _check(self.n_experts >= 1, f"moe.n_experts must be >= 1, got {self.n_experts}")
         _check(1 <= self.top_k <= self.n_experts,
                f"moe.top_k must be in [1, moe.n_experts = {self.n_experts}], got {self.top_k}")
@@ -254,6 +265,9 @@ class HybridConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     initializer_range: float = 0.02
+    # The RMSNorms before each sub-layer, the final norm and attention's q/k norms scale by
+    # (norm_offset + weight): 1.0 is the zero-centred form of Qwen3-Next and Gemma (weights start at 0).
+    norm_offset: float = 0.0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.vocab_size, int) and self.vocab_size >= 1,
@@ -261,6 +275,8 @@ class HybridConfig:
         _check(isinstance(self.d_model, int) and self.d_model >= 1,
                f"d_model must be a positive int, got {self.d_model!r}")
         _check(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
+        _check(self.norm_offset in (0.0, 1.0),
+               f"norm_offset must be 0.0 (weight) or 1.0 (1 + weight, zero-centred), got {self.norm_offset}")
         kinds = parse_pattern(self.pattern)
         for name, cls in _SUBCONFIGS.items():
             _check(isinstance(getattr(self, name), cls),

@@ -25,7 +25,7 @@ class Block(nn.Module):
     def __init__(self, kind: str, cfg: HybridConfig, index: int):
         super().__init__()
         self.kind, self.index = kind, index
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
         cls = layer_class(kind)
         self.mixer = cls.from_config(cfg)
         self.caches = cls.cache_spec(cfg, CacheDtypes(kv=torch.float32, conv=torch.float32)) is not None
@@ -70,7 +70,7 @@ class HybridLM(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(kind, config, i) for i, kind in enumerate(config.layer_kinds))
-        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps, config.norm_offset)
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
         self.tokenizer = None  # set by hybrid.from_pretrained when the checkpoint folder has one
         # every attention layer shares one RoPE config: the packed forward computes cos/sin once per step

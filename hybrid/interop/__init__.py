@@ -36,12 +36,33 @@ class Converter:
     # Import (optional): settle what only the tensors tell, (ours, foreign state, foreign config) -> ours;
     # e.g. whether a head equal to the embedding is a tie.
     config_from_state: Callable[[HybridConfig, dict, dict], HybridConfig] | None = None
+    # the options of EXTENSIONS this format represents; export refuses the others, so a converter written
+    # before an option existed never writes a model that uses it as if it did not
+    extensions: tuple[str, ...] = ()
+
+
+# Options added after most converters: name -> whether a config uses it (in a section its pattern uses).
+EXTENSIONS: dict[str, Callable[[HybridConfig], bool]] = {
+    "norm_offset": lambda c: c.norm_offset != 0.0,
+    "attention.output_gate": lambda c: "*" in c.pattern and c.attention.output_gate,
+    "attention.qk_norm": lambda c: "*" in c.pattern and c.attention.qk_norm,
+    "moe.shared_d_ff": lambda c: "E" in c.pattern and c.moe.shared_d_ff > 0,
+}
+
+
+def export_problem(conv: Converter, config: HybridConfig) -> str | None:
+    """Why ``conv``'s format cannot write ``config`` exactly (None: it can)."""
+    used = [name for name, uses in EXTENSIONS.items() if uses(config) and name not in conv.extensions]
+    if used:
+        return f"the model uses {', '.join(used)}, which the {conv.name} format does not represent"
+    return conv.export_refusal(config) if conv.export_refusal else None
 
 
 CONVERTERS: dict[str, Converter] = {}  # by architecture name
 FORMATS: dict[str, Converter] = {}  # by export format name
 # converter modules in this package
-_MODULES: tuple[str, ...] = ("llama", "mamba", "mamba_ssm", "bamba", "granitemoehybrid", "nemotron_h", "jamba")
+_MODULES: tuple[str, ...] = ("llama", "mamba", "mamba_ssm", "bamba", "granitemoehybrid", "nemotron_h", "jamba",
+                             "qwen3_next")
 # format="hf" tries these in order and takes the first that represents the model exactly; formats not
 # listed come after, alphabetically. The order is what the serving engines load: formats vLLM serves
 # and llama.cpp converts come first (llama, mistral, qwen2, mamba2, mamba, nemotron_h, and
@@ -117,7 +138,7 @@ def export(model, directory: str | Path, fmt: str) -> Path:
     conv = FORMATS.get(fmt)
     if conv is None:
         raise CheckpointError(f"unknown export format {fmt!r}; known: {sorted(FORMATS)} (or 'hybrid', 'hf')")
-    why_not = conv.export_refusal(model.config) if conv.export_refusal else None
+    why_not = export_problem(conv, model.config)
     if why_not:
         raise CheckpointError(f"cannot export this model as {fmt!r} exactly: {why_not}")
     state = {k: v.detach() for k, v in model.state_dict().items()}
@@ -134,8 +155,7 @@ def pick_hf_format(config: HybridConfig) -> str:
     order = [f for f in HF_PREFERENCE if f in FORMATS] + sorted(set(FORMATS) - set(HF_PREFERENCE))
     reasons = {}
     for fmt in order:
-        refusal = FORMATS[fmt].export_refusal
-        why_not = refusal(config) if refusal else None
+        why_not = export_problem(FORMATS[fmt], config)
         if not why_not:
             return fmt
         reasons[fmt] = why_not
@@ -143,5 +163,6 @@ def pick_hf_format(config: HybridConfig) -> str:
     raise CheckpointError(f"no Hugging Face format represents this model exactly:\n  {lines}")
 
 
-__all__ = ["CONVERTERS", "FORMATS", "MAMBA_SSM", "Converter", "architecture_of", "export", "export_formats",
+__all__ = ["CONVERTERS", "EXTENSIONS", "FORMATS", "MAMBA_SSM", "Converter", "architecture_of", "export",
+           "export_formats", "export_problem",
            "load_foreign", "pick_hf_format", "register", "read_config", "read_state", "write_checkpoint"]

@@ -1,4 +1,7 @@
-"""GQA attention sub-layer (``*``): projections, RoPE, and the causal attention op."""
+"""GQA attention sub-layer (``*``): projections, RoPE, and the causal attention op.
+
+Optionally (Qwen3-Next's gated attention) q and k are RMS-normalised per head before RoPE (``qk_norm``) and
+the output is gated per channel by ``sigmoid`` of a second half of ``q_proj`` (``output_gate``)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from .. import kernels
 from ..config import AttentionConfig, HybridConfig
 from ..specs import AttentionSpec, CacheDtypes
 from .linear import Linear
+from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
 
@@ -17,7 +21,7 @@ class Attention(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: HybridConfig) -> Attention:
-        return cls(cfg.d_model, cfg.attention)
+        return cls(cfg.d_model, cfg.attention, cfg.norm_eps, cfg.norm_offset)
 
     @staticmethod
     def cache_spec(cfg: HybridConfig, dtypes: CacheDtypes) -> AttentionSpec:
@@ -33,23 +37,43 @@ class Attention(nn.Module):
         avg_ctx = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len  # mean over p = 1..L of min(p, w)
         return 4.0 * a.n_heads * a.head_dim * avg_ctx
 
-    def __init__(self, d_model: int, cfg: AttentionConfig):
+    def __init__(self, d_model: int, cfg: AttentionConfig, norm_eps: float = 1e-5, norm_offset: float = 0.0):
         super().__init__()
         self.cfg = cfg
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = Linear(d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        # with the output gate, each head's rows are its query then its gate (Qwen3-Next's layout)
+        q_rows = cfg.n_heads * cfg.head_dim * (2 if cfg.output_gate else 1)
+        self.q_proj = Linear(d_model, q_rows, bias=cfg.qkv_bias)
         self.k_proj = Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = Linear(d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.n_heads * cfg.head_dim, d_model, bias=cfg.out_bias)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, norm_eps, norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, norm_eps, norm_offset)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., L, d_model] -> q [..., L, Hq, D], k, v [..., L, Hkv, D], before RoPE."""
+        """x [..., L, d_model] -> q [..., L, Hq, D], k, v [..., L, Hkv, D], before RoPE (q/k normed with
+        ``qk_norm``)."""
+        return self.project_gated(x)[:3]
+
+    def project_gated(self, x: torch.Tensor):
+        """:meth:`project` and the output gate's pre-activation [..., L, Hq * D] (None without ``output_gate``)."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
+        q, gate = self.q_proj(x), None
+        if self.cfg.output_gate:
+            q, gate = q.view(*lead, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(*lead, self.n_heads * self.head_dim)
+        q = q.reshape(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
-        return q, k, v
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v, gate
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The attention output [..., Hq * D] -> o_proj, gated by sigmoid(gate) first when there is a gate."""
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,9 +93,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, L, _ = x.shape
-        q, k, v = self.qkv(x, torch.arange(L, device=x.device))
+        q, k, v, gate = self.project_gated(x)
+        q, k = self.rotate(q, k, torch.arange(L, device=x.device))
         out = kernels.causal_attention(q, k, v, window=self.cfg.sliding_window)
-        return self.o_proj(out.reshape(B, L, -1))
+        return self.output(out.reshape(B, L, -1), gate)
 
     def forward_packed(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         """Packed inference: x [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
@@ -84,7 +109,7 @@ class Attention(nn.Module):
         for the re-numbering it gets the queries before RoPE and this layer's RoPE.
         ``batch.seq_lens`` count the tokens in each sequence's blocks, ``batch.positions`` the RoPE positions.
         """
-        q_unrotated, k, v = self.project(x)
+        q_unrotated, k, v, gate = self.project_gated(x)
         q, k = self.rotate(q_unrotated, k, batch.positions, batch.rope)
         queries = cache.queries(q, q_unrotated, batch, self.rope)
         cache.write(k, v, batch.slot_mapping)
@@ -94,4 +119,4 @@ class Attention(nn.Module):
         if (p := batch.prefill) is not None:
             parts.append(cache.prefill(queries, p))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return self.output(out.reshape(x.shape[0], -1), gate)

@@ -107,8 +107,8 @@ class _Builder:
         self.ops.append(o)
 
     def rmsnorm(self, norm, x, y) -> None:
-        if type(norm) is not RMSNorm:
-            raise _Unsupported(f"a {type(norm).__name__}")
+        if type(norm) is not RMSNorm or norm.offset:
+            raise _Unsupported(f"a {type(norm).__name__}" + (f" with offset {norm.offset}" if norm.offset else ""))
         d = norm.weight.shape[0]
         self.op(OP_RMSNORM, (x, norm.weight, y), (DTYPE_CODES[self.dtype], _code(norm.weight), d), (norm.eps,))
 
@@ -124,6 +124,8 @@ class _Builder:
 
 def _attention(b: _Builder, block, view) -> None:
     attn = block.mixer
+    if attn.cfg.output_gate or attn.cfg.qk_norm:
+        raise _Unsupported("gated attention or q/k norms")
     if view.k_scale is not None or view.sinks is not None or view.observe is not None or view.renumber:
         raise _Unsupported("quantised K/V pages or a pruning policy")
     k_pool, v_pool = view.k_pool, view.v_pool

@@ -1,5 +1,7 @@
 """Mixture-of-experts MLP sub-layer (``E``): a linear router picks ``top_k`` experts per token and the
-token's output is the probability-weighted sum of those experts' MLP outputs (Jamba / Mixtral).
+token's output is the probability-weighted sum of those experts' MLP outputs (Jamba / Mixtral), plus, with
+``shared_d_ff``, a shared expert every token runs through, scaled by ``sigmoid(shared_expert_gate(x))`` when
+``shared_gate`` (Qwen2-MoE / Qwen3-Next).
 
 Expert weights are stacked per matrix (``gate_proj`` [E, F, D], ``up_proj`` [E, F, D], ``down_proj``
 [E, D, F]) so one tensor holds every expert. Each expert runs only on the tokens routed to it: the
@@ -13,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..config import HybridConfig, MoEConfig
+from ..config import HybridConfig, MLPConfig, MoEConfig
 from .linear import Linear
-from .mlp import activation_fn
+from .mlp import MLP, activation_fn
 
 
 class MoE(nn.Module):
@@ -44,6 +46,9 @@ class MoE(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(E, Fd, d_model)) if cfg.gated else None
         self.up_proj = nn.Parameter(torch.empty(E, Fd, d_model))
         self.down_proj = nn.Parameter(torch.empty(E, d_model, Fd))
+        self.shared_expert = MLP(d_model, MLPConfig(d_ff=cfg.shared_d_ff, activation=cfg.activation,
+                                                    gated=cfg.gated)) if cfg.shared_d_ff else None
+        self.shared_expert_gate = Linear(d_model, 1, bias=False) if cfg.shared_gate else None
 
     def reset_special_parameters(self, std: float) -> None:
         # the stacked expert matrices are Parameters, not nn.Linear: the model's normal draw misses them
@@ -90,7 +95,16 @@ class MoE(nn.Module):
         with torch.profiler.record_function("moe.combine"):
             y_sorted = y_sorted * weights.reshape(-1)[order, None]
             out = torch.zeros_like(x_TD).index_add_(0, token_of, y_sorted)
-        return out.view_as(x)
+        return self.add_shared(x_TD, out).view_as(x)
+
+    def add_shared(self, x_TD: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The routed sum [T, D] plus the (gated) shared expert's output, if there is one."""
+        if self.shared_expert is None:
+            return routed
+        shared = self.shared_expert(x_TD)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared
+        return routed + shared
 
 
 def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -103,4 +117,4 @@ def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         for j in range(moe.cfg.top_k):
             acc = acc + moe.expert(int(experts[t, j]), x_TD[t:t + 1])[0] * weights[t, j]
         rows.append(acc)
-    return torch.stack(rows).view_as(x)
+    return moe.add_shared(x_TD, torch.stack(rows)).view_as(x)

@@ -25,15 +25,21 @@ def _in_place_ok(*tensors: torch.Tensor) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``, computed in fp32 and cast back before the weight (as Llama does)."""
+    """``weight * x / rms(x)``, computed in fp32 and cast back before the weight (as Llama does).
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    ``offset=1.0``: ``(1 + weight) * x / rms(x)`` with the weight starting at 0 (Qwen3-Next, Gemma), all in fp32
+    and cast back after the scale, as they compute it.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
+        if self.offset:
+            return (xf * _inv_rms(xf, self.eps) * (self.weight.float() + self.offset)).to(x.dtype)
         normed = (xf * _inv_rms(xf, self.eps)).to(x.dtype)
         if _in_place_ok(x, self.weight) and self.weight.dtype == normed.dtype:
             return normed.mul_(self.weight)
