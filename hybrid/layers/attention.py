@@ -93,8 +93,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, L, _ = x.shape
-        q, k, v, gate = self.project_gated(x)
-        q, k = self.rotate(q, k, torch.arange(L, device=x.device))
+        if self.cfg.output_gate:
+            q, k, v, gate = self.project_gated(x)
+            q, k = self.rotate(q, k, torch.arange(L, device=x.device))
+        else:  # through qkv, the one place the full forward's post-RoPE q/k come from (tests observe it)
+            (q, k, v), gate = self.qkv(x, torch.arange(L, device=x.device)), None
         out = kernels.causal_attention(q, k, v, window=self.cfg.sliding_window)
         return self.output(out.reshape(B, L, -1), gate)
 
