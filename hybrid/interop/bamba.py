@@ -19,14 +19,16 @@ from ..config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from . import Converter, register
 from .common import EXPORT_MAX_POSITIONS, float_to_hf, hf_float, refuse
 from .hf_hybrid import (
+    TIED_HEAD,
     TOP_LEVEL,
-    DecoderPairNames,
     attention_mismatches,
+    decoder_pair_rules,
     decoder_pairs,
     no_attention,
     require,
     with_defaults,
 )
+from .rename import Rule, Table
 
 ARCH = "BambaForCausalLM"
 # BambaConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -124,19 +126,15 @@ def config_from_hf(raw: dict) -> HybridConfig:
     )
 
 
-NAMES = DecoderPairNames(ARCH, ffn_norm="pre_ff_layernorm", ffn_parts=("feed_forward",), top_level=TOP_LEVEL)
-
-
-def _ffn_from_hf(j: int, part: str, rest: str, v: torch.Tensor, out: dict) -> None:
-    out[f"layers.{j}.mixer.{rest}"] = v  # the SwiGLU MLP: gate/up/down_proj, named as ours
-
-
-def _ffn_to_hf(pre: str, j: int, rest: str, v: torch.Tensor, state: dict, out: dict) -> None:
-    out[f"{pre}.feed_forward.{rest}"] = v
+# the SwiGLU MLP's gate/up/down_proj are named as ours
+TABLE = Table(ARCH, tied_head=TIED_HEAD, rules=(
+    *TOP_LEVEL, *decoder_pair_rules("pre_ff_layernorm"),
+    Rule("layers.{2i+1}.mixer.{rest}", "model.layers.{i}.feed_forward.{rest}"),
+))
 
 
 def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
-    return NAMES.from_hf(state, cfg, _ffn_from_hf)
+    return TABLE.from_hf(state, cfg)
 
 
 def export_refusal(cfg: HybridConfig) -> str | None:
@@ -171,7 +169,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
 
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
-    return NAMES.to_hf(state, cfg, _ffn_to_hf)
+    return TABLE.to_hf(state, cfg)
 
 
 register(Converter(name="bamba", architectures=(ARCH,), config_from_hf=config_from_hf, state_from_hf=state_from_hf,

@@ -32,8 +32,16 @@ from ..checkpoint import CheckpointError
 from ..config import AttentionConfig, HybridConfig, MLPConfig, MoEConfig
 from . import Converter, register
 from .bamba import mamba2_export_problems, mamba2_from_hf, mamba2_to_hf
-from .common import EXPORT_MAX_POSITIONS, refuse, split_rows
-from .hf_hybrid import DecoderPairNames, attention_mismatches, decoder_pairs, no_attention, require, with_defaults
+from .common import EXPORT_MAX_POSITIONS, refuse
+from .hf_hybrid import (
+    attention_mismatches,
+    decoder_pair_rules,
+    decoder_pairs,
+    no_attention,
+    require,
+    with_defaults,
+)
+from .rename import Chunk, Rule, Table
 
 ARCH = "GraniteMoeHybridForCausalLM"
 # GraniteMoeHybridConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -125,50 +133,29 @@ def config_from_hf(raw: dict) -> HybridConfig:
     )
 
 
-TOP_LEVEL = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm_f.weight"}
-NAMES = DecoderPairNames(ARCH, ffn_norm="post_attention_layernorm", ffn_parts=("shared_mlp", "block_sparse_moe"),
-                         top_level=TOP_LEVEL)
-# the experts as transformers 5 holds them (fused, gate first) and as the hub / vLLM / llama.cpp store them
-FUSED_EXPERTS = {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down", "router.weight": "router",
-                 "input_linear.weight": "gate_up", "output_linear.weight": "down", "router.layer.weight": "router"}
-
-
-def _ffn_from_hf(j: int, part: str, rest: str, v: torch.Tensor, out: dict) -> None:
-    ffn = f"layers.{j}.mixer"
-    if part == "shared_mlp" and v.numel() == 0:
-        return  # shared_intermediate_size 0: transformers saves the absent shared expert as empty tensors
-    if part == "shared_mlp" and rest == "input_linear.weight":
-        out[f"{ffn}.gate_proj.weight"], out[f"{ffn}.up_proj.weight"] = split_rows(v, [v.shape[0] // 2] * 2)  # gate 1st
-    elif part == "shared_mlp" and rest == "output_linear.weight":
-        out[f"{ffn}.down_proj.weight"] = v
-    elif part == "block_sparse_moe" and FUSED_EXPERTS.get(rest) == "gate_up":
-        gate, up = v.chunk(2, dim=1)
-        out[f"{ffn}.gate_proj"], out[f"{ffn}.up_proj"] = gate.contiguous(), up.contiguous()
-    elif part == "block_sparse_moe" and FUSED_EXPERTS.get(rest) == "down":
-        out[f"{ffn}.down_proj"] = v
-    elif part == "block_sparse_moe" and FUSED_EXPERTS.get(rest) == "router":
-        out[f"{ffn}.router.weight"] = v
-    else:  # unmatched: keeps its own name, so a strict load reports it
-        out[f"model.layers.{j // 2}.{part}.{rest}"] = v
-
-
-def _ffn_to_hf(pre: str, j: int, rest: str, v: torch.Tensor, state: dict, out: dict) -> None:
-    """The shared MLP and the experts fused gate-first (``input_linear``), the router as ``router.layer``."""
-    if rest == "gate_proj.weight":  # dense: [F, D] each
-        out[f"{pre}.shared_mlp.input_linear.weight"] = torch.cat([v, state[f"layers.{j}.mixer.up_proj.weight"]])
-    elif rest == "down_proj.weight":
-        out[f"{pre}.shared_mlp.output_linear.weight"] = v
-    elif rest == "gate_proj":  # experts: [E, F, D] each
-        out[f"{pre}.block_sparse_moe.input_linear.weight"] = torch.cat([v, state[f"layers.{j}.mixer.up_proj"]], 1)
-    elif rest == "down_proj":
-        out[f"{pre}.block_sparse_moe.output_linear.weight"] = v
-    elif rest == "router.weight":
-        out[f"{pre}.block_sparse_moe.router.layer.weight"] = v
-    # up_proj(.weight): fused into input_linear with its gate
+_FFN, _DENSE, _MOE = "layers.{2i+1}.mixer", "model.layers.{i}.shared_mlp", "model.layers.{i}.block_sparse_moe"
+# The shared MLP and the experts are fused gate-first (``input_linear``), the router is ``router.layer``: the
+# hub's layout (what transformers, vLLM and llama.cpp all load). transformers 5's in-memory names for the
+# experts (``experts.gate_up_proj`` ...) are read too. An absent shared expert (shared_intermediate_size 0)
+# is saved by transformers as empty tensors, dropped here.
+TABLE = Table(ARCH, tied_head=("lm_head.weight", "model.embed_tokens.weight"), rules=(
+    Rule("embed.weight", "model.embed_tokens.weight"), Rule("norm_f.weight", "model.norm.weight"),
+    Rule("lm_head.weight", "lm_head.weight"),
+    *decoder_pair_rules("post_attention_layernorm"),
+    Rule((f"{_FFN}.gate_proj.weight", f"{_FFN}.up_proj.weight"), f"{_DENSE}.input_linear.weight", op=Chunk(2, 0),
+         drop_empty=True),
+    Rule(f"{_FFN}.down_proj.weight", f"{_DENSE}.output_linear.weight", drop_empty=True),
+    Rule((f"{_FFN}.gate_proj", f"{_FFN}.up_proj"), f"{_MOE}.input_linear.weight", op=Chunk(2, 1)),  # [E, 2F, D]
+    Rule((f"{_FFN}.gate_proj", f"{_FFN}.up_proj"), f"{_MOE}.experts.gate_up_proj", op=Chunk(2, 1), export=False),
+    Rule(f"{_FFN}.down_proj", f"{_MOE}.output_linear.weight"),
+    Rule(f"{_FFN}.down_proj", f"{_MOE}.experts.down_proj", export=False),
+    Rule(f"{_FFN}.router.weight", f"{_MOE}.router.layer.weight"),
+    Rule(f"{_FFN}.router.weight", f"{_MOE}.router.weight", export=False),
+))
 
 
 def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
-    return NAMES.from_hf(state, cfg, _ffn_from_hf)
+    return TABLE.from_hf(state, cfg)
 
 
 def export_refusal(cfg: HybridConfig) -> str | None:
@@ -232,7 +219,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
     """Our tensors under the hub's names (what transformers, vLLM and llama.cpp all load)."""
-    return NAMES.to_hf(state, cfg, _ffn_to_hf)
+    return TABLE.to_hf(state, cfg)
 
 
 register(Converter(name="granitemoehybrid", architectures=(ARCH,), config_from_hf=config_from_hf,

@@ -1,22 +1,20 @@
 """Pieces the Hugging Face hybrid converters (Bamba, NemotronH, Jamba, GraniteMoeHybrid) share: reading
 config values the way ``transformers`` does, refusing unsupported options by name, activation names, the
-pattern facts exports need (decoder-layer pairs, periodic layer positions), and the tensor names of
-decoder layers that hold a mixer and a feed-forward (:class:`DecoderPairNames`)."""
+pattern facts exports need (decoder-layer pairs, periodic layer positions), and the rename rules of
+decoder layers that hold a mixer and a feed-forward (:func:`decoder_pair_rules`)."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..config import HybridConfig
-from .common import drop_tied_head, refuse
+from .common import refuse
+from .rename import Rule
 
-# Bamba and Jamba name the embedding and the final norm alike (theirs -> ours).
-TOP_LEVEL = {"model.embed_tokens.weight": "embed.weight", "model.final_layernorm.weight": "norm_f.weight"}
+# Bamba and Jamba name the embedding, the final norm and the head alike.
+TOP_LEVEL = (Rule("embed.weight", "model.embed_tokens.weight"), Rule("norm_f.weight", "model.final_layernorm.weight"),
+             Rule("lm_head.weight", "lm_head.weight"))
+TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
 
 
 def with_defaults(hf: dict, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -83,80 +81,19 @@ def attention_mismatches(cfg: HybridConfig, *, rotary_fraction: float | None, bi
     return out
 
 
-def rename_first(name: str, mapping: dict[str, str]) -> str:
-    """Rename the first dotted component of ``name`` through ``mapping``."""
-    head, dot, tail = name.partition(".")
-    return mapping.get(head, head) + dot + tail
-
-
-# (our feed-forward layer j, the format's sub-module name, the rest of the tensor name, the tensor, out) -> None
-FFNFromHF = Callable[[int, str, str, torch.Tensor, dict], None]
-# (the format's "model.layers.{i}" prefix, our layer j, our name under "layers.{j}.mixer.", the tensor, our whole
-# state, out) -> None
-FFNToHF = Callable[[str, int, str, torch.Tensor, dict, dict], None]
-
-
-@dataclass(frozen=True)
-class DecoderPairNames:
-    """The tensor names of a format whose decoder layer ``i`` is a pre-normed mixer then a pre-normed
-    feed-forward, our layers ``2i`` and ``2i + 1`` (Bamba, Jamba, GraniteMoeHybrid). Norms, the Mamba and
-    attention mixers and the top-level tensors map the same way in every such format; each format hands
-    :meth:`from_hf` / :meth:`to_hf` only its feed-forward mapping (dense, fused or per-expert layouts)."""
-
-    arch: str
-    ffn_norm: str  # the feed-forward's pre-norm: "pre_ff_layernorm" (Bamba, Jamba), "post_attention_layernorm"
-    ffn_parts: tuple[str, ...]  # the sub-modules that hold the feed-forward ("feed_forward"; "shared_mlp", ...)
-    top_level: dict[str, str]  # theirs -> ours, outside the decoder layers
-    mamba_names: dict[str, str] = field(default_factory=dict)  # first-component renames in the Mamba mixer
-    mixer_norm: str = "input_layernorm"
-
-    def _layer_re(self) -> re.Pattern:
-        parts = "|".join(map(re.escape, (self.mixer_norm, self.ffn_norm, "mamba", "self_attn", *self.ffn_parts)))
-        return re.compile(rf"model\.layers\.(\d+)\.({parts})\.(.+)")
-
-    def from_hf(self, state: dict[str, torch.Tensor], cfg: HybridConfig, ffn: FFNFromHF) -> dict[str, torch.Tensor]:
-        """The format's tensors under our names. Names nothing maps stay as they are, so a strict load
-        reports them; a tied model's stored head must equal the embedding (it is dropped)."""
-        if cfg.tie_embeddings:
-            drop_tied_head(self.arch, state, "lm_head.weight", "model.embed_tokens.weight")
-        layer, out = self._layer_re(), {}
-        for k, v in state.items():
-            m = layer.fullmatch(k)
-            if not m:
-                out[self.top_level.get(k, k)] = v
-                continue
-            i, part, rest = int(m[1]), m[2], m[3]
-            if part == self.mixer_norm:
-                out[f"layers.{2 * i}.norm.{rest}"] = v
-            elif part == self.ffn_norm:
-                out[f"layers.{2 * i + 1}.norm.{rest}"] = v
-            elif part == "mamba":
-                out[f"layers.{2 * i}.mixer.{rename_first(rest, self.mamba_names)}"] = v
-            elif part == "self_attn":
-                out[f"layers.{2 * i}.mixer.{rest}"] = v
-            else:
-                ffn(2 * i + 1, part, rest, v, out)
-        return out
-
-    def to_hf(self, state: dict[str, torch.Tensor], cfg: HybridConfig, ffn: FFNToHF) -> dict[str, torch.Tensor]:
-        """Our tensors under the format's names (the inverse of :meth:`from_hf`)."""
-        back = {ours: theirs for theirs, ours in self.mamba_names.items()}
-        top = {ours: theirs for theirs, ours in self.top_level.items()}
-        out = {}
-        for k, v in state.items():
-            m = re.fullmatch(r"layers\.(\d+)\.(norm|mixer)\.(.+)", k)
-            if not m:
-                out[top.get(k, k)] = v
-                continue
-            j, part, rest = int(m[1]), m[2], m[3]
-            i, is_ffn = divmod(j, 2)
-            pre = f"model.layers.{i}"
-            if part == "norm":
-                out[f"{pre}.{self.ffn_norm if is_ffn else self.mixer_norm}.{rest}"] = v
-            elif is_ffn:
-                ffn(pre, j, rest, v, state, out)
-            elif cfg.pattern[j] == "*":
-                out[f"{pre}.self_attn.{rest}"] = v
-            else:
-                out[f"{pre}.mamba.{rename_first(rest, back)}"] = v
-        return out
+def decoder_pair_rules(ffn_norm: str, mixer_norm: str = "input_layernorm",
+                       mamba_names: dict[str, str] | None = None) -> tuple[Rule, ...]:
+    """The rename rules of a format whose decoder layer ``i`` is a pre-normed mixer then a pre-normed
+    feed-forward, our layers ``2i`` and ``2i + 1`` (Bamba, Jamba, GraniteMoeHybrid): the two norms and the
+    Mamba / attention mixers (``mamba_names``: the format's Mamba sub-module names -> ours). Each format
+    adds its top-level and feed-forward rules."""
+    renamed = tuple(Rule(f"layers.{{2i}}.mixer.{ours}.{{rest}}", f"model.layers.{{i}}.mamba.{theirs}.{{rest}}",
+                         kinds="Mm")
+                    for theirs, ours in (mamba_names or {}).items())
+    return (
+        Rule("layers.{2i}.norm.{rest}", f"model.layers.{{i}}.{mixer_norm}.{{rest}}"),
+        Rule("layers.{2i+1}.norm.{rest}", f"model.layers.{{i}}.{ffn_norm}.{{rest}}"),
+        *renamed,
+        Rule("layers.{2i}.mixer.{rest}", "model.layers.{i}.self_attn.{rest}", kinds="*"),
+        Rule("layers.{2i}.mixer.{rest}", "model.layers.{i}.mamba.{rest}", kinds="Mm"),
+    )

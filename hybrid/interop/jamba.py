@@ -14,25 +14,24 @@ which is also what transformers saves and what we export) or fused (``experts.ga
 from __future__ import annotations
 
 import math
-import re
-from collections import defaultdict
 
 import torch
 
-from ..checkpoint import CheckpointError
 from ..config import AttentionConfig, HybridConfig, Mamba1Config, MLPConfig, MoEConfig
 from . import Converter, register
 from .common import EXPORT_MAX_POSITIONS, refuse
 from .hf_hybrid import (
+    TIED_HEAD,
     TOP_LEVEL,
-    DecoderPairNames,
     attention_mismatches,
+    decoder_pair_rules,
     decoder_pairs,
     no_attention,
     periodic,
     require,
     with_defaults,
 )
+from .rename import Chunk, Rule, Stack, Table
 
 ARCH = "JambaForCausalLM"
 # JambaConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -81,33 +80,22 @@ def config_from_hf(raw: dict) -> HybridConfig:
     )
 
 
-NAMES = DecoderPairNames(ARCH, ffn_norm="pre_ff_layernorm", ffn_parts=("feed_forward",), top_level=TOP_LEVEL,
-                         mamba_names=MAMBA_NAMES)
-_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_FFN, _HF = "layers.{2i+1}.mixer", "model.layers.{i}.feed_forward"
+# The hub stores one tensor per expert (``experts.{e}.gate_proj.weight``), stacked into ours [E, F, D];
+# transformers 5's fused in-memory layout (``experts.gate_up_proj`` [E, 2F, D], gate rows first) is read too.
+# Dense MLPs and the router are named as ours.
+TABLE = Table(ARCH, tied_head=TIED_HEAD, rules=(
+    *TOP_LEVEL, *decoder_pair_rules("pre_ff_layernorm", mamba_names=MAMBA_NAMES),
+    *(Rule(f"{_FFN}.{mat}", f"{_HF}.experts.{{e}}.{mat}.weight", kinds="E",
+           op=Stack("e", count=lambda cfg: cfg.moe.n_experts)) for mat in EXPERT_MATS),
+    Rule((f"{_FFN}.gate_proj", f"{_FFN}.up_proj"), f"{_HF}.experts.gate_up_proj", op=Chunk(2, 1), export=False),
+    Rule(f"{_FFN}.down_proj", f"{_HF}.experts.down_proj", export=False),
+    Rule(f"{_FFN}.{{rest}}", f"{_HF}.{{rest}}"),
+))
 
 
 def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)  # (sub-layer, matrix) -> e -> W
-
-    def ffn(j: int, part: str, rest: str, v: torch.Tensor, out: dict) -> None:
-        if (e := _EXPERT.fullmatch(rest)) is not None:  # the hub layout: one tensor per expert, stacked below
-            experts[(j, e[2])][int(e[1])] = v
-        elif rest == "experts.gate_up_proj":  # fused layout: [E, 2F, D], gate rows first
-            out[f"layers.{j}.mixer.gate_proj"], out[f"layers.{j}.mixer.up_proj"] = v.chunk(2, dim=1)
-        elif rest == "experts.down_proj":
-            out[f"layers.{j}.mixer.down_proj"] = v
-        else:  # dense MLP (gate/up/down_proj.weight) or the router (router.weight)
-            out[f"layers.{j}.mixer.{rest}"] = v
-
-    out = NAMES.from_hf(state, cfg, ffn)
-    for (j, mat), by_expert in sorted(experts.items()):
-        lacking = sorted(set(range(cfg.moe.n_experts)) - set(by_expert))
-        if lacking or len(by_expert) != cfg.moe.n_experts:
-            raise CheckpointError(f"{ARCH}: layer {j // 2} feed_forward has experts {sorted(by_expert)} for {mat} "
-                                  f"but the config says num_experts={cfg.moe.n_experts}"
-                                  + (f" (missing experts {lacking})" if lacking else ""))
-        out[f"layers.{j}.mixer.{mat}"] = torch.stack([by_expert[e] for e in range(cfg.moe.n_experts)])
-    return out
+    return TABLE.from_hf(state, cfg)
 
 
 def export_refusal(cfg: HybridConfig) -> str | None:
@@ -167,14 +155,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
 
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
-    def ffn(pre: str, j: int, rest: str, v: torch.Tensor, state: dict, out: dict) -> None:
-        if cfg.pattern[j] == "E" and rest in EXPERT_MATS:  # exported per expert, the hub layout
-            for e in range(v.shape[0]):
-                out[f"{pre}.feed_forward.experts.{e}.{rest}.weight"] = v[e]
-        else:
-            out[f"{pre}.feed_forward.{rest}"] = v
-
-    return NAMES.to_hf(state, cfg, ffn)
+    return TABLE.to_hf(state, cfg)
 
 
 register(Converter(name="jamba", architectures=(ARCH,), config_from_hf=config_from_hf, state_from_hf=state_from_hf,
