@@ -18,10 +18,10 @@ import statistics
 import time
 
 import torch
+from hybrid.eval.timing import prefill_flops
 from hybrid.recipes import get as get_recipe
 
 from hybrid import kernels
-from hybrid.eval.timing import prefill_flops
 from hybrid.model import HybridLM
 
 from .common import add_json, add_threads, cpu_flags, record, set_threads
@@ -52,7 +52,7 @@ def prefill_rows(lengths: list[int], dtypes: list[str], repeats: int) -> list[di
             models[name] = HybridLM(get_recipe(name)).to(DTYPES[dname]).eval()
         for L in lengths:
             ids = torch.randint(0, 1000, (1, L))
-            fns = {n: (lambda m=m: m(ids, logits_to_keep=1)) for n, m in models.items()}
+            fns = {n: (lambda m=m, ids=ids: m(ids, logits_to_keep=1)) for n, m in models.items()}
             times = _turns(fns, warmup=1, repeats=repeats)
             gfs = {}
             for n, ts in times.items():
@@ -68,32 +68,39 @@ def prefill_rows(lengths: list[int], dtypes: list[str], repeats: int) -> list[di
     return rows
 
 
+def _step_fns(n: int, inner: int) -> dict:
+    """The two step ops at the small recipes' shapes for a batch of n, each run ``inner`` times a call."""
+    torch.manual_seed(0)
+    H, Hk, K, V = 12, 6, 128, 128
+    gstate = torch.randn(n, H, K, V) * 0.1
+    q = torch.nn.functional.normalize(torch.randn(n, Hk, K), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(n, Hk, K), dim=-1)
+    v, g, beta = torch.randn(n, H, V), -torch.rand(n, H) * 0.1, torch.rand(n, H)
+    mh, P, N = 24, 64, 128
+    mstate = torch.randn(n, mh, P, N) * 0.1
+    x, dt, A = torch.randn(n, mh, P), torch.rand(n, mh) * 0.1, -torch.rand(mh)
+    B, C, D = torch.randn(n, 1, N), torch.randn(n, 1, N), torch.randn(mh)
+
+    def gdn():
+        for _ in range(inner):
+            kernels.gated_delta_step(gstate, q, k, v, g, beta)
+
+    def mamba():
+        for _ in range(inner):
+            kernels.ssd_step(mstate, x, dt, A, B, C, D=D)
+
+    return {"gdn": gdn, "mamba2": mamba, "state_MB": gstate.numel() * 4 / 2**20}
+
+
 @torch.inference_mode()
 def decode_rows(batches: list[int], repeats: int, inner: int = 50) -> list[dict]:
     rows = []
     for n in batches:
-        torch.manual_seed(0)
-        H, Hk, K, V = 12, 6, 128, 128
-        gstate = torch.randn(n, H, K, V) * 0.1
-        q = torch.nn.functional.normalize(torch.randn(n, Hk, K), dim=-1)
-        k = torch.nn.functional.normalize(torch.randn(n, Hk, K), dim=-1)
-        v, g, beta = torch.randn(n, H, V), -torch.rand(n, H) * 0.1, torch.rand(n, H)
-        mh, P, N = 24, 64, 128
-        mstate = torch.randn(n, mh, P, N) * 0.1
-        x, dt, A = torch.randn(n, mh, P), torch.rand(n, mh) * 0.1, -torch.rand(mh)
-        B, C, D = torch.randn(n, 1, N), torch.randn(n, 1, N), torch.randn(mh)
-
-        def gdn():
-            for _ in range(inner):
-                kernels.gated_delta_step(gstate, q, k, v, g, beta)
-
-        def mamba():
-            for _ in range(inner):
-                kernels.ssd_step(mstate, x, dt, A, B, C, D=D)
-
-        times = _turns({"gdn": gdn, "mamba2": mamba}, warmup=2, repeats=repeats)
+        fns = _step_fns(n, inner)
+        state_mb = fns.pop("state_MB")
+        times = _turns(fns, warmup=2, repeats=repeats)
         us = {k: [t / inner * 1e6 for t in ts] for k, ts in times.items()}
-        row = {"kind": "decode_step", "batch": n, "state_MB": round(gstate.numel() * 4 / 2**20, 2)}
+        row = {"kind": "decode_step", "batch": n, "state_MB": round(state_mb, 2)}
         for k, ts in us.items():
             row[f"{k}_us(min/med/max)"] = f"{min(ts):.1f}/{statistics.median(ts):.1f}/{max(ts):.1f}"
         row["gdn/mamba2"] = round(statistics.median(us["gdn"]) / statistics.median(us["mamba2"]), 3)
