@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cuda_backend, dispatch
+from . import cuda_backend, dispatch, native
+from .native import ops as native_ops
 from .packing import check_cu_seqlens, sequences, slot_rows
 from .state_tiles import scratch, tiles
 
@@ -285,6 +286,8 @@ def flops_per_token(n_heads: int, head_k_dim: int, head_v_dim: int) -> float:
 dispatch.register("gated_delta_chunk", "torch", _chunk_torch)
 dispatch.register("gated_delta_varlen", "torch", _varlen_torch)
 dispatch.register("gated_delta_step", "torch", _step_torch)
+# decode on the CPU: decode.c's one loop per (sequence, head), two passes over the state (torch takes three)
+dispatch.register("gated_delta_step", "native", native_ops.gdn_step, native.available, native_ops.supports_gdn_step)
 _fla = cuda_backend.probe("fla")
 dispatch.register("gated_delta_chunk", "cuda", _fla_chunk, _fla)
 dispatch.register("gated_delta_varlen", "cuda", _fla_varlen, _fla)
