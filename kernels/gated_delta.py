@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cuda_backend, dispatch
+from . import cuda_backend, dispatch, native
+from .native import ops as native_ops
 from .packing import check_cu_seqlens, sequences, slot_rows
 from .state_tiles import scratch, tiles
 
@@ -179,16 +180,20 @@ def _varlen_torch(q, k, v, g, beta, cu_seqlens, *, scale=None, initial_states=No
 
 def _step_torch(state, q, k, v, g, beta, *, scale=None, slots=None):
     # Decode is bound by moving the state (H K V floats per sequence and layer): update the rows in place a
-    # tile of sequences at a time (.state_tiles), as one decay, one mat-vec read, one rank-1 write and one
-    # mat-vec output per head, batched; a bf16 state's tile is copied to fp32, updated and rounded back once.
+    # tile of sequences at a time (.state_tiles), as one read (S^T [k, q]), one decay and one rank-1 write per
+    # head, batched (three passes over S, not four); a bf16 state's tile is copied to fp32, updated and rounded
+    # back once.
     rows, scatter = slot_rows(state, slots)
     n, H, K, V = rows.shape
     scale = K ** -0.5 if scale is None else scale
     if not rows.is_contiguous():
         y = gated_delta_step_ref(rows, q, k, v, g, beta, scale=scale)
     else:
-        qf = (_expand(q, H).float() * scale).reshape(n * H, 1, K)
-        kf = _expand(k, H).float().reshape(n * H, 1, K)
+        qf = _expand(q, H).float() * scale
+        kf = _expand(k, H).float()
+        kq = torch.stack([kf, qf], -2).reshape(n * H, 2, K)  # one read of S serves the prediction and the output
+        kqdot = (kf * qf).sum(-1).reshape(n * H, 1, 1)
+        kT = kf.reshape(n * H, K, 1)
         decay = g.float().exp().reshape(n * H, 1, 1)
         bv = beta.float().reshape(n * H, 1, 1)
         vf = v.float().reshape(n * H, 1, V)
@@ -197,10 +202,13 @@ def _step_torch(state, q, k, v, g, beta, *, scale=None, slots=None):
         for i, j in tiles(n, H * K * V, v.device):
             f = scratch((j - i) * H * K * V, v.device).view(j - i, H, K, V).copy_(rows[i:j]) if low else rows[i:j]
             r = slice(i * H, j * H)
-            S = f.view((j - i) * H, K, V).mul_(decay[r])
-            delta = torch.baddbmm(vf[r], kf[r], S, alpha=-1.0).mul_(bv[r])  # beta (v - S^T k)  [.., 1, V]
-            S.baddbmm_(kf[r].transpose(1, 2), delta)
-            torch.bmm(qf[r], S, out=y[r])
+            S = f.view((j - i) * H, K, V)
+            # from the old state: S^T k and S^T q at once; with a the decay, the new state's read-out is
+            # S'^T q = a S^T q + (k . q) delta, so S is read once and written twice (decay, rank-1 write)
+            read = torch.bmm(kq[r], S).mul_(decay[r])  # [.., 2, V]: a S^T k, a S^T q
+            delta = (vf[r] - read[:, :1]).mul_(bv[r])  # beta (v - a S^T k)  [.., 1, V]
+            torch.addcmul(read[:, 1:], kqdot[r], delta, out=y[r])
+            S.mul_(decay[r]).baddbmm_(kT[r], delta)
             if low:
                 rows[i:j].copy_(f)
         y = y.view(n, H, V).to(v.dtype)
@@ -293,6 +301,8 @@ def flops_per_token(n_heads: int, head_k_dim: int, head_v_dim: int) -> float:
 dispatch.register("gated_delta_chunk", "torch", _chunk_torch)
 dispatch.register("gated_delta_varlen", "torch", _varlen_torch)
 dispatch.register("gated_delta_step", "torch", _step_torch)
+# decode on the CPU: decode.c's one loop per (sequence, head), two passes over the state (torch takes three)
+dispatch.register("gated_delta_step", "native", native_ops.gdn_step, native.available, native_ops.supports_gdn_step)
 _fla = cuda_backend.probe("fla")
 dispatch.register("gated_delta_chunk", "cuda", _fla_chunk, _fla)
 dispatch.register("gated_delta_varlen", "cuda", _fla_varlen, _fla)

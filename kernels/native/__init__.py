@@ -47,6 +47,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.hl_conv_step.argtypes = [p, i32, p, p, i32, i64, p, i32, p, i32, i32, p, i64, i64, i64]
     lib.hl_paged_decode.argtypes = [p, i32, p, p, i32, p, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float]
     f32 = ctypes.c_float
+    lib.hl_gdn_step.argtypes = [p, i32, p, p, p, i64, p, i32, i64, p, p, i64, f32, p, i64, i64, i64, i64, i64]
     lib.hl_rmsnorm.argtypes = [p, i32, p, i32, f32, p, i64, i64]
     lib.hl_gated_up.argtypes = [p, p, p, p, p, p, i32, i32, p, i32, p, i32, i64, i64, i64]
     lib.hl_qkv_rope.argtypes = [p, p, p, p, p, p, p, p, p, i32, i32, p, i32, p, p, p, i32, p, p, p, i64, i64, i64,
@@ -56,7 +57,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.hl_argmax.argtypes, lib.hl_argmax.restype = [p, i32, i64, i64, p], None
     lib.hl_gated_rmsnorm.argtypes = [p, p, i64, i32, p, i32, f32, i64, i32, p, i64, i64]
     lib.hl_mamba2_dt.argtypes = [p, i32, i64, p, i32, p, i32, f32, f32, i32, p, p, i64, i64]
-    for fn in (lib.hl_ssd_step, lib.hl_conv_step, lib.hl_paged_decode, lib.hl_gated_up, lib.hl_qkv_rope):
+    for fn in (lib.hl_ssd_step, lib.hl_gdn_step, lib.hl_conv_step, lib.hl_paged_decode, lib.hl_gated_up,
+               lib.hl_qkv_rope):
         fn.restype = i32
     for fn in (lib.hl_rmsnorm, lib.hl_gated_rmsnorm, lib.hl_mamba2_dt):
         fn.restype = None

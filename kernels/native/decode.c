@@ -596,6 +596,80 @@ int hl_ssd_step(void *state, int sdt, const int64_t *slots, const void *x, int x
     return 0;
 }
 
+/* ---- Gated DeltaNet step ---------------------------------------------------------------------------------- */
+/* One token per sequence: per (sequence b, value head h; key head h / (H / Hk)) the state S [K, V] (fp32 or
+   bf16 storage) becomes a S + k delta^T with a = exp(g), delta = beta (v - a S^T k), and o = S'^T q scale —
+   gated_delta_step_ref's arithmetic in two passes over the state (one read for S^T k, one update that also
+   accumulates the output); a bf16 state is rounded once, on the store. */
+typedef struct {
+    void *state;
+    const int64_t *slots;
+    const void *q, *k, *v;
+    const float *g, *beta;
+    void *y;
+    int64_t qs, vs, gs; /* batch strides in elements (q and k share one) */
+    int64_t H, Hk, K, V;
+    float scale;
+    int sdt, xdt;
+} GdnStep;
+
+static void gdn_step_chunk(const void *job, int64_t item) {
+    const GdnStep *j = job;
+    const int64_t b = item / j->H, h = item % j->H, hk = h / (j->H / j->Hk), K = j->K, V = j->V;
+    const int64_t row = j->slots ? j->slots[b] : b;
+    float qv[512], kv[512], d[512], o[512];
+    for (int64_t i = 0; i < K; ++i) {
+        qv[i] = load_as_f32(j->q, j->xdt, b * j->qs + hk * K + i) * j->scale;
+        kv[i] = load_as_f32(j->k, j->xdt, b * j->qs + hk * K + i);
+    }
+    const float a = expf(j->g[b * j->gs + h]), bt = j->beta[b * j->gs + h];
+    const int64_t base = (row * j->H + h) * K * V;
+    for (int64_t c = 0; c < V; ++c) d[c] = 0.0f, o[c] = 0.0f;
+    for (int64_t i = 0; i < K; ++i) { /* d = S^T k */
+        const float ki = kv[i];
+        if (j->sdt == DT_F32) {
+            const float *s = (const float *)j->state + base + i * V;
+            for (int64_t c = 0; c < V; ++c) d[c] += s[c] * ki;
+        } else {
+            const uint16_t *s = (const uint16_t *)j->state + base + i * V;
+            for (int64_t c = 0; c < V; ++c) d[c] += bf16_to_f32(s[c]) * ki;
+        }
+    }
+    for (int64_t c = 0; c < V; ++c) d[c] = bt * (load_as_f32(j->v, j->xdt, b * j->vs + h * V + c) - a * d[c]);
+    for (int64_t i = 0; i < K; ++i) { /* S = a S + k d^T, o += S^T q */
+        const float ki = kv[i], qi = qv[i];
+        if (j->sdt == DT_F32) {
+            float *s = (float *)j->state + base + i * V;
+            for (int64_t c = 0; c < V; ++c) {
+                const float n = s[c] * a + ki * d[c];
+                s[c] = n;
+                o[c] += n * qi;
+            }
+        } else {
+            uint16_t *s = (uint16_t *)j->state + base + i * V;
+            for (int64_t c = 0; c < V; ++c) {
+                const float n = bf16_to_f32(s[c]) * a + ki * d[c];
+                s[c] = f32_to_bf16(n);
+                o[c] += n * qi;
+            }
+        }
+    }
+    const int64_t out = (b * j->H + h) * V;
+    for (int64_t c = 0; c < V; ++c) {
+        if (j->xdt == DT_BF16) ((uint16_t *)j->y)[out + c] = f32_to_bf16(o[c]);
+        else ((float *)j->y)[out + c] = o[c];
+    }
+}
+
+int hl_gdn_step(void *state, int sdt, const int64_t *slots, const void *q, const void *k, int64_t qs, const void *v,
+                int xdt, int64_t vs, const float *g, const float *beta, int64_t gs, float scale, void *y, int64_t Bsz,
+                int64_t H, int64_t Hk, int64_t K, int64_t V) {
+    if (K > 512 || V > 512 || Hk < 1 || H % Hk) return -1;
+    GdnStep j = {state, slots, q, k, v, g, beta, y, qs, vs, gs, H, Hk, K, V, scale, sdt, xdt};
+    pool_run(gdn_step_chunk, &j, Bsz * H);
+    return 0;
+}
+
 /* ---- causal conv1d step ------------------------------------------------------------------------------------ */
 /* state [S, C, K-1] shifted by one token per sequence: the window is the state then x (rounded to the state's
    dtype first, as the reference concatenates them), y = window . w + bias, SiLU optional. */

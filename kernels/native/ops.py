@@ -66,6 +66,33 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, slots=None) -> torch.Tensor:
     return y
 
 
+def supports_gdn_step(state, q, k, v, g, beta, *, scale=None, slots=None) -> str | None:
+    """fp32/bf16 state, q/k/v rows contiguous within a sequence and of one dtype, g/beta fp32, K and V <= 512"""
+    why = _common(state, (q, k, v), slots)
+    if why:
+        return why
+    n, Hk, K = q.shape
+    H, V = v.shape[1], v.shape[2]
+    if K > 512 or V > 512 or H % Hk or state.shape[1:] != (H, K, V):
+        return f"heads {H}/{Hk} or dims {K}x{V}"
+    if q.stride(2) != 1 or q.stride(1) != K or k.stride() != q.stride() or v.stride(2) != 1 or v.stride(1) != V \
+            or not (q.dtype == k.dtype == v.dtype):
+        return "q/k/v layout"
+    if g.dtype != torch.float32 or beta.dtype != torch.float32 or g.stride(1) != 1 or beta.stride() != g.stride():
+        return "g / beta not fp32"
+    return None
+
+
+def gdn_step(state, q, k, v, g, beta, *, scale=None, slots=None) -> torch.Tensor:
+    n, Hk, K = q.shape
+    H, V = v.shape[1], v.shape[2]
+    y = torch.empty(n, H, V, dtype=v.dtype)
+    library().hl_gdn_step(state.data_ptr(), DTYPE_CODES[state.dtype], _ptr(slots), q.data_ptr(), k.data_ptr(),
+                          q.stride(0), v.data_ptr(), DTYPE_CODES[v.dtype], v.stride(0), g.data_ptr(), beta.data_ptr(),
+                          g.stride(0), K ** -0.5 if scale is None else float(scale), y.data_ptr(), n, H, Hk, K, V)
+    return y
+
+
 def supports_conv_step(state, x, weight, bias=None, *, activation=None, slots=None) -> str | None:
     """fp32/bf16 state, x's channels contiguous, SiLU or no activation"""
     why = _common(state, (x, weight, bias), slots)
