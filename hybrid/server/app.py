@@ -266,8 +266,13 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_common(body)
         check_model(body.model)
-        if body.tools:
-            raise APIError("tools (function calling) are not supported", param="tools")
+        for tool in body.tools or []:  # offered to the template; the output is not constrained to a call
+            if tool.get("type") != "function" or not isinstance((tool.get("function") or {}).get("name"), str):
+                raise APIError("each tool must be {'type': 'function', 'function': {'name': ..., ...}}",
+                               param="tools")
+        if body.tool_choice not in (None, "auto", "none"):
+            raise APIError("tool_choice must be 'auto' or 'none': the output is not constrained to a named or "
+                           "required tool call", param="tool_choice")
         if body.response_format and body.response_format.get("type") not in (None, "text"):
             raise APIError("only response_format {'type': 'text'} is supported", param="response_format")
         top = body.top_logprobs
@@ -276,7 +281,9 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
         if body.stream and body.logprobs:
             raise APIError("logprobs with stream=true is not supported yet; ask without stream", param="logprobs")
         try:
-            text = template.render([m.model_dump() for m in body.messages], add_generation_prompt=True)
+            text = template.render([m.model_dump(exclude_none=True) for m in body.messages],
+                                   add_generation_prompt=True,
+                                   tools=body.tools if body.tools and body.tool_choice != "none" else None)
         except ChatTemplateError as e:
             raise APIError(str(e), param="messages") from e
         prompt = check_ids(tokenizer.encode(text, add_special_tokens=False), "messages")
