@@ -60,6 +60,11 @@ def save_pretrained(model, directory: str | Path, format: str = "hybrid") -> Pat
     """Write ``directory``: ``format="hybrid"`` (ours: config.json + model.safetensors) or the name
     of an export format of ``hybrid.interop`` (a checkpoint its home library loads; ``"hf"`` picks
     the first one that is exact)."""
+    method = getattr(model, "quantization", None)
+    if method is not None:  # before anything is written: a half-written folder would lose nothing but confuse
+        raise ValueError(f"save_pretrained of a {method}-quantised model is not supported yet: save the model "
+                         f"before hybrid.quantize, and quantise after loading (hybrid.quantize(model, {method!r}) "
+                         f"or --quantize {method})")
     if format == "hybrid":
         return save_native(model, directory)
     from .interop import export

@@ -137,3 +137,11 @@ def test_lm_eval_model_scores_the_quantised_model():
     assert got != pytest.approx(ref, abs=1e-6)
     with pytest.raises(ValueError, match="unknown quantisation 'int2'"):
         HybridEvalLM(recipe="llama-tiny", quantize="int2")
+
+
+def test_saving_a_quantised_model_is_refused_before_anything_is_written(tmp_path):
+    model = HybridLM(recipes.get("llama-tiny")).eval()
+    hybrid.quantize(model, "int8wo")
+    with pytest.raises(ValueError, match="save the model before hybrid.quantize"):
+        hybrid.save_pretrained(model, tmp_path / "q")
+    assert not (tmp_path / "q").exists()
