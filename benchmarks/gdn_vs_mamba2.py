@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from hybrid.eval.timing import prefill_flops
@@ -24,22 +23,9 @@ from hybrid.recipes import get as get_recipe
 from hybrid import kernels
 from hybrid.model import HybridLM
 
-from .common import add_json, add_threads, cpu_flags, record, set_threads
+from .common import add_json, add_threads, cpu_flags, interleaved_seconds, record, set_threads
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _turns(fns: dict, warmup: int, repeats: int) -> dict[str, list[float]]:
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    out: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            out[k].append(time.perf_counter() - t0)
-    return out
 
 
 @torch.inference_mode()
@@ -53,7 +39,7 @@ def prefill_rows(lengths: list[int], dtypes: list[str], repeats: int) -> list[di
         for L in lengths:
             ids = torch.randint(0, 1000, (1, L))
             fns = {n: (lambda m=m, ids=ids: m(ids, logits_to_keep=1)) for n, m in models.items()}
-            times = _turns(fns, warmup=1, repeats=repeats)
+            times = interleaved_seconds(fns, warmup=1, repeats=repeats)
             gfs = {}
             for n, ts in times.items():
                 flops = prefill_flops(models[n], L, 1, "last")
@@ -98,7 +84,7 @@ def decode_rows(batches: list[int], repeats: int, inner: int = 50) -> list[dict]
     for n in batches:
         fns = _step_fns(n, inner)
         state_mb = fns.pop("state_MB")
-        times = _turns(fns, warmup=2, repeats=repeats)
+        times = interleaved_seconds(fns, warmup=2, repeats=repeats)
         us = {k: [t / inner * 1e6 for t in ts] for k, ts in times.items()}
         row = {"kind": "decode_step", "batch": n, "state_MB": round(state_mb, 2)}
         for k, ts in us.items():

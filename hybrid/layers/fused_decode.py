@@ -329,9 +329,7 @@ def program(model, cache) -> DecodeProgram:
 
 
 def _fused_sublayer(block, x, batch, cache):
-    if cache is None or torch.compiler.is_compiling():
-        return None
-    entry = _programs.get(cache)
+    entry = _programs.get(cache) if cache is not None else None  # (never reached under Dynamo: Block.forward)
     if entry is None or not _batch_ok(batch, x):
         return None
     prog = entry[1]
