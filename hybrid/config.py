@@ -11,9 +11,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from .pattern import parse_pattern
+from .pattern import parse_pattern, register_symbol
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 
@@ -27,9 +27,66 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+# section name -> sub-config class, in definition order; filled by SubConfig.__init_subclass__
+SUBCONFIGS: dict[str, type[SubConfig]] = {}
+
+
+class SubConfig:
+    """Base of a layer kind's section of :class:`HybridConfig`. A subclass declares, next to its fields, all that
+    the rest of the config needs to know about its kind: ``section`` (the HybridConfig field and the layer kind
+    the layer registry maps to a class), ``symbol`` (its pattern symbol), ``mixer`` (a sequence mixer, which
+    ``blocks_pattern`` may place, rather than a channel MLP), how sizes left as ``None`` follow from ``d_model``
+    (:meth:`resolved`) and its checks (:meth:`_validate`). Defining the class registers it; a new layer kind
+    adds its sub-config and one HybridConfig field, and edits no switch here or in :mod:`hybrid.pattern`."""
+
+    section: ClassVar[str]
+    symbol: ClassVar[str]
+    mixer: ClassVar[bool]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.section in SUBCONFIGS:
+            raise ValueError(f"config section {cls.section!r} is declared twice ({SUBCONFIGS[cls.section].__name__}, "
+                             f"{cls.__name__})")
+        SUBCONFIGS[cls.section] = cls
+        register_symbol(cls.symbol, cls.section, mixer=cls.mixer)
+
+    def resolved(self, d_model: int):
+        """This section with every size left as ``None`` derived from ``d_model`` (a saved config states all)."""
+        return self
+
+    def _validate(self) -> None:
+        """Raise :class:`ConfigError` naming the field when this section cannot describe a working layer."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (tuples become lists; :meth:`from_dict` turns them back)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - known)
+        _check(not bad, f"unknown {cls.section} fields {bad}; known: {sorted(known)}")
+        # JSON has no tuples and no infinity: lists come back as tuples, null inside them as infinity
+        return cls(**{k: tuple(math.inf if x is None else x for x in v) if isinstance(v, list) else v
+                      for k, v in d.items()})
+
+
+def _resolved_d_ff(d_ff: int | None, gated: bool, d_model: int) -> int:
+    """An MLP width left as None: 8/3 d_model when gated (SwiGLU keeps the parameter count), else 4 d_model,
+    rounded up to a multiple of 64."""
+    if d_ff is not None:
+        return d_ff
+    return 64 * math.ceil((8 * d_model / 3 if gated else 4 * d_model) / 64)
+
+
 @dataclass(frozen=True, kw_only=True)
-class AttentionConfig:
+class AttentionConfig(SubConfig):
     """GQA attention (``*``). ``n_kv_heads < n_heads`` is GQA, ``n_kv_heads == 1`` MQA."""
+
+    section: ClassVar[str] = "attention"
+    symbol: ClassVar[str] = "*"
+    mixer: ClassVar[bool] = True
 
     n_heads: int = 8
     n_kv_heads: int | None = None  # None: same as n_heads (MHA)
@@ -50,6 +107,11 @@ class AttentionConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rotary_fraction) if self.head_dim else 0
+
+    def resolved(self, d_model: int) -> AttentionConfig:
+        return dataclasses.replace(
+            self, n_kv_heads=self.n_kv_heads if self.n_kv_heads is not None else self.n_heads,
+            head_dim=self.head_dim if self.head_dim is not None else d_model // max(self.n_heads, 1))
 
     def _validate(self) -> None:
         _check(self.n_heads >= 1, f"attention.n_heads must be >= 1, got {self.n_heads}")
@@ -91,8 +153,12 @@ def _check_rope_scaling(rs: dict) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Mamba2Config:
+class Mamba2Config(SubConfig):
     """Mamba-2 mixer (``M``): SSD with scalar-per-head decay, in mamba_ssm's layout."""
+
+    section: ClassVar[str] = "mamba2"
+    symbol: ClassVar[str] = "M"
+    mixer: ClassVar[bool] = True
 
     d_state: int = 128
     d_conv: int = 4
@@ -119,6 +185,17 @@ class Mamba2Config:
     def conv_dim(self) -> int:
         return self.d_inner + 2 * self.n_groups * self.d_state
 
+    def resolved(self, d_model: int) -> Mamba2Config:
+        return dataclasses.replace(
+            self, d_inner=self.d_inner if self.d_inner is not None else self.expand * d_model,
+            norm_groups=self.norm_groups if self.norm_groups is not None else self.n_groups,
+            dt_limit=tuple(self.dt_limit), A_init_range=tuple(self.A_init_range))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["dt_limit"] = [None if math.isinf(v) else v for v in self.dt_limit]  # JSON has no infinity
+        return out
+
     def _validate(self) -> None:
         for name in ("d_state", "d_conv", "expand", "d_inner", "head_dim", "n_groups", "chunk_size",
                      "norm_groups"):
@@ -138,8 +215,12 @@ class Mamba2Config:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Mamba1Config:
+class Mamba1Config(SubConfig):
     """Mamba-1 mixer (``m``): selective scan with a per-channel, per-state decay."""
+
+    section: ClassVar[str] = "mamba1"
+    symbol: ClassVar[str] = "m"
+    mixer: ClassVar[bool] = True
 
     d_state: int = 16
     d_conv: int = 4
@@ -153,6 +234,11 @@ class Mamba1Config:
     proj_bias: bool = False
     inner_norms: bool = False  # RMSNorm on dt, B and C before use (Jamba)
 
+    def resolved(self, d_model: int) -> Mamba1Config:
+        return dataclasses.replace(
+            self, d_inner=self.d_inner if self.d_inner is not None else self.expand * d_model,
+            dt_rank=self.dt_rank if self.dt_rank is not None else math.ceil(d_model / 16))
+
     def _validate(self) -> None:
         for name in ("d_state", "d_conv", "expand", "d_inner", "dt_rank"):
             _check(getattr(self, name) >= 1, f"mamba1.{name} must be >= 1, got {getattr(self, name)}")
@@ -160,10 +246,14 @@ class Mamba1Config:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GatedDeltaNetConfig:
+class GatedDeltaNetConfig(SubConfig):
     """Gated DeltaNet mixer (``G``), as Qwen3-Next / flash-linear-attention: ``n_heads`` value heads with a
     ``[head_k_dim, head_v_dim]`` state each, ``n_k_heads`` query/key heads (each serving ``n_heads / n_k_heads``
     value heads), a ``d_conv``-tap causal conv on q/k/v."""
+
+    section: ClassVar[str] = "gated_deltanet"
+    symbol: ClassVar[str] = "G"
+    mixer: ClassVar[bool] = True
 
     n_heads: int = 4
     n_k_heads: int | None = None  # None: n_heads
@@ -183,6 +273,13 @@ class GatedDeltaNetConfig:
         """Channels of the conv (and of its state): q, k and v."""
         return 2 * self.n_k_heads * self.head_k_dim + self.n_heads * self.head_v_dim
 
+    def resolved(self, d_model: int) -> GatedDeltaNetConfig:
+        k_dim = self.head_k_dim if self.head_k_dim is not None else d_model // max(self.n_heads, 1)
+        return dataclasses.replace(
+            self, n_k_heads=self.n_k_heads if self.n_k_heads is not None else self.n_heads, head_k_dim=k_dim,
+            head_v_dim=self.head_v_dim if self.head_v_dim is not None else k_dim,
+            A_init_range=tuple(self.A_init_range))
+
     def _validate(self) -> None:
         for name in ("n_heads", "n_k_heads", "head_k_dim", "head_v_dim", "chunk_size"):
             _check(getattr(self, name) >= 1, f"gated_deltanet.{name} must be >= 1, got {getattr(self, name)}")
@@ -199,13 +296,20 @@ class GatedDeltaNetConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MLPConfig:
+class MLPConfig(SubConfig):
     """MLP (``-``): ``down(act(gate(x)) * up(x))`` when gated (SwiGLU), else ``down(act(up(x)))``."""
+
+    section: ClassVar[str] = "mlp"
+    symbol: ClassVar[str] = "-"
+    mixer: ClassVar[bool] = False
 
     d_ff: int | None = None  # None: 8/3 d_model (gated) or 4 d_model, rounded up to a multiple of 64
     activation: str = "silu"
     gated: bool = True
     bias: bool = False
+
+    def resolved(self, d_model: int) -> MLPConfig:
+        return dataclasses.replace(self, d_ff=_resolved_d_ff(self.d_ff, self.gated, d_model))
 
     def _validate(self) -> None:
         _check(self.d_ff >= 1, f"mlp.d_ff must be >= 1, got {self.d_ff}")
@@ -214,11 +318,15 @@ class MLPConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MoEConfig:
+class MoEConfig(SubConfig):
     """Mixture-of-experts MLP (``E``), as in Jamba/Mixtral: a bias-free linear router, softmax over all
     experts (fp32), the ``top_k`` largest probabilities picked per token, and the token's output the sum
     of its picked experts' MLP outputs weighted by those probabilities (renormalised to sum to 1 when
     ``normalize_top_k``, as Mixtral does; Jamba does not)."""
+
+    section: ClassVar[str] = "moe"
+    symbol: ClassVar[str] = "E"
+    mixer: ClassVar[bool] = False
 
     n_experts: int = 8
     top_k: int = 2
@@ -231,6 +339,9 @@ class MoEConfig:
     shared_d_ff: int = 0
     shared_gate: bool = False
 
+    def resolved(self, d_model: int) -> MoEConfig:
+        return dataclasses.replace(self, d_ff=_resolved_d_ff(self.d_ff, self.gated, d_model))
+
     def _validate(self) -> None:
         _check(self.shared_d_ff >= 0, f"moe.shared_d_ff must be >= 0 (0: no shared expert), got {self.shared_d_ff}")
         _check(self.shared_d_ff > 0 or not self.shared_gate,
@@ -241,10 +352,6 @@ class MoEConfig:
         _check(self.d_ff >= 1, f"moe.d_ff must be >= 1, got {self.d_ff}")
         _check(self.activation in ACTIVATIONS,
                f"moe.activation {self.activation!r} is not supported; choose one of {ACTIVATIONS}")
-
-
-_SUBCONFIGS = {"attention": AttentionConfig, "mamba2": Mamba2Config, "mamba1": Mamba1Config,
-               "gated_deltanet": GatedDeltaNetConfig, "mlp": MLPConfig, "moe": MoEConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,44 +385,17 @@ class HybridConfig:
         _check(self.norm_offset in (0.0, 1.0),
                f"norm_offset must be 0.0 (weight) or 1.0 (1 + weight, zero-centred), got {self.norm_offset}")
         kinds = parse_pattern(self.pattern)
-        for name, cls in _SUBCONFIGS.items():
+        for name, cls in SUBCONFIGS.items():
             _check(isinstance(getattr(self, name), cls),
                    f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         self._resolve_sizes()
-        for name in _SUBCONFIGS:
+        for name in SUBCONFIGS:
             if name in kinds:  # sub-configs the pattern does not use are not validated
                 getattr(self, name)._validate()
 
     def _resolve_sizes(self) -> None:
-        d = self.d_model
-        a = self.attention
-        n_kv = a.n_kv_heads if a.n_kv_heads is not None else a.n_heads
-        head_dim = a.head_dim if a.head_dim is not None else d // max(a.n_heads, 1)
-        object.__setattr__(self, "attention", dataclasses.replace(a, n_kv_heads=n_kv, head_dim=head_dim))
-        m2 = self.mamba2
-        d_inner2 = m2.d_inner if m2.d_inner is not None else m2.expand * d
-        norm_groups = m2.norm_groups if m2.norm_groups is not None else m2.n_groups
-        object.__setattr__(self, "mamba2", dataclasses.replace(
-            m2, d_inner=d_inner2, norm_groups=norm_groups, dt_limit=tuple(m2.dt_limit),
-            A_init_range=tuple(m2.A_init_range)))
-        m1 = self.mamba1
-        object.__setattr__(self, "mamba1", dataclasses.replace(
-            m1, d_inner=m1.d_inner if m1.d_inner is not None else m1.expand * d,
-            dt_rank=m1.dt_rank if m1.dt_rank is not None else math.ceil(d / 16)))
-        gd = self.gated_deltanet
-        n_k = gd.n_k_heads if gd.n_k_heads is not None else gd.n_heads
-        k_dim = gd.head_k_dim if gd.head_k_dim is not None else d // max(gd.n_heads, 1)
-        object.__setattr__(self, "gated_deltanet", dataclasses.replace(
-            gd, n_k_heads=n_k, head_k_dim=k_dim, head_v_dim=gd.head_v_dim if gd.head_v_dim is not None else k_dim,
-            A_init_range=tuple(gd.A_init_range)))
-        mlp = self.mlp
-        if mlp.d_ff is None:
-            raw = 8 * d / 3 if mlp.gated else 4 * d
-            object.__setattr__(self, "mlp", dataclasses.replace(mlp, d_ff=64 * math.ceil(raw / 64)))
-        moe = self.moe
-        if moe.d_ff is None:
-            raw = 8 * d / 3 if moe.gated else 4 * d
-            object.__setattr__(self, "moe", dataclasses.replace(moe, d_ff=64 * math.ceil(raw / 64)))
+        for name in SUBCONFIGS:
+            object.__setattr__(self, name, getattr(self, name).resolved(self.d_model))
 
     # ---- pattern facts -------------------------------------------------------------------------
     @property
@@ -332,8 +412,8 @@ class HybridConfig:
     # ---- JSON round trip -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        # JSON has no infinity; store an open dt limit as null.
-        out["mamba2"]["dt_limit"] = [None if math.isinf(v) else v for v in self.mamba2.dt_limit]
+        for name in SUBCONFIGS:
+            out[name] = getattr(self, name).to_dict()
         return out
 
     @classmethod
@@ -345,16 +425,9 @@ class HybridConfig:
         required = sorted(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
                           and f.default_factory is dataclasses.MISSING and f.name not in d)
         _check(not required, f"the config lacks the required fields {required}")
-        for name, sub_cls in _SUBCONFIGS.items():
+        for name, sub_cls in SUBCONFIGS.items():
             if name in d and isinstance(d[name], dict):
-                sub = dict(d[name])
-                sub_known = {f.name for f in dataclasses.fields(sub_cls)}
-                bad = sorted(set(sub) - sub_known)
-                _check(not bad, f"unknown {name} fields {bad}; known: {sorted(sub_known)}")
-                for k, v in sub.items():
-                    if isinstance(v, list):
-                        sub[k] = tuple(math.inf if x is None else x for x in v)
-                d[name] = sub_cls(**sub)
+                d[name] = sub_cls.from_dict(d[name])
         return cls(**d)
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -368,3 +441,10 @@ class HybridConfig:
         p = Path(text_or_path) if not str(text_or_path).lstrip().startswith("{") else None
         text = p.read_text() if p is not None else str(text_or_path)
         return cls.from_dict(json.loads(text))
+
+
+# A sub-config without its HybridConfig field would be registered (its symbol parses) but never built: say so
+# where the kind is added rather than at the first model that uses it.
+_missing = sorted(set(SUBCONFIGS) - {f.name for f in dataclasses.fields(HybridConfig)})
+if _missing:
+    raise TypeError(f"config sections {_missing} have no HybridConfig field; add `{_missing[0]}: ...` to it")

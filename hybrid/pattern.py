@@ -8,15 +8,22 @@ pre-norm residual sub-layer (``x = x + f(norm(x))``), after Megatron-LM's hybrid
 
 from __future__ import annotations
 
-SYMBOLS: dict[str, str] = {
-    "M": "mamba2",
-    "m": "mamba1",
-    "G": "gated_deltanet",
-    "*": "attention",
-    "-": "mlp",
-    "E": "moe",
-}
-MIXER_SYMBOLS = frozenset("MmG*")
+# symbol -> layer kind, and the symbols that are sequence mixers (the ones blocks_pattern may place). Filled
+# by the sub-config classes of hybrid.config as they are defined (each declares its symbol): adding a layer kind
+# edits no table here.
+SYMBOLS: dict[str, str] = {}
+MIXER_SYMBOLS: set[str] = set()
+
+
+def register_symbol(symbol: str, kind: str, *, mixer: bool) -> None:
+    """Declare that pattern ``symbol`` is a sub-layer of ``kind`` (a sequence mixer when ``mixer``)."""
+    if len(symbol) != 1 or symbol.isspace():
+        raise ValueError(f"a pattern symbol is one visible character, got {symbol!r}")
+    if SYMBOLS.get(symbol, kind) != kind:
+        raise ValueError(f"pattern symbol {symbol!r} is taken by {SYMBOLS[symbol]!r}; pick another for {kind!r}")
+    SYMBOLS[symbol] = kind
+    if mixer:
+        MIXER_SYMBOLS.add(symbol)
 
 
 class PatternError(ValueError):

@@ -55,9 +55,9 @@ def assert_parity(hf_model, ours: hybrid.HybridLM, vocab: int, seq: int = 24, gr
 def used_part(cfg: hybrid.HybridConfig) -> hybrid.HybridConfig:
     """``cfg`` with the sub-configs its pattern does not use reset to defaults: a foreign format
     stores only the layers a model has, so those sections cannot survive an export."""
-    from hybrid.config import _SUBCONFIGS  # every section a pattern may leave unused
+    from hybrid.config import SUBCONFIGS  # every section a pattern may leave unused
 
-    unused = {name: type(getattr(cfg, name))() for name in _SUBCONFIGS
+    unused = {name: type(getattr(cfg, name))() for name in SUBCONFIGS
               if name not in cfg.layer_kinds}
     return dataclasses.replace(cfg, **unused)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import HybridConfig
+from ..config import SUBCONFIGS, HybridConfig
 from ..specs import CacheDtypes, ModelCacheSpec
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
@@ -19,6 +19,11 @@ from .moe import MoE
 
 LAYER_CLASSES: dict[str, type[nn.Module]] = {
     cls.kind: cls for cls in (Attention, Mamba2, Mamba1, GatedDeltaNet, MLP, MoE)}
+# every config section (hybrid.config.SubConfig: a kind with a pattern symbol) needs its class here, and only those
+if set(LAYER_CLASSES) != set(SUBCONFIGS):
+    raise TypeError(f"layer kinds with a config section but no layer class: "
+                    f"{sorted(set(SUBCONFIGS) - set(LAYER_CLASSES))}; with a class but no config section: "
+                    f"{sorted(set(LAYER_CLASSES) - set(SUBCONFIGS))}")
 
 
 def layer_class(kind: str) -> type[nn.Module]:
