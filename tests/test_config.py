@@ -105,3 +105,24 @@ def test_recipes_unknown_name_lists_known():
         recipes.get("gpt5-huge")
     assert {"llama-small", "mamba2-small", "mamba1-small", "hybrid-1to7-small", "jamba-small",
             "nemotronh-small", "samba-small"} <= set(recipes.names())
+
+
+def test_kinds_come_from_the_sub_config_registry():
+    """Every pattern symbol is declared by a sub-config class, whose section is a HybridConfig field and a layer
+    kind of the layer registry; a second class for a section, or a taken symbol, is refused by name."""
+    import dataclasses
+
+    import pytest
+
+    from hybrid.config import SUBCONFIGS, HybridConfig, SubConfig
+    from hybrid.layers.registry import LAYER_CLASSES
+    from hybrid.pattern import SYMBOLS, register_symbol
+
+    assert set(SYMBOLS.values()) == set(SUBCONFIGS) == set(LAYER_CLASSES)
+    assert {SUBCONFIGS[k].symbol for k in SUBCONFIGS} == set(SYMBOLS)
+    assert set(SUBCONFIGS) <= {f.name for f in dataclasses.fields(HybridConfig)}
+    with pytest.raises(ValueError, match="'mamba2' is declared twice"):
+        type("Again", (SubConfig,), {"section": "mamba2", "symbol": "Q", "mixer": True})
+    with pytest.raises(ValueError, match="symbol 'M' is taken by 'mamba2'"):
+        register_symbol("M", "other", mixer=True)
+    assert "Q" not in SYMBOLS and SYMBOLS["M"] == "mamba2"  # the refusals changed nothing
