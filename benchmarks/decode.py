@@ -16,7 +16,13 @@ decode tokens/s against batch size.
 on each GGUF in the same run (the same weights: export the recipe's seed-0 model with ``save_pretrained`` and
 convert it with llama.cpp's converter, any ``--outtype`` or ``llama-quantize`` type), and prints our batch-1 decode
 rate over llama.cpp's, for the recipe's rows at ``--decode-contexts`` (use a short one: llama-bench's tg64 decodes
-from an empty context).
+from an empty context). ``--llama-cpp DIR`` (a built llama.cpp tree) makes those GGUFs itself
+(benchmarks/llamacpp_gguf.py: the seed-0 models these rows time, converted at the type matching ``--dtype`` /
+``--quantize``: f32, bf16, Q8_0, Q4_0), so one command prints ours, llama.cpp's and the ratio:
+
+    python -m benchmarks.decode --recipes llama-d512 mamba2-d512 hybrid-1to7-d512 --contexts --hf \\
+        --decode-contexts 16 --batches 1 --decode-steps 64 --warmup 8 --modes eager --threads 2 \\
+        --quantize int4wo --llama-cpp /path/to/llama.cpp
 """
 
 from __future__ import annotations
@@ -71,6 +77,29 @@ def llama_bench_decode(llama_bench: str, gguf: str, threads: int, tokens: int = 
     rates = sorted(tokens / (ns / 1e9) for ns in test["samples_ns"])
     return {"tok/s": round(statistics.median(rates), 1), "min": round(rates[0], 1), "max": round(rates[-1], 1),
             "type": test.get("model_type"), "command": " ".join(cmd)}
+
+
+def same_weights_ggufs(args) -> list[str]:
+    """``RECIPE=FILE.gguf`` for each recipe: its seed-0 model converted by llama.cpp's converter to the type that
+    matches this run (benchmarks/llamacpp_gguf.py); sets ``args.llama_bench`` from the tree when not given."""
+    from benchmarks.llamacpp import bench_build_hint, find_llama_cpp, find_tool
+    from benchmarks.llamacpp_gguf import gguf_type, make_gguf
+
+    tree = find_llama_cpp(args.llama_cpp)
+    args.llama_bench = str(find_tool(tree, "llama-bench", args.llama_bench, "LLAMA_BENCH", bench_build_hint(tree)))
+    gtype = gguf_type(args.dtype, args.quantize)
+    quantizer = None
+    if gtype == "q4_0":
+        quantizer = find_tool(tree, "llama-quantize", args.llama_quantize, None,
+                              f"build it: cmake --build {tree}/build --target llama-quantize -j2")
+    work = Path(args.gguf_dir or Path(tempfile.gettempdir()) / "hybrid-decode-ggufs")
+    specs = []
+    for name in tqdm(args.recipes, desc=f"GGUF {gtype}", unit="model"):
+        torch.manual_seed(0)  # the same seed-0 weights the decode rows build
+        model = HybridLM(recipes.get(name)).eval()
+        specs.append(f"{name}={make_gguf(name, model, tree, work, gtype, quantizer)}")
+        del model
+    return specs
 
 
 def _cpu_flags() -> set[str]:
@@ -228,6 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantize", default=None, choices=["int8wo", "int4wo"],
                     help="torchao weight-only quantisation of the decode models (hybrid.quantize)")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench executable (with --llama-gguf)")
+    ap.add_argument("--llama-cpp", default=None, metavar="DIR",
+                    help="a built llama.cpp tree: convert each recipe's own seed-0 model to the GGUF type matching "
+                         "--dtype/--quantize (f32, bf16, Q8_0, Q4_0) and time llama-bench on it in this run")
+    ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize (Q4_0; default DIR/build/bin)")
+    ap.add_argument("--gguf-dir", default=None, help="where --llama-cpp keeps its exports and GGUFs "
+                                                     "(default: a folder in the temp dir, reused across runs)")
     ap.add_argument("--llama-gguf", action="append", default=[], metavar="RECIPE=FILE",
                     help="a GGUF of RECIPE's seed-0 weights for llama-bench -n 64 (repeatable)")
     ap.add_argument("--json", default=None, help="also write all rows here")
@@ -244,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
           f"(streaming sum of 1 GiB); CPU flags: {flags}; times are median [min, max] over the timed steps",
           flush=True)
     llama_rows = []
+    if args.llama_cpp:
+        args.llama_gguf += same_weights_ggufs(args)
     for spec in args.llama_gguf:
         recipe, _, gguf = spec.partition("=")
         if not args.llama_bench or not gguf:

@@ -15,7 +15,7 @@ so the GGUF's layer kinds are wrong and the loader stops at the first MLP layer 
 'blk.1.ssm_in.weight' not found"). The converter falls back to ``config.json`` itself when AutoConfig
 fails; this takes that path on purpose.
 
-    python gguf_convert.py LLAMA_CPP_DIR HF_DIR OUT.gguf [--tokenizer] [--outtype f32|f16|bf16]
+    python gguf_convert.py LLAMA_CPP_DIR HF_DIR OUT.gguf [--tokenizer] [--outtype f32|f16|bf16|q8_0]
 
 ``--tokenizer`` keeps llama.cpp's own vocabulary conversion (the folder's ``tokenizer.json``), for a GGUF
 that takes text: the way to convert a NemotronH export for use, until llama.cpp reads transformers 5's
@@ -47,7 +47,7 @@ def tokenless_vocab(model) -> None:
     model.gguf_writer.add_vocab_size(int(model.hparams["vocab_size"]))
 
 
-OUTTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}
+OUTTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
 
 
 def convert(llama_cpp: Path, hf_dir: Path, out: Path, *, tokenizer: bool = False, outtype: str = "f32") -> Path:
