@@ -26,12 +26,13 @@ back the rejected tokens' KV blocks. Greedy output is identical to the engine wi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .cache import HybridCache, cache_dtypes
 from .cache_manager import CacheManager
+from .engine_stats import EngineStats
 from .kernels import native
 from .model_runner import ModelRunner
 from .output_processor import eos_ids, process_token
@@ -64,54 +65,6 @@ class ScoreResult:
     @property
     def is_greedy(self) -> bool:
         return all(self.greedy)
-
-
-@dataclass
-class EngineStats:
-    """Counters and the time of each part of a step. A step that held any prompt chunk counts as prefill,
-    one of only one-token decodes as decode. ``forward_seconds`` is the model forward (metadata build
-    included), ``sample_seconds`` the on-device sampling and id copy, ``schedule_seconds`` the scheduler,
-    ``output_seconds`` the output processor; ``compile_seconds`` is the first run of each compiled decode
-    shape, and those steps are left out of the decode counters."""
-
-    steps: int = 0
-    preemptions: int = 0
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    decode_steps: int = 0
-    compiled_steps: int = 0
-    compile_seconds: float = 0.0
-    schedule_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    sample_seconds: float = 0.0
-    output_seconds: float = 0.0
-    time_to_first_token: dict[int, float] = field(default_factory=dict)  # request id -> seconds since add_request
-    prompt_tokens: int = 0  # prompt tokens requested (add_request / score)
-    prefix_hit_tokens: int = 0  # of those, served from the prefix cache at each request's first admission
-    prompt_tokens_computed: int = 0  # prompt positions the model ran (recomputes after preemption included)
-    recompute_hit_tokens: int = 0  # tokens a re-admitted (preempted) request got back from the prefix cache
-    # speculative decoding (a decode step that verified drafts counts every token it emitted as decoded)
-    draft_tokens_proposed: int = 0  # draft tokens checked by the target
-    draft_tokens_accepted: int = 0  # of those, accepted
-    verify_chunks: int = 0  # (request, step) pairs whose drafts were checked
-    verify_steps: int = 0  # steps with at least one verify chunk
-    verify_forward_seconds: float = 0.0  # the target forward of those steps
-    draft_seconds: float = 0.0  # the drafter (draft model forwards and sampling, or n-gram lookup)
-    accept_seconds: float = 0.0  # the rejection rule and the emitted tokens' output processing
-    rollback_seconds: float = 0.0  # Mamba state write-back and KV give-back, in the target's and the draft's cache
-    verify_state_bytes: int = 0  # the largest per-position Mamba state scratch of one verify step
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / proposed draft tokens (0 before any was proposed)."""
-        return self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Draft tokens accepted per verify chunk (each chunk also emits one token of the target's own)."""
-        return self.draft_tokens_accepted / self.verify_chunks if self.verify_chunks else 0.0
 
 
 class Engine:
@@ -435,8 +388,7 @@ class Engine:
         compile_before = self.runner.compile_seconds
         self.stats.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
         self.stats.recompute_hit_tokens = self.scheduler.recompute_hit_tokens
-        for req, n in plan:
-            self.stats.prompt_tokens_computed += max(0, min(req.num_computed + n, len(req.prompt)) - req.num_computed)
+        self.stats.count_prompt_positions(plan)
         drafts = {}
         if self.drafter is not None:
             plan, drafts = self._draft(plan)
@@ -491,7 +443,8 @@ class Engine:
             outputs.extend(verify_outputs)
             emitted += sum(len(o.new_token_ids) for o in verify_outputs)
         t4 = time.perf_counter()
-        self._count(plan, compiled, self.runner.compile_seconds - compile_before, t0, t1, t2, t3, t4, drafts, emitted)
+        self.stats.count_step(plan, compiled, self.runner.compile_seconds - compile_before, t0, t1, t2, t3, t4, drafts,
+                              emitted)
         return outputs
 
     # ---- speculative decoding ---------------------------------------------------------------------
@@ -564,13 +517,7 @@ class Engine:
         for req, reason in zip(reqs, reasons, strict=True):
             if reason is not None:
                 self._finish(req, reason)
-        s = self.stats
-        s.verify_steps += 1
-        s.verify_chunks += n
-        s.draft_tokens_proposed += sum(lens)
-        s.draft_tokens_accepted += sum(accepted)
-        s.accept_seconds += t1 - t0
-        s.rollback_seconds += t2 - t1
+        self.stats.count_verify(n, sum(lens), sum(accepted), t1 - t0, t2 - t1)
         return outputs
 
     def _scored_positions(self, req, n: int) -> range:
@@ -591,26 +538,6 @@ class Engine:
                 req.prompt_logprobs.extend(logp.gather(1, target[:, None])[:, 0].tolist())
                 req.prompt_greedy.extend((logp.argmax(-1) == target).tolist())
             offset += n
-
-    def _count(self, plan, compiled, compile_dt, t0, t1, t2, t3, t4, drafts=(), emitted=0) -> None:
-        s = self.stats
-        s.steps += 1
-        n_tokens = sum(n for _, n in plan)
-        if compile_dt > 0:  # this step traced and compiled a new shape: its time is not decode speed
-            s.compile_seconds += compile_dt
-            return
-        s.schedule_seconds += t1 - t0
-        s.forward_seconds += t2 - t1
-        s.sample_seconds += t3 - t2
-        s.output_seconds += t4 - t3
-        if any(n > 1 and r not in drafts for r, n in plan):
-            s.prefill_tokens += n_tokens
-            s.prefill_seconds += t4 - t0
-        else:
-            s.decode_tokens += emitted if drafts else n_tokens
-            s.decode_seconds += t4 - t0
-            s.decode_steps += 1
-            s.compiled_steps += compiled
 
     def run(self) -> dict[int, Request]:
         """Step until every queued request has finished; returns all requests by id."""
