@@ -26,7 +26,6 @@ back the rejected tokens' KV blocks. Greedy output is identical to the engine wi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -41,30 +40,13 @@ from .prefix_cache import PrefixCache, prefill_flops_fn
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .scoring import ScoreResult, record_logprobs, scored_positions
 from .speculative.config import SpeculativeConfig
 from .speculative.verifier import ACCEPT_SALT, stream_uniforms, token_probs, verify
 from .tokenizer import StreamDecoder
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 DEFAULT_PREFIX_STATE_BYTES = 256 * 2**20
-
-
-@dataclass
-class ScoreResult:
-    """Log-probabilities of ``tokens[start:]``, each given the tokens before it, and whether each token was
-    the most likely one (greedy)."""
-
-    logprobs: list[float]
-    greedy: list[bool]
-    next_logprobs: torch.Tensor | None = None  # [vocab] float32: log P(next token | all of tokens)
-
-    @property
-    def total(self) -> float:
-        return sum(self.logprobs)
-
-    @property
-    def is_greedy(self) -> bool:
-        return all(self.greedy)
 
 
 class Engine:
@@ -394,12 +376,12 @@ class Engine:
             plan, drafts = self._draft(plan)
         chunks = [SeqChunk(r.request_id, r.pending(1) + drafts[r][0] if r in drafts else r.pending(n), r.num_computed)
                   for r, n in plan]
-        scoring = [self._scored_positions(r, n) for r, n in plan]
+        scoring = [scored_positions(r, n) for r, n in plan]
         t_fwd = time.perf_counter()
         if any(len(q) for q in scoring):
             out, compiled = self.runner.execute(chunks, all_logits=True, num_verify=len(drafts))
             counts = [n for _, n in plan]  # every token's row came back
-            self._record_logprobs(plan, scoring, out)
+            record_logprobs(plan, scoring, out)
         else:
             out, compiled = self.runner.execute(chunks, num_verify=len(drafts))
             counts = [n if r in drafts else 1 for r, n in plan]
@@ -519,25 +501,6 @@ class Engine:
                 self._finish(req, reason)
         self.stats.count_verify(n, sum(lens), sum(accepted), t1 - t0, t2 - t1)
         return outputs
-
-    def _scored_positions(self, req, n: int) -> range:
-        """Positions of this chunk whose logits score a target token (none for most requests)."""
-        if req.logprobs_from is None:
-            return range(0)
-        lo = max(req.num_computed, req.logprobs_from - 1 + len(req.prompt_logprobs))
-        hi = min(req.num_computed + n, len(req.prompt) - 1)
-        return range(lo, max(lo, hi))
-
-    def _record_logprobs(self, plan, scoring, all_logits) -> None:
-        offset = 0
-        for (req, n), positions in zip(plan, scoring, strict=True):
-            if len(positions):
-                rows = torch.arange(positions.start, positions.stop) - req.num_computed + offset
-                logp = torch.log_softmax(all_logits[rows.to(all_logits.device)].float(), dim=-1)
-                target = torch.tensor(req.prompt[positions.start + 1:positions.stop + 1], device=logp.device)
-                req.prompt_logprobs.extend(logp.gather(1, target[:, None])[:, 0].tolist())
-                req.prompt_greedy.extend((logp.argmax(-1) == target).tolist())
-            offset += n
 
     def run(self) -> dict[int, Request]:
         """Step until every queued request has finished; returns all requests by id."""
