@@ -32,7 +32,6 @@ import torch
 from .cache import HybridCache, cache_dtypes
 from .cache_manager import CacheManager
 from .engine_stats import EngineStats
-from .kernels import native
 from .model_runner import ModelRunner
 from .output_processor import eos_ids, process_token
 from .packed_batch import SeqChunk
@@ -82,18 +81,8 @@ class Engine:
     """
 
     def decode_path(self) -> str:
-        """Which program a decode-only step runs here: the compiled decode forward, the native fused sub-layers
-        (CPU, the default), or the eager torch layers — and why not the native one."""
-        if self.runner.compile:
-            return "compiled (torch.compile of the decode forward)"
-        from .kernels import dispatch
-
-        device = self.cache.device.type
-        backend, _ = dispatch.choose("decode_sublayer", device)
-        if backend == "native":
-            return "native fused sub-layers (kernels/native; layers they do not cover run eager)"
-        why = dispatch.why_not("decode_sublayer", "native", device)
-        return f"eager torch layers (native: {why or 'not chosen: HYBRID_BACKEND'})"
+        """Which program a decode-only step runs here (see :meth:`ModelRunner.decode_path`)."""
+        return self.runner.decode_path()
 
     def __repr__(self) -> str:
         return (f"Engine({type(self.model).__name__} {self.model.config.pattern!r}, "
@@ -358,13 +347,8 @@ class Engine:
                                    f"{self.cache_manager.num_free_slots} state slots free)")
             return []
         t1 = time.perf_counter()
-        if self.cache.device.type == "cpu" and self.drafter is None and all(n == 1 for _, n in plan):
-            # a decode step: the native kernels take the intra-op threads for all of it (torch's few small ops
-            # run on one). Torch's OpenMP workers spin after any parallel region of the step (its sampling, a
-            # gather) and took a core from the native products: 14 -> 9 ms a llama-d512 step.
-            with native.owns_threads():
-                return self._run(plan, t0, t1)
-        return self._run(plan, t0, t1)
+        with self.runner.step_threads(decode_only=self.drafter is None and all(n == 1 for _, n in plan)):
+            return self._run(plan, t0, t1)
 
     def _run(self, plan, t0: float, t1: float) -> list[RequestOutput]:
         compile_before = self.runner.compile_seconds
