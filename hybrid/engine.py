@@ -29,13 +29,13 @@ import time
 
 import torch
 
-from .cache import HybridCache, cache_dtypes
+from .cache import HybridCache
 from .cache_manager import CacheManager
+from .cache_setup import draft_cache, engine_cache, prefix_cache_for
 from .engine_stats import EngineStats
 from .model_runner import ModelRunner
 from .output_processor import eos_ids, process_token
 from .packed_batch import SeqChunk
-from .prefix_cache import PrefixCache, prefill_flops_fn
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -43,9 +43,6 @@ from .scoring import ScoreResult, record_logprobs, scored_positions
 from .speculative.config import SpeculativeConfig
 from .speculative.verifier import ACCEPT_SALT, stream_uniforms, token_probs, verify
 from .tokenizer import StreamDecoder
-
-DEFAULT_CACHE_BYTES = 256 * 2**20
-DEFAULT_PREFIX_STATE_BYTES = 256 * 2**20
 
 
 class Engine:
@@ -99,30 +96,13 @@ class Engine:
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.model = model.eval()
-        if cache is None:
-            if num_blocks is None and cache_bytes is None:
-                cache_bytes = DEFAULT_CACHE_BYTES
-            d = cache_dtypes(next(model.parameters()).dtype, kv_dtype, state_dtype)
-            cache = HybridCache.for_model(model, num_blocks=num_blocks, cache_bytes=cache_bytes,
-                                          block_size=block_size, max_seqs=max_seqs, kv_dtype=d.kv,
-                                          conv_dtype=d.conv, ssm_dtype=d.ssm, stochastic_state=stochastic_state)
-        elif kv_dtype is not None or state_dtype is not None or stochastic_state:
-            raise ValueError("kv_dtype / state_dtype / stochastic_state shape the cache the engine builds; with "
-                             "cache= pass them to that HybridCache instead")
-        if kv_pruning is not None:
-            if prefix_caching:
-                raise ValueError(f"kv_pruning with prefix_caching is not supported ({type(kv_pruning).__name__}): a "
-                                 "pruned sequence's blocks are not the prompt's whole prefix; turn one of them off")
-            cache.kv.set_pruning(kv_pruning)  # the attention layers' cache views apply it
-        self.cache = cache
-        prefix = None
-        if prefix_caching:
-            prefix = PrefixCache(cache.kv, cache.ssm, state_bytes=DEFAULT_PREFIX_STATE_BYTES if prefix_state_bytes
-                                 is None else prefix_state_bytes, checkpoint_interval=prefix_checkpoint_interval,
-                                 flop_weight=prefix_flop_weight, prefill_flops=prefill_flops_fn(self.model))
-        elif prefix_state_bytes is not None or prefix_checkpoint_interval is not None:
-            raise ValueError("prefix_state_bytes / prefix_checkpoint_interval need prefix_caching=True")
-        self.cache_manager = CacheManager(cache, prefix)
+        self.cache = cache = engine_cache(
+            model, cache, num_blocks=num_blocks, cache_bytes=cache_bytes, block_size=block_size, max_seqs=max_seqs,
+            kv_dtype=kv_dtype, state_dtype=state_dtype, stochastic_state=stochastic_state, kv_pruning=kv_pruning,
+            prefix_caching=prefix_caching)
+        self.cache_manager = CacheManager(cache, prefix_cache_for(
+            cache, self.model, enabled=prefix_caching, state_bytes=prefix_state_bytes,
+            checkpoint_interval=prefix_checkpoint_interval, flop_weight=prefix_flop_weight))
         self.speculative = speculative
         self.drafter = None if speculative is None else self._make_drafter(
             speculative, block_size, prefix_caching, prefix_state_bytes, prefix_checkpoint_interval, prefix_flop_weight)
@@ -151,22 +131,10 @@ class Engine:
         if next(draft.parameters()).device != self.cache.device:
             raise ValueError(f"the draft model is on {next(draft.parameters()).device}, the engine's cache on "
                              f"{self.cache.device}: move the draft model there")
-        num_blocks, cache_bytes = spec.draft_num_blocks, spec.draft_cache_bytes
-        if num_blocks is None and cache_bytes is None:  # as many tokens as the target holds, plus drafts
-            if self.cache.kv.enabled:
-                num_blocks = self.cache.kv.num_blocks + self.cache.ssm.num_slots * self.cache.kv.blocks_for(
-                    spec.num_tokens)
-            else:
-                cache_bytes = DEFAULT_CACHE_BYTES
-        draft_cache = HybridCache.for_model(draft, num_blocks=num_blocks, cache_bytes=cache_bytes,
-                                            block_size=block_size, max_seqs=self.cache.ssm.num_slots)
-        prefix = None
-        if prefix_caching:
-            prefix = PrefixCache(draft_cache.kv, draft_cache.ssm, state_bytes=DEFAULT_PREFIX_STATE_BYTES
-                                 if prefix_state_bytes is None else prefix_state_bytes,
-                                 checkpoint_interval=checkpoint_interval, flop_weight=flop_weight,
-                                 prefill_flops=prefill_flops_fn(draft))
-        return DraftModelDrafter(draft, CacheManager(draft_cache, prefix))
+        draft_cache_ = draft_cache(draft, self.cache, spec, block_size)
+        prefix = prefix_cache_for(draft_cache_, draft, enabled=prefix_caching, state_bytes=prefix_state_bytes,
+                                  checkpoint_interval=checkpoint_interval, flop_weight=flop_weight)
+        return DraftModelDrafter(draft, CacheManager(draft_cache_, prefix))
 
     def _draft_allowance(self, req: Request) -> int:
         """The most draft tokens ``req`` may have checked this step: the configured number, fewer near its
@@ -310,17 +278,7 @@ class Engine:
         return self.requests.pop(request_id)
 
     def _check_fits(self, prompt_len: int, new_cached: int) -> None:
-        """A request the whole cache could never hold is refused up front, with the numbers. ``new_cached``:
-        generated tokens that enter the cache (``max_new_tokens - 1``: the last sampled one never does)."""
-        need = prompt_len + new_cached
-        kv = self.cache.kv
-        held = kv.blocks_held_at_most(need, self.max_batch_tokens, prompt_len)
-        if kv.enabled and held > kv.num_blocks:
-            raise ValueError(
-                f"request needs {need} cached tokens ({prompt_len} prompt + {new_cached + 1} new - 1), "
-                f"{held} KV blocks at once, but the whole KV cache holds {kv.capacity_tokens} tokens "
-                f"({kv.num_blocks} blocks of {kv.block_size}); shorten the prompt, lower max_new_tokens "
-                "or give the engine a bigger cache")
+        self.cache_manager.check_fits(prompt_len, new_cached, self.max_batch_tokens)
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         stop_ids = set(params.stop_token_ids)
