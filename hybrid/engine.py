@@ -31,7 +31,7 @@ import torch
 
 from .cache import HybridCache
 from .cache_manager import CacheManager
-from .cache_setup import draft_cache, engine_cache, prefix_cache_for
+from .cache_setup import engine_cache, prefix_cache_for
 from .engine_stats import EngineStats
 from .model_runner import ModelRunner
 from .output_processor import eos_ids, process_token
@@ -41,7 +41,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .scoring import ScoreResult, record_logprobs, scored_positions
 from .speculative.config import SpeculativeConfig
-from .speculative.verifier import ACCEPT_SALT, stream_uniforms, token_probs, verify
+from .speculative.speculator import Speculator
 from .tokenizer import StreamDecoder
 
 
@@ -104,49 +104,20 @@ class Engine:
             cache, self.model, enabled=prefix_caching, state_bytes=prefix_state_bytes,
             checkpoint_interval=prefix_checkpoint_interval, flop_weight=prefix_flop_weight))
         self.speculative = speculative
-        self.drafter = None if speculative is None else self._make_drafter(
-            speculative, block_size, prefix_caching, prefix_state_bytes, prefix_checkpoint_interval, prefix_flop_weight)
+        self.speculator = None if speculative is None else Speculator(
+            speculative, self.model, cache, block_size=block_size, prefix_caching=prefix_caching,
+            prefix_state_bytes=prefix_state_bytes, checkpoint_interval=prefix_checkpoint_interval,
+            flop_weight=prefix_flop_weight)
+        self.drafter = None if speculative is None else self.speculator.drafter
         self.scheduler = Scheduler(self.cache_manager, max_seqs=cache.ssm.num_slots, max_batch_tokens=max_batch_tokens,
-                                   draft_tokens=None if speculative is None else self._draft_allowance,
-                                   on_release=None if speculative is None else self._release_draft)
+                                   draft_tokens=None if speculative is None else self.speculator.allowance,
+                                   on_release=None if speculative is None else self.speculator.release)
         self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=compile,
                                   compile_backend=compile_backend)
         self.tokenizer = tokenizer
         self.requests: dict[int, Request] = {}
         self.stats = EngineStats()
         self._next_id = 0
-
-    def _make_drafter(self, spec, block_size, prefix_caching, prefix_state_bytes, checkpoint_interval, flop_weight):
-        from .speculative.draft_model import DraftModelDrafter
-        from .speculative.ngram import NgramDrafter
-
-        if not isinstance(spec, SpeculativeConfig):
-            raise TypeError(f"speculative must be a hybrid.SpeculativeConfig, got {type(spec).__name__}")
-        if spec.method == "ngram":
-            return NgramDrafter(spec.ngram_max, spec.ngram_min)
-        draft = spec.draft_model
-        if draft.config.vocab_size != self.model.config.vocab_size:
-            raise ValueError(f"the draft model's vocab_size {draft.config.vocab_size} differs from the target's "
-                             f"{self.model.config.vocab_size}: a draft must share the target's vocabulary")
-        if next(draft.parameters()).device != self.cache.device:
-            raise ValueError(f"the draft model is on {next(draft.parameters()).device}, the engine's cache on "
-                             f"{self.cache.device}: move the draft model there")
-        draft_cache_ = draft_cache(draft, self.cache, spec, block_size)
-        prefix = prefix_cache_for(draft_cache_, draft, enabled=prefix_caching, state_bytes=prefix_state_bytes,
-                                  checkpoint_interval=checkpoint_interval, flop_weight=flop_weight)
-        return DraftModelDrafter(draft, CacheManager(draft_cache_, prefix))
-
-    def _draft_allowance(self, req: Request) -> int:
-        """The most draft tokens ``req`` may have checked this step: the configured number, fewer near its
-        length limit (the verify emits drafts + 1 tokens), none for requests the rule does not cover."""
-        p = req.params
-        if req.score_only or p.repetition_penalty != 1.0:
-            return 0
-        return max(0, min(self.speculative.num_tokens, p.max_new_tokens - len(req.output) - 1))
-
-    def _release_draft(self, req: Request) -> None:
-        """A request finished or was preempted: the drafter frees what it holds for it too."""
-        self.drafter.release(req.request_id, req.tokens)
 
     @property
     def max_seqs(self) -> int:
@@ -314,8 +285,8 @@ class Engine:
         self.stats.recompute_hit_tokens = self.scheduler.recompute_hit_tokens
         self.stats.count_prompt_positions(plan)
         drafts = {}
-        if self.drafter is not None:
-            plan, drafts = self._draft(plan)
+        if self.speculator is not None:
+            plan, drafts = self.speculator.draft(plan, self.stats)
         chunks = [SeqChunk(r.request_id, r.pending(1) + drafts[r][0] if r in drafts else r.pending(n), r.num_computed)
                   for r, n in plan]
         scoring = [scored_positions(r, n) for r, n in plan]
@@ -363,85 +334,13 @@ class Engine:
             ends_list = ends.tolist()
             starts = [e - c + 1 for e, c in zip(ends_list, counts, strict=True)]
             verified = [(req, starts[b]) for b, (req, _) in enumerate(plan) if req in drafts]
-            verify_outputs = self._verify(verified, drafts, out)
+            verify_outputs = self.speculator.verify(verified, drafts, out, self.runner.verify_states,
+                                                    self.cache_manager, self.scheduler, self.stats, self._finish)
             outputs.extend(verify_outputs)
             emitted += sum(len(o.new_token_ids) for o in verify_outputs)
         t4 = time.perf_counter()
         self.stats.count_step(plan, compiled, self.runner.compile_seconds - compile_before, t0, t1, t2, t3, t4, drafts,
                               emitted)
-        return outputs
-
-    # ---- speculative decoding ---------------------------------------------------------------------
-    def _draft(self, plan):
-        """Ask the drafter for the drafts of the decoding requests the scheduler gave room for; returns the
-        plan with each one's real chunk length (decodes, then verify chunks, then prefills) and
-        {request: (drafts, their proposal distributions or None)}."""
-        t0 = time.perf_counter()
-        want = [(req, n - 1) for req, n in plan if n > 1 and req.num_pending == 1]
-        drafts = {}
-        if want:
-            proposals, qs = self.drafter.propose([r for r, _ in want], [k for _, k in want])
-            for i, ((req, k), toks) in enumerate(zip(want, proposals, strict=True)):
-                toks = toks[:k]
-                if toks:
-                    drafts[req] = (toks, None if qs is None else qs[i][:len(toks)])
-        plan = [(req, 1 + len(drafts[req][0]) if req in drafts else (1 if req.num_pending == 1 else n))
-                for req, n in plan]
-        plan.sort(key=lambda rn: 0 if rn[1] == 1 else 1 if rn[0] in drafts else 2)
-        self.stats.draft_seconds += time.perf_counter() - t0
-        return plan, drafts
-
-    def _verify(self, verified, drafts, out) -> list[RequestOutput]:
-        """The rejection rule over every verify chunk of this step at once, then each request's emitted
-        tokens (accepted drafts + one of the target's own), the Mamba states written back at the last
-        accepted token and the rejected tokens' KV blocks given back, in the target's and the draft's cache."""
-        t0 = time.perf_counter()
-        reqs = [r for r, _ in verified]
-        lens = [len(drafts[r][0]) for r in reqs]
-        K, n, dev = max(lens), len(reqs), out.device
-        index = torch.tensor([s + j for (_, s), k in zip(verified, lens, strict=True) for j in range(k + 1)],
-                             device=dev)
-        probs = token_probs(out[index], [r.params for r, k in zip(reqs, lens, strict=True) for _ in range(k + 1)])
-        p = torch.zeros(n, K + 1, probs.shape[-1], device=dev)
-        where = torch.tensor([i * (K + 1) + j for i, k in enumerate(lens) for j in range(k + 1)], device=dev)
-        p.view(n * (K + 1), -1)[where] = probs
-        tokens = torch.tensor([drafts[r][0] + [0] * (K - k) for r, k in zip(reqs, lens, strict=True)], device=dev)
-        q = None
-        if not self.drafter.deterministic:
-            q = torch.zeros(n, K, probs.shape[-1], device=dev)
-            for i, r in enumerate(reqs):
-                q[i, :lens[i]] = drafts[r][1]
-        seeds = [r.seed for r in reqs]
-        counters = [[len(r.output) + j for j in range(K + 1)] for r in reqs]
-        u_accept = stream_uniforms(seeds, [c[:K] for c in counters], ACCEPT_SALT, dev)
-        u_resample = stream_uniforms(seeds, counters, 0, dev)
-        accepted, nxt = verify(p, tokens, torch.tensor(lens, device=dev), q, u_accept, u_resample)
-        accepted, nxt = accepted.tolist(), nxt.tolist()
-        starts = [r.num_tokens for r in reqs]
-        outputs, kept, reasons = [], [], []
-        for req, m, x in zip(reqs, accepted, nxt, strict=True):
-            before, reason, ids, text, last = len(req.output), None, [], "", None
-            for tok in drafts[req][0][:m] + [x]:
-                last, reason = process_token(req, tok)
-                ids.extend(last.new_token_ids)
-                text += last.text
-                if reason is not None:
-                    break
-            outputs.append(RequestOutput(req.request_id, ids, text, last.finished, last.finish_reason))
-            kept.append(min(m, len(req.output) - before))
-            reasons.append(reason)
-        t1 = time.perf_counter()
-        self.cache_manager.commit_verified(self.runner.verify_states, kept)
-        self.stats.verify_state_bytes = max(self.stats.verify_state_bytes, self.runner.verify_states.nbytes)
-        self.scheduler.advance([(r, 1 + j) for r, j in zip(reqs, kept, strict=True)])
-        for r in reqs:
-            self.cache_manager.shrink(r.request_id, r.num_computed)
-        self.drafter.rollback(reqs, starts, lens, kept)  # finished ones too: their prefix stays in the draft's tree
-        t2 = time.perf_counter()
-        for req, reason in zip(reqs, reasons, strict=True):
-            if reason is not None:
-                self._finish(req, reason)
-        self.stats.count_verify(n, sum(lens), sum(accepted), t1 - t0, t2 - t1)
         return outputs
 
     def run(self) -> dict[int, Request]:
