@@ -1,15 +1,18 @@
-"""``Engine``: continuous batching over paged KV blocks and Mamba state slots — the small front door over
-four rooms (after vLLM's v1 engine):
+"""``Engine``: continuous batching over paged KV blocks and Mamba state slots — the request loop, and a thin
+coordinator over the rooms that own everything else (after vLLM's v1 engine; the loop itself is short, as in
+gpt-fast's ``generate.py``):
 
+- :class:`~hybrid.input_processor.InputProcessor`: a prompt and its parameters become a request (checked,
+  stop ids gathered, seed drawn);
 - :class:`~hybrid.scheduler.Scheduler`: who runs this step and how many tokens (token budget, chunked
   prefill, newest-first preemption with recompute);
-- :class:`~hybrid.cache_manager.CacheManager`: the only code that hands out and takes back blocks and
-  state slots;
+- :mod:`~hybrid.cache_setup` builds and sizes the caches; :class:`~hybrid.cache_manager.CacheManager` is the
+  only code that hands out and takes back blocks and state slots;
 - :class:`~hybrid.model_runner.ModelRunner`: the step's metadata, built once; the eager or compiled
-  forward; sampling on the device;
-- :mod:`~hybrid.output_processor`: stop ids and strings, length limit, detokenising.
-
-The engine itself validates requests, wires the rooms together and keeps the statistics.
+  forward; sampling on the device; which decode program and threads a step runs with;
+- :mod:`~hybrid.output_processor`: stop ids and strings, length limit, detokenising;
+- :mod:`~hybrid.scoring`: prompt log-probabilities; :mod:`~hybrid.engine_stats`: the counters and step times;
+- :class:`~hybrid.speculative.speculator.Speculator`: drafting before the forward, verify and rollback after.
 
 ``prefix_caching=True`` adds a :class:`~hybrid.prefix_cache.PrefixCache` to the cache manager: prompts that
 start like earlier ones share their KV blocks and resume from saved Mamba state checkpoints, and prefill
@@ -33,8 +36,9 @@ from .cache import HybridCache
 from .cache_manager import CacheManager
 from .cache_setup import engine_cache, prefix_cache_for
 from .engine_stats import EngineStats
+from .input_processor import InputProcessor
 from .model_runner import ModelRunner
-from .output_processor import eos_ids, process_token
+from .output_processor import process_token
 from .packed_batch import SeqChunk
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
@@ -42,7 +46,6 @@ from .scheduler import Scheduler
 from .scoring import ScoreResult, record_logprobs, scored_positions
 from .speculative.config import SpeculativeConfig
 from .speculative.speculator import Speculator
-from .tokenizer import StreamDecoder
 
 
 class Engine:
@@ -114,10 +117,19 @@ class Engine:
                                    on_release=None if speculative is None else self.speculator.release)
         self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=compile,
                                   compile_backend=compile_backend)
-        self.tokenizer = tokenizer
+        self.inputs = InputProcessor(model.config.vocab_size, tokenizer, self._check_fits)
         self.requests: dict[int, Request] = {}
         self.stats = EngineStats()
         self._next_id = 0
+
+    @property
+    def tokenizer(self):
+        """Where stop strings, EOS ids and the streamed text come from (None: token ids only)."""
+        return self.inputs.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.inputs.tokenizer = tokenizer
 
     @property
     def max_seqs(self) -> int:
@@ -172,34 +184,12 @@ class Engine:
         return out
 
     def _add(self, prompt_ids, params, logprobs_from, *, score_only: bool) -> int:
-        params = params or SamplingParams(max_new_tokens=1 if score_only else SamplingParams().max_new_tokens)
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt = [int(t) for t in prompt_ids]
-        vocab = self.model.config.vocab_size
-        if not prompt:
-            raise ValueError("empty prompt: give at least one token id")
-        if logprobs_from is not None and not score_only and not 1 <= logprobs_from < len(prompt):
-            raise ValueError(f"prompt_logprobs_from must be in 1..{len(prompt) - 1} (a position with a token "
-                             f"before it), got {logprobs_from}")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range for vocab_size {vocab} "
-                             f"(valid ids are 0..{vocab - 1}); check the tokenizer matches the model")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings {list(params.stop)} need a tokenizer: pass tokenizer= to the Engine")
-        self._check_fits(len(prompt), 0 if score_only else params.max_new_tokens - 1)
-        seed = params.seed if params.seed is not None else _random_seed()
-        rid = self._next_id
+        req = self.inputs.request(self._next_id, prompt_ids, params, logprobs_from, score_only=score_only)
         self._next_id += 1
-        req = Request(rid, prompt, params, self._stop_ids(params), seed,
-                      StreamDecoder(self.tokenizer) if self.tokenizer is not None else None,
-                      arrival_time=time.perf_counter(), logprobs_from=logprobs_from,
-                      score_only=score_only)
-        self.stats.prompt_tokens += len(prompt)
-        self.requests[rid] = req
+        self.stats.prompt_tokens += len(req.prompt)
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
-        return rid
+        return req.request_id
 
     def abort(self, request_id: int) -> None:
         """Stop a request now and free its cache (a no-op for one that has finished)."""
@@ -218,22 +208,11 @@ class Engine:
                              "computed, a token sampled) can be; step the engine until it has output")
         if len(self.scheduler.running) >= self.max_seqs:
             raise ValueError(f"cannot fork request {request_id}: all {self.max_seqs} sequence slots are running")
-        own = params is not None and params.seed is not None
-        params = params or src.params
-        if len(src.output) >= params.max_new_tokens:
-            raise ValueError(f"max_new_tokens={params.max_new_tokens} leaves the fork nothing to generate: the source "
-                             f"has {len(src.output)} tokens already")
-        self._check_fits(len(src.prompt), params.max_new_tokens - 1)
+        params, seed = self.inputs.fork_params(src, params)
         rid = self._next_id
         self._next_id += 1
-        seed = params.seed if own else _random_seed()  # a fork of a sampled request samples its own path
         self.cache_manager.fork(request_id, rid, src.num_computed)
-        req = Request(rid, list(src.prompt), params, self._stop_ids(params), seed,
-                      StreamDecoder(self.tokenizer) if self.tokenizer is not None else None,
-                      arrival_time=time.perf_counter(), output=list(src.output), num_computed=src.num_computed)
-        if req.decoder is not None:
-            req.decoder.push(list(src.output))
-        self.requests[rid] = req
+        req = self.requests[rid] = self.inputs.fork(rid, src, params, seed)
         self.scheduler.add_running(req)
         return rid
 
@@ -250,12 +229,6 @@ class Engine:
 
     def _check_fits(self, prompt_len: int, new_cached: int) -> None:
         self.cache_manager.check_fits(prompt_len, new_cached, self.max_batch_tokens)
-
-    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        stop_ids = set(params.stop_token_ids)
-        if self.tokenizer is not None and not params.ignore_eos:
-            stop_ids.update(eos_ids(self.tokenizer))
-        return frozenset(stop_ids)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.release(req)
@@ -349,6 +322,3 @@ class Engine:
             self.step()
         return self.requests
 
-
-def _random_seed() -> int:
-    return int(torch.randint(0, 2**62, ()).item())
