@@ -69,6 +69,20 @@ class CacheManager:
         self.prefix = prefix
         cache.prefix = prefix  # so HybridCache.report() shows the tree
 
+    def check_fits(self, prompt_len: int, new_cached: int, chunk: int) -> None:
+        """Refuse up front, with the numbers, a request the whole cache could never hold. ``new_cached``:
+        generated tokens that enter the cache (``max_new_tokens - 1``: the last sampled one never does);
+        ``chunk``: the most tokens one step computes (the engine's token budget)."""
+        need = prompt_len + new_cached
+        kv = self.kv
+        held = kv.blocks_held_at_most(need, chunk, prompt_len)
+        if kv.enabled and held > kv.num_blocks:
+            raise ValueError(
+                f"request needs {need} cached tokens ({prompt_len} prompt + {new_cached + 1} new - 1), "
+                f"{held} KV blocks at once, but the whole KV cache holds {kv.capacity_tokens} tokens "
+                f"({kv.num_blocks} blocks of {kv.block_size}); shorten the prompt, lower max_new_tokens "
+                "or give the engine a bigger cache")
+
     # ---- queries ---------------------------------------------------------------------------------
     def holds(self, seq_id: int) -> bool:
         return seq_id in self.seqs

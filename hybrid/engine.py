@@ -1,15 +1,18 @@
-"""``Engine``: continuous batching over paged KV blocks and Mamba state slots — the small front door over
-four rooms (after vLLM's v1 engine):
+"""``Engine``: continuous batching over paged KV blocks and Mamba state slots — the request loop, and a thin
+coordinator over the rooms that own everything else (after vLLM's v1 engine; the loop itself is short, as in
+gpt-fast's ``generate.py``):
 
+- :class:`~hybrid.input_processor.InputProcessor`: a prompt and its parameters become a request (checked,
+  stop ids gathered, seed drawn);
 - :class:`~hybrid.scheduler.Scheduler`: who runs this step and how many tokens (token budget, chunked
   prefill, newest-first preemption with recompute);
-- :class:`~hybrid.cache_manager.CacheManager`: the only code that hands out and takes back blocks and
-  state slots;
+- :mod:`~hybrid.cache_setup` builds and sizes the caches; :class:`~hybrid.cache_manager.CacheManager` is the
+  only code that hands out and takes back blocks and state slots;
 - :class:`~hybrid.model_runner.ModelRunner`: the step's metadata, built once; the eager or compiled
-  forward; sampling on the device;
-- :mod:`~hybrid.output_processor`: stop ids and strings, length limit, detokenising.
-
-The engine itself validates requests, wires the rooms together and keeps the statistics.
+  forward; sampling on the device; which decode program and threads a step runs with;
+- :mod:`~hybrid.output_processor`: stop ids and strings, length limit, detokenising;
+- :mod:`~hybrid.scoring`: prompt log-probabilities; :mod:`~hybrid.engine_stats`: the counters and step times;
+- :class:`~hybrid.speculative.speculator.Speculator`: drafting before the forward, verify and rollback after.
 
 ``prefix_caching=True`` adds a :class:`~hybrid.prefix_cache.PrefixCache` to the cache manager: prompts that
 start like earlier ones share their KV blocks and resume from saved Mamba state checkpoints, and prefill
@@ -26,92 +29,23 @@ back the rejected tokens' KV blocks. Greedy output is identical to the engine wi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from .cache import HybridCache, cache_dtypes
+from .cache import HybridCache
 from .cache_manager import CacheManager
-from .kernels import native
+from .cache_setup import engine_cache, prefix_cache_for
+from .engine_stats import EngineStats
+from .input_processor import InputProcessor
 from .model_runner import ModelRunner
-from .output_processor import eos_ids, process_token
+from .output_processor import process_token
 from .packed_batch import SeqChunk
-from .prefix_cache import PrefixCache, prefill_flops_fn
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .scoring import ScoreResult, record_logprobs, scored_positions
 from .speculative.config import SpeculativeConfig
-from .speculative.verifier import ACCEPT_SALT, stream_uniforms, token_probs, verify
-from .tokenizer import StreamDecoder
-
-DEFAULT_CACHE_BYTES = 256 * 2**20
-DEFAULT_PREFIX_STATE_BYTES = 256 * 2**20
-
-
-@dataclass
-class ScoreResult:
-    """Log-probabilities of ``tokens[start:]``, each given the tokens before it, and whether each token was
-    the most likely one (greedy)."""
-
-    logprobs: list[float]
-    greedy: list[bool]
-    next_logprobs: torch.Tensor | None = None  # [vocab] float32: log P(next token | all of tokens)
-
-    @property
-    def total(self) -> float:
-        return sum(self.logprobs)
-
-    @property
-    def is_greedy(self) -> bool:
-        return all(self.greedy)
-
-
-@dataclass
-class EngineStats:
-    """Counters and the time of each part of a step. A step that held any prompt chunk counts as prefill,
-    one of only one-token decodes as decode. ``forward_seconds`` is the model forward (metadata build
-    included), ``sample_seconds`` the on-device sampling and id copy, ``schedule_seconds`` the scheduler,
-    ``output_seconds`` the output processor; ``compile_seconds`` is the first run of each compiled decode
-    shape, and those steps are left out of the decode counters."""
-
-    steps: int = 0
-    preemptions: int = 0
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    decode_steps: int = 0
-    compiled_steps: int = 0
-    compile_seconds: float = 0.0
-    schedule_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    sample_seconds: float = 0.0
-    output_seconds: float = 0.0
-    time_to_first_token: dict[int, float] = field(default_factory=dict)  # request id -> seconds since add_request
-    prompt_tokens: int = 0  # prompt tokens requested (add_request / score)
-    prefix_hit_tokens: int = 0  # of those, served from the prefix cache at each request's first admission
-    prompt_tokens_computed: int = 0  # prompt positions the model ran (recomputes after preemption included)
-    recompute_hit_tokens: int = 0  # tokens a re-admitted (preempted) request got back from the prefix cache
-    # speculative decoding (a decode step that verified drafts counts every token it emitted as decoded)
-    draft_tokens_proposed: int = 0  # draft tokens checked by the target
-    draft_tokens_accepted: int = 0  # of those, accepted
-    verify_chunks: int = 0  # (request, step) pairs whose drafts were checked
-    verify_steps: int = 0  # steps with at least one verify chunk
-    verify_forward_seconds: float = 0.0  # the target forward of those steps
-    draft_seconds: float = 0.0  # the drafter (draft model forwards and sampling, or n-gram lookup)
-    accept_seconds: float = 0.0  # the rejection rule and the emitted tokens' output processing
-    rollback_seconds: float = 0.0  # Mamba state write-back and KV give-back, in the target's and the draft's cache
-    verify_state_bytes: int = 0  # the largest per-position Mamba state scratch of one verify step
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / proposed draft tokens (0 before any was proposed)."""
-        return self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Draft tokens accepted per verify chunk (each chunk also emits one token of the target's own)."""
-        return self.draft_tokens_accepted / self.verify_chunks if self.verify_chunks else 0.0
+from .speculative.speculator import Speculator
 
 
 class Engine:
@@ -147,18 +81,8 @@ class Engine:
     """
 
     def decode_path(self) -> str:
-        """Which program a decode-only step runs here: the compiled decode forward, the native fused sub-layers
-        (CPU, the default), or the eager torch layers — and why not the native one."""
-        if self.runner.compile:
-            return "compiled (torch.compile of the decode forward)"
-        from .kernels import dispatch
-
-        device = self.cache.device.type
-        backend, _ = dispatch.choose("decode_sublayer", device)
-        if backend == "native":
-            return "native fused sub-layers (kernels/native; layers they do not cover run eager)"
-        why = dispatch.why_not("decode_sublayer", "native", device)
-        return f"eager torch layers (native: {why or 'not chosen: HYBRID_BACKEND'})"
+        """Which program a decode-only step runs here (see :meth:`ModelRunner.decode_path`)."""
+        return self.runner.decode_path()
 
     def __repr__(self) -> str:
         return (f"Engine({type(self.model).__name__} {self.model.config.pattern!r}, "
@@ -175,86 +99,37 @@ class Engine:
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.model = model.eval()
-        if cache is None:
-            if num_blocks is None and cache_bytes is None:
-                cache_bytes = DEFAULT_CACHE_BYTES
-            d = cache_dtypes(next(model.parameters()).dtype, kv_dtype, state_dtype)
-            cache = HybridCache.for_model(model, num_blocks=num_blocks, cache_bytes=cache_bytes,
-                                          block_size=block_size, max_seqs=max_seqs, kv_dtype=d.kv,
-                                          conv_dtype=d.conv, ssm_dtype=d.ssm, stochastic_state=stochastic_state)
-        elif kv_dtype is not None or state_dtype is not None or stochastic_state:
-            raise ValueError("kv_dtype / state_dtype / stochastic_state shape the cache the engine builds; with "
-                             "cache= pass them to that HybridCache instead")
-        if kv_pruning is not None:
-            if prefix_caching:
-                raise ValueError(f"kv_pruning with prefix_caching is not supported ({type(kv_pruning).__name__}): a "
-                                 "pruned sequence's blocks are not the prompt's whole prefix; turn one of them off")
-            cache.kv.set_pruning(kv_pruning)  # the attention layers' cache views apply it
-        self.cache = cache
-        prefix = None
-        if prefix_caching:
-            prefix = PrefixCache(cache.kv, cache.ssm, state_bytes=DEFAULT_PREFIX_STATE_BYTES if prefix_state_bytes
-                                 is None else prefix_state_bytes, checkpoint_interval=prefix_checkpoint_interval,
-                                 flop_weight=prefix_flop_weight, prefill_flops=prefill_flops_fn(self.model))
-        elif prefix_state_bytes is not None or prefix_checkpoint_interval is not None:
-            raise ValueError("prefix_state_bytes / prefix_checkpoint_interval need prefix_caching=True")
-        self.cache_manager = CacheManager(cache, prefix)
+        self.cache = cache = engine_cache(
+            model, cache, num_blocks=num_blocks, cache_bytes=cache_bytes, block_size=block_size, max_seqs=max_seqs,
+            kv_dtype=kv_dtype, state_dtype=state_dtype, stochastic_state=stochastic_state, kv_pruning=kv_pruning,
+            prefix_caching=prefix_caching)
+        self.cache_manager = CacheManager(cache, prefix_cache_for(
+            cache, self.model, enabled=prefix_caching, state_bytes=prefix_state_bytes,
+            checkpoint_interval=prefix_checkpoint_interval, flop_weight=prefix_flop_weight))
         self.speculative = speculative
-        self.drafter = None if speculative is None else self._make_drafter(
-            speculative, block_size, prefix_caching, prefix_state_bytes, prefix_checkpoint_interval, prefix_flop_weight)
+        self.speculator = None if speculative is None else Speculator(
+            speculative, self.model, cache, block_size=block_size, prefix_caching=prefix_caching,
+            prefix_state_bytes=prefix_state_bytes, checkpoint_interval=prefix_checkpoint_interval,
+            flop_weight=prefix_flop_weight)
+        self.drafter = None if speculative is None else self.speculator.drafter
         self.scheduler = Scheduler(self.cache_manager, max_seqs=cache.ssm.num_slots, max_batch_tokens=max_batch_tokens,
-                                   draft_tokens=None if speculative is None else self._draft_allowance,
-                                   on_release=None if speculative is None else self._release_draft)
+                                   draft_tokens=None if speculative is None else self.speculator.allowance,
+                                   on_release=None if speculative is None else self.speculator.release)
         self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=compile,
                                   compile_backend=compile_backend)
-        self.tokenizer = tokenizer
+        self.inputs = InputProcessor(model.config.vocab_size, tokenizer, self._check_fits)
         self.requests: dict[int, Request] = {}
         self.stats = EngineStats()
         self._next_id = 0
 
-    def _make_drafter(self, spec, block_size, prefix_caching, prefix_state_bytes, checkpoint_interval, flop_weight):
-        from .speculative.draft_model import DraftModelDrafter
-        from .speculative.ngram import NgramDrafter
+    @property
+    def tokenizer(self):
+        """Where stop strings, EOS ids and the streamed text come from (None: token ids only)."""
+        return self.inputs.tokenizer
 
-        if not isinstance(spec, SpeculativeConfig):
-            raise TypeError(f"speculative must be a hybrid.SpeculativeConfig, got {type(spec).__name__}")
-        if spec.method == "ngram":
-            return NgramDrafter(spec.ngram_max, spec.ngram_min)
-        draft = spec.draft_model
-        if draft.config.vocab_size != self.model.config.vocab_size:
-            raise ValueError(f"the draft model's vocab_size {draft.config.vocab_size} differs from the target's "
-                             f"{self.model.config.vocab_size}: a draft must share the target's vocabulary")
-        if next(draft.parameters()).device != self.cache.device:
-            raise ValueError(f"the draft model is on {next(draft.parameters()).device}, the engine's cache on "
-                             f"{self.cache.device}: move the draft model there")
-        num_blocks, cache_bytes = spec.draft_num_blocks, spec.draft_cache_bytes
-        if num_blocks is None and cache_bytes is None:  # as many tokens as the target holds, plus drafts
-            if self.cache.kv.enabled:
-                num_blocks = self.cache.kv.num_blocks + self.cache.ssm.num_slots * self.cache.kv.blocks_for(
-                    spec.num_tokens)
-            else:
-                cache_bytes = DEFAULT_CACHE_BYTES
-        draft_cache = HybridCache.for_model(draft, num_blocks=num_blocks, cache_bytes=cache_bytes,
-                                            block_size=block_size, max_seqs=self.cache.ssm.num_slots)
-        prefix = None
-        if prefix_caching:
-            prefix = PrefixCache(draft_cache.kv, draft_cache.ssm, state_bytes=DEFAULT_PREFIX_STATE_BYTES
-                                 if prefix_state_bytes is None else prefix_state_bytes,
-                                 checkpoint_interval=checkpoint_interval, flop_weight=flop_weight,
-                                 prefill_flops=prefill_flops_fn(draft))
-        return DraftModelDrafter(draft, CacheManager(draft_cache, prefix))
-
-    def _draft_allowance(self, req: Request) -> int:
-        """The most draft tokens ``req`` may have checked this step: the configured number, fewer near its
-        length limit (the verify emits drafts + 1 tokens), none for requests the rule does not cover."""
-        p = req.params
-        if req.score_only or p.repetition_penalty != 1.0:
-            return 0
-        return max(0, min(self.speculative.num_tokens, p.max_new_tokens - len(req.output) - 1))
-
-    def _release_draft(self, req: Request) -> None:
-        """A request finished or was preempted: the drafter frees what it holds for it too."""
-        self.drafter.release(req.request_id, req.tokens)
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.inputs.tokenizer = tokenizer
 
     @property
     def max_seqs(self) -> int:
@@ -309,34 +184,12 @@ class Engine:
         return out
 
     def _add(self, prompt_ids, params, logprobs_from, *, score_only: bool) -> int:
-        params = params or SamplingParams(max_new_tokens=1 if score_only else SamplingParams().max_new_tokens)
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt = [int(t) for t in prompt_ids]
-        vocab = self.model.config.vocab_size
-        if not prompt:
-            raise ValueError("empty prompt: give at least one token id")
-        if logprobs_from is not None and not score_only and not 1 <= logprobs_from < len(prompt):
-            raise ValueError(f"prompt_logprobs_from must be in 1..{len(prompt) - 1} (a position with a token "
-                             f"before it), got {logprobs_from}")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range for vocab_size {vocab} "
-                             f"(valid ids are 0..{vocab - 1}); check the tokenizer matches the model")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings {list(params.stop)} need a tokenizer: pass tokenizer= to the Engine")
-        self._check_fits(len(prompt), 0 if score_only else params.max_new_tokens - 1)
-        seed = params.seed if params.seed is not None else _random_seed()
-        rid = self._next_id
+        req = self.inputs.request(self._next_id, prompt_ids, params, logprobs_from, score_only=score_only)
         self._next_id += 1
-        req = Request(rid, prompt, params, self._stop_ids(params), seed,
-                      StreamDecoder(self.tokenizer) if self.tokenizer is not None else None,
-                      arrival_time=time.perf_counter(), logprobs_from=logprobs_from,
-                      score_only=score_only)
-        self.stats.prompt_tokens += len(prompt)
-        self.requests[rid] = req
+        self.stats.prompt_tokens += len(req.prompt)
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
-        return rid
+        return req.request_id
 
     def abort(self, request_id: int) -> None:
         """Stop a request now and free its cache (a no-op for one that has finished)."""
@@ -355,22 +208,11 @@ class Engine:
                              "computed, a token sampled) can be; step the engine until it has output")
         if len(self.scheduler.running) >= self.max_seqs:
             raise ValueError(f"cannot fork request {request_id}: all {self.max_seqs} sequence slots are running")
-        own = params is not None and params.seed is not None
-        params = params or src.params
-        if len(src.output) >= params.max_new_tokens:
-            raise ValueError(f"max_new_tokens={params.max_new_tokens} leaves the fork nothing to generate: the source "
-                             f"has {len(src.output)} tokens already")
-        self._check_fits(len(src.prompt), params.max_new_tokens - 1)
+        params, seed = self.inputs.fork_params(src, params)
         rid = self._next_id
         self._next_id += 1
-        seed = params.seed if own else _random_seed()  # a fork of a sampled request samples its own path
         self.cache_manager.fork(request_id, rid, src.num_computed)
-        req = Request(rid, list(src.prompt), params, self._stop_ids(params), seed,
-                      StreamDecoder(self.tokenizer) if self.tokenizer is not None else None,
-                      arrival_time=time.perf_counter(), output=list(src.output), num_computed=src.num_computed)
-        if req.decoder is not None:
-            req.decoder.push(list(src.output))
-        self.requests[rid] = req
+        req = self.requests[rid] = self.inputs.fork(rid, src, params, seed)
         self.scheduler.add_running(req)
         return rid
 
@@ -386,23 +228,7 @@ class Engine:
         return self.requests.pop(request_id)
 
     def _check_fits(self, prompt_len: int, new_cached: int) -> None:
-        """A request the whole cache could never hold is refused up front, with the numbers. ``new_cached``:
-        generated tokens that enter the cache (``max_new_tokens - 1``: the last sampled one never does)."""
-        need = prompt_len + new_cached
-        kv = self.cache.kv
-        held = kv.blocks_held_at_most(need, self.max_batch_tokens, prompt_len)
-        if kv.enabled and held > kv.num_blocks:
-            raise ValueError(
-                f"request needs {need} cached tokens ({prompt_len} prompt + {new_cached + 1} new - 1), "
-                f"{held} KV blocks at once, but the whole KV cache holds {kv.capacity_tokens} tokens "
-                f"({kv.num_blocks} blocks of {kv.block_size}); shorten the prompt, lower max_new_tokens "
-                "or give the engine a bigger cache")
-
-    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        stop_ids = set(params.stop_token_ids)
-        if self.tokenizer is not None and not params.ignore_eos:
-            stop_ids.update(eos_ids(self.tokenizer))
-        return frozenset(stop_ids)
+        self.cache_manager.check_fits(prompt_len, new_cached, self.max_batch_tokens)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.release(req)
@@ -423,31 +249,25 @@ class Engine:
                                    f"{self.cache_manager.num_free_slots} state slots free)")
             return []
         t1 = time.perf_counter()
-        if self.cache.device.type == "cpu" and self.drafter is None and all(n == 1 for _, n in plan):
-            # a decode step: the native kernels take the intra-op threads for all of it (torch's few small ops
-            # run on one). Torch's OpenMP workers spin after any parallel region of the step (its sampling, a
-            # gather) and took a core from the native products: 14 -> 9 ms a llama-d512 step.
-            with native.owns_threads():
-                return self._run(plan, t0, t1)
-        return self._run(plan, t0, t1)
+        with self.runner.step_threads(decode_only=self.drafter is None and all(n == 1 for _, n in plan)):
+            return self._run(plan, t0, t1)
 
     def _run(self, plan, t0: float, t1: float) -> list[RequestOutput]:
         compile_before = self.runner.compile_seconds
         self.stats.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
         self.stats.recompute_hit_tokens = self.scheduler.recompute_hit_tokens
-        for req, n in plan:
-            self.stats.prompt_tokens_computed += max(0, min(req.num_computed + n, len(req.prompt)) - req.num_computed)
+        self.stats.count_prompt_positions(plan)
         drafts = {}
-        if self.drafter is not None:
-            plan, drafts = self._draft(plan)
+        if self.speculator is not None:
+            plan, drafts = self.speculator.draft(plan, self.stats)
         chunks = [SeqChunk(r.request_id, r.pending(1) + drafts[r][0] if r in drafts else r.pending(n), r.num_computed)
                   for r, n in plan]
-        scoring = [self._scored_positions(r, n) for r, n in plan]
+        scoring = [scored_positions(r, n) for r, n in plan]
         t_fwd = time.perf_counter()
         if any(len(q) for q in scoring):
             out, compiled = self.runner.execute(chunks, all_logits=True, num_verify=len(drafts))
             counts = [n for _, n in plan]  # every token's row came back
-            self._record_logprobs(plan, scoring, out)
+            record_logprobs(plan, scoring, out)
         else:
             out, compiled = self.runner.execute(chunks, num_verify=len(drafts))
             counts = [n if r in drafts else 1 for r, n in plan]
@@ -487,130 +307,14 @@ class Engine:
             ends_list = ends.tolist()
             starts = [e - c + 1 for e, c in zip(ends_list, counts, strict=True)]
             verified = [(req, starts[b]) for b, (req, _) in enumerate(plan) if req in drafts]
-            verify_outputs = self._verify(verified, drafts, out)
+            verify_outputs = self.speculator.verify(verified, drafts, out, self.runner.verify_states,
+                                                    self.cache_manager, self.scheduler, self.stats, self._finish)
             outputs.extend(verify_outputs)
             emitted += sum(len(o.new_token_ids) for o in verify_outputs)
         t4 = time.perf_counter()
-        self._count(plan, compiled, self.runner.compile_seconds - compile_before, t0, t1, t2, t3, t4, drafts, emitted)
+        self.stats.count_step(plan, compiled, self.runner.compile_seconds - compile_before, t0, t1, t2, t3, t4, drafts,
+                              emitted)
         return outputs
-
-    # ---- speculative decoding ---------------------------------------------------------------------
-    def _draft(self, plan):
-        """Ask the drafter for the drafts of the decoding requests the scheduler gave room for; returns the
-        plan with each one's real chunk length (decodes, then verify chunks, then prefills) and
-        {request: (drafts, their proposal distributions or None)}."""
-        t0 = time.perf_counter()
-        want = [(req, n - 1) for req, n in plan if n > 1 and req.num_pending == 1]
-        drafts = {}
-        if want:
-            proposals, qs = self.drafter.propose([r for r, _ in want], [k for _, k in want])
-            for i, ((req, k), toks) in enumerate(zip(want, proposals, strict=True)):
-                toks = toks[:k]
-                if toks:
-                    drafts[req] = (toks, None if qs is None else qs[i][:len(toks)])
-        plan = [(req, 1 + len(drafts[req][0]) if req in drafts else (1 if req.num_pending == 1 else n))
-                for req, n in plan]
-        plan.sort(key=lambda rn: 0 if rn[1] == 1 else 1 if rn[0] in drafts else 2)
-        self.stats.draft_seconds += time.perf_counter() - t0
-        return plan, drafts
-
-    def _verify(self, verified, drafts, out) -> list[RequestOutput]:
-        """The rejection rule over every verify chunk of this step at once, then each request's emitted
-        tokens (accepted drafts + one of the target's own), the Mamba states written back at the last
-        accepted token and the rejected tokens' KV blocks given back, in the target's and the draft's cache."""
-        t0 = time.perf_counter()
-        reqs = [r for r, _ in verified]
-        lens = [len(drafts[r][0]) for r in reqs]
-        K, n, dev = max(lens), len(reqs), out.device
-        index = torch.tensor([s + j for (_, s), k in zip(verified, lens, strict=True) for j in range(k + 1)],
-                             device=dev)
-        probs = token_probs(out[index], [r.params for r, k in zip(reqs, lens, strict=True) for _ in range(k + 1)])
-        p = torch.zeros(n, K + 1, probs.shape[-1], device=dev)
-        where = torch.tensor([i * (K + 1) + j for i, k in enumerate(lens) for j in range(k + 1)], device=dev)
-        p.view(n * (K + 1), -1)[where] = probs
-        tokens = torch.tensor([drafts[r][0] + [0] * (K - k) for r, k in zip(reqs, lens, strict=True)], device=dev)
-        q = None
-        if not self.drafter.deterministic:
-            q = torch.zeros(n, K, probs.shape[-1], device=dev)
-            for i, r in enumerate(reqs):
-                q[i, :lens[i]] = drafts[r][1]
-        seeds = [r.seed for r in reqs]
-        counters = [[len(r.output) + j for j in range(K + 1)] for r in reqs]
-        u_accept = stream_uniforms(seeds, [c[:K] for c in counters], ACCEPT_SALT, dev)
-        u_resample = stream_uniforms(seeds, counters, 0, dev)
-        accepted, nxt = verify(p, tokens, torch.tensor(lens, device=dev), q, u_accept, u_resample)
-        accepted, nxt = accepted.tolist(), nxt.tolist()
-        starts = [r.num_tokens for r in reqs]
-        outputs, kept, reasons = [], [], []
-        for req, m, x in zip(reqs, accepted, nxt, strict=True):
-            before, reason, ids, text, last = len(req.output), None, [], "", None
-            for tok in drafts[req][0][:m] + [x]:
-                last, reason = process_token(req, tok)
-                ids.extend(last.new_token_ids)
-                text += last.text
-                if reason is not None:
-                    break
-            outputs.append(RequestOutput(req.request_id, ids, text, last.finished, last.finish_reason))
-            kept.append(min(m, len(req.output) - before))
-            reasons.append(reason)
-        t1 = time.perf_counter()
-        self.cache_manager.commit_verified(self.runner.verify_states, kept)
-        self.stats.verify_state_bytes = max(self.stats.verify_state_bytes, self.runner.verify_states.nbytes)
-        self.scheduler.advance([(r, 1 + j) for r, j in zip(reqs, kept, strict=True)])
-        for r in reqs:
-            self.cache_manager.shrink(r.request_id, r.num_computed)
-        self.drafter.rollback(reqs, starts, lens, kept)  # finished ones too: their prefix stays in the draft's tree
-        t2 = time.perf_counter()
-        for req, reason in zip(reqs, reasons, strict=True):
-            if reason is not None:
-                self._finish(req, reason)
-        s = self.stats
-        s.verify_steps += 1
-        s.verify_chunks += n
-        s.draft_tokens_proposed += sum(lens)
-        s.draft_tokens_accepted += sum(accepted)
-        s.accept_seconds += t1 - t0
-        s.rollback_seconds += t2 - t1
-        return outputs
-
-    def _scored_positions(self, req, n: int) -> range:
-        """Positions of this chunk whose logits score a target token (none for most requests)."""
-        if req.logprobs_from is None:
-            return range(0)
-        lo = max(req.num_computed, req.logprobs_from - 1 + len(req.prompt_logprobs))
-        hi = min(req.num_computed + n, len(req.prompt) - 1)
-        return range(lo, max(lo, hi))
-
-    def _record_logprobs(self, plan, scoring, all_logits) -> None:
-        offset = 0
-        for (req, n), positions in zip(plan, scoring, strict=True):
-            if len(positions):
-                rows = torch.arange(positions.start, positions.stop) - req.num_computed + offset
-                logp = torch.log_softmax(all_logits[rows.to(all_logits.device)].float(), dim=-1)
-                target = torch.tensor(req.prompt[positions.start + 1:positions.stop + 1], device=logp.device)
-                req.prompt_logprobs.extend(logp.gather(1, target[:, None])[:, 0].tolist())
-                req.prompt_greedy.extend((logp.argmax(-1) == target).tolist())
-            offset += n
-
-    def _count(self, plan, compiled, compile_dt, t0, t1, t2, t3, t4, drafts=(), emitted=0) -> None:
-        s = self.stats
-        s.steps += 1
-        n_tokens = sum(n for _, n in plan)
-        if compile_dt > 0:  # this step traced and compiled a new shape: its time is not decode speed
-            s.compile_seconds += compile_dt
-            return
-        s.schedule_seconds += t1 - t0
-        s.forward_seconds += t2 - t1
-        s.sample_seconds += t3 - t2
-        s.output_seconds += t4 - t3
-        if any(n > 1 and r not in drafts for r, n in plan):
-            s.prefill_tokens += n_tokens
-            s.prefill_seconds += t4 - t0
-        else:
-            s.decode_tokens += emitted if drafts else n_tokens
-            s.decode_seconds += t4 - t0
-            s.decode_steps += 1
-            s.compiled_steps += compiled
 
     def run(self) -> dict[int, Request]:
         """Step until every queued request has finished; returns all requests by id."""
@@ -618,6 +322,3 @@ class Engine:
             self.step()
         return self.requests
 
-
-def _random_seed() -> int:
-    return int(torch.randint(0, 2**62, ()).item())

@@ -15,6 +15,7 @@ Sampling happens on the device (:func:`hybrid.sampling.sample`); only the sample
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -85,6 +86,30 @@ class ModelRunner:
                 compile_mode = "reduce-overhead"  # CUDA graphs: one launch per decode step
             self._decode = torch.compile(self._decode_forward, backend=compile_backend, mode=compile_mode,
                                          dynamic=False)
+
+    # ---- which program and threads a step runs with -------------------------------------------
+    def decode_path(self) -> str:
+        """Which program a decode-only step runs here: the compiled decode forward, the native fused sub-layers
+        (CPU, the default), or the eager torch layers — and why not the native one."""
+        if self.compile:
+            return "compiled (torch.compile of the decode forward)"
+        from .kernels import dispatch
+
+        device = self.device.type
+        backend, _ = dispatch.choose("decode_sublayer", device)
+        if backend == "native":
+            return "native fused sub-layers (kernels/native; layers they do not cover run eager)"
+        why = dispatch.why_not("decode_sublayer", "native", device)
+        return f"eager torch layers (native: {why or 'not chosen: HYBRID_BACKEND'})"
+
+    def step_threads(self, *, decode_only: bool):
+        """The thread arrangement for a whole engine step (scheduling, forward, sampling, output). On CPU a
+        decode step's native kernels take the intra-op threads for all of it (torch's few small ops run on
+        one): torch's OpenMP workers spin after any parallel region of the step (its sampling, a gather) and
+        took a core from the native products (14 -> 9 ms a llama-d512 step). Otherwise torch keeps them."""
+        if self.device.type == "cpu" and decode_only:
+            return native.owns_threads()
+        return contextlib.nullcontext()
 
     # ---- forward ---------------------------------------------------------------------------------
     def execute(self, chunks: list[SeqChunk], *, all_logits: bool = False,

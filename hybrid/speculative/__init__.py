@@ -5,6 +5,8 @@ forward, with the Mamba states rolled back to the last accepted token without re
 - :mod:`.ngram` / :mod:`.draft_model`: the drafters;
 - :mod:`.verifier`: the rejection rule (greedy: accept while the draft is the target's argmax);
 - :mod:`.verify_states`: the Mamba layers' per-position states of a verify chunk.
+- :mod:`.speculator`: the engine's side — the drafter built from the config, the draft allowance, drafting
+  before a step's forward and the rejection rule, emitted tokens and rollback after it.
 
 The cache side (writing the accepted state back, giving back rejected KV blocks) is
 :meth:`hybrid.cache_manager.CacheManager.commit_verified` / :meth:`~hybrid.cache_manager.CacheManager.shrink`.
