@@ -12,6 +12,7 @@ from .common import (
     speculative,
     threads_flag,
 )
+from .errors import CLIError
 
 
 def add_parser(sub) -> None:
@@ -37,6 +38,13 @@ def add_parser(sub) -> None:
                    help="refuse request bodies larger than this (413) before parsing them")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
+    # the names are spelled out here (not read from hybrid.server.tool_parsers): building the parser must not
+    # import the server's fastapi; run() checks the name against the registry, and a test keeps the two in step
+    p.add_argument("--tool-call-parser", metavar="NAME",
+                   help="turn tool calls in chat output into the response's tool_calls when a request offers tools "
+                        "(as vLLM's --tool-call-parser): hermes (<tool_call>{JSON}</tool_call>: Qwen2.5, Qwen3, "
+                        "Hermes 2 Pro) or llama3_json (the output is {JSON}[; {JSON}]: Llama 3.1/3.2). Default: "
+                        "off, the output stays text")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
     add_cache_dtype_args(p)
@@ -51,9 +59,12 @@ def run(args) -> None:
 
     # a missing fastapi / uvicorn / jinja2 is a ModuleNotFoundError: one line naming the serve extra
     from ..engine import Engine
-    from ..server import ServerSettings, create_app, load_chat_template
+    from ..server import ServerSettings, create_app, load_chat_template, tool_parsers
     from ..server import run as run_server
 
+    if args.tool_call_parser is not None and args.tool_call_parser not in tool_parsers.names():
+        raise CLIError(f"--tool-call-parser {args.tool_call_parser!r} is not a tool call parser; give one of: "
+                       f"{', '.join(tool_parsers.names())}")
     model, tokenizer = engine_model(args, seed=args.seed)
     template = load_chat_template(args.model)  # None for a recipe: the documented default
     name = args.served_model_name or args.recipe or Path(args.model).resolve().name
@@ -63,13 +74,14 @@ def run(args) -> None:
     engine = Engine(model, cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
                     max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, **engine_options)
     settings = ServerSettings(model_name=name, max_body_bytes=args.max_body_bytes,
-                              default_chat_tokens=args.default_max_tokens, shutdown_timeout=args.shutdown_timeout)
+                              default_chat_tokens=args.default_max_tokens, shutdown_timeout=args.shutdown_timeout,
+                              tool_call_parser=args.tool_call_parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     report = engine.cache.report()
     chat = "ChatML default" if template.is_default else "the checkpoint's"
     print(f"hybrid serve: {name!r} ({model.num_parameters():,} parameters, pattern {model.config.pattern!r}) on "
           f"http://{args.host}:{args.port}/v1; cache {report.bytes_total / 2**20:.0f} MiB: "
           f"{report.token_capacity:g} KV tokens, {report.max_sequences} sequences; chat template: "
-          f"{chat}", flush=True)
+          f"{chat}; tool calls: {args.tool_call_parser or 'not parsed'}", flush=True)
     run_server(create_app(engine, tokenizer, settings, template), args.host, args.port, log_level=args.log_level,
                shutdown_timeout=args.shutdown_timeout)

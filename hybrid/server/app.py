@@ -36,6 +36,8 @@ from .protocol import (
     error_body,
     stop_list,
 )
+from .tool_parsers import ToolCall, parse_tool_calls
+from .tool_parsers import get as tool_call_format
 
 log = logging.getLogger("hybrid.server")
 
@@ -49,6 +51,7 @@ class ServerSettings:
     default_completion_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
     default_chat_tokens: int = 256
     shutdown_timeout: float = 10.0
+    tool_call_parser: str | None = None  # a tool_parsers name: tool calls in chat output -> tool_calls
 
 
 class ClientGone(Exception):
@@ -63,6 +66,7 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
     template = chat_template or ChatTemplate()
     vocab = engine.model.config.vocab_size
     token_text = R.TokenText(tokenizer)
+    tool_format = tool_call_format(settings.tool_call_parser) if settings.tool_call_parser else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -266,7 +270,7 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_common(body)
         check_model(body.model)
-        for tool in body.tools or []:  # offered to the template; the output is not constrained to a call
+        for tool in body.tools or []:  # offered to the template (the output is not constrained to a call)
             if tool.get("type") != "function" or not isinstance((tool.get("function") or {}).get("name"), str):
                 raise APIError("each tool must be {'type': 'function', 'function': {'name': ..., ...}}",
                                param="tools")
@@ -295,33 +299,72 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
         group = RequestGroup(choices, asyncio.get_running_loop())
         await submit(group)
         rid, model, created = R.new_id("chatcmpl"), settings.model_name, int(time.time())
+        # tool calls in the output become tool_calls where tools were offered and may be called (as vLLM)
+        parse_calls = tool_format is not None and bool(body.tools) and body.tool_choice != "none"
+        tool_names = [t["function"]["name"] for t in body.tools] if parse_calls else None
 
         if body.stream:
             preamble = [R.sse(R.chat_body(rid, model, [R.chat_delta(i, {"role": "assistant", "content": ""})],
                                           None, created=created, chunk=True)) for i in range(len(choices))]
-
-            def delta(i, text, reason):
-                return R.chat_delta(i, {"content": text} if text or reason is None else {}, reason)
+            if parse_calls:
+                delta = tool_call_deltas([tool_format.stream(tool_names) for _ in choices])
+            else:
+                def delta(i, text, reason):
+                    return R.chat_delta(i, {"content": text} if text or reason is None else {}, reason)
             return event_stream(group, preamble, delta, R.chat_body, rid, created, len(prompt), include_usage(body))
 
         try:
             finals = await collect(group, request)
         except ClientGone:
             return Response(status_code=499)
-        out = [R.chat_choice(i, f.output_text, f.finish_reason,
-                             R.chat_logprobs(f.logprobs, token_text) if f.logprobs is not None else None)
-               for i, f in enumerate(finals)]
+        out = []
+        for i, f in enumerate(finals):
+            lp = R.chat_logprobs(f.logprobs, token_text) if f.logprobs is not None else None
+            content, calls = (parse_tool_calls(tool_format, f.output_text, tool_names) if parse_calls
+                              else (f.output_text, []))
+            out.append(R.chat_choice(i, content, "tool_calls" if calls else f.finish_reason, lp,
+                                     [c.openai() for c in calls] or None))
         return R.chat_body(rid, model, out, R.usage(len(prompt), sum(len(f.output_ids) for f in finals)),
                            created=created)
 
     return app
 
 
+def tool_call_deltas(streams: list):
+    """The streamed chat choice maker (see :func:`stream_choices`) that runs each choice's text through its
+    :class:`~.tool_parsers.ToolCallStream`: content deltas, and per call OpenAI's two tool_calls deltas (index, id,
+    type and name with empty arguments, then the arguments); finish_reason ``tool_calls`` after a call."""
+    def delta(i: int, text: str, reason: str | None) -> list[dict]:
+        stream = streams[i]
+        before = stream.calls
+        pieces = stream.feed(text) + (stream.finish() if reason is not None else [])
+        out = []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                call = {"index": before, "id": piece.id, "type": "function",
+                        "function": {"name": piece.name, "arguments": ""}}
+                out.append(R.chat_delta(i, {"tool_calls": [call]}))
+                out.append(R.chat_delta(i, {"tool_calls": [{"index": before,
+                                                            "function": {"arguments": piece.arguments}}]}))
+                before += 1
+            elif piece:
+                out.append(R.chat_delta(i, {"content": piece}))
+        if reason is not None:
+            out.append(R.chat_delta(i, {}, "tool_calls" if stream.calls else reason))
+        elif not out:  # the step's text is held back (inside a call): the token's arrival still shows
+            out.append(R.chat_delta(i, {"content": ""}))
+        return out
+    return delta
+
+
 async def stream_choices(group: RequestGroup, make_choice, make_body, rid: str, model: str, created: int,
                          prompt_tokens: int, include_usage: bool):
     """Server-sent events for ``group``: a chunk per choice per step that made tokens, one with each
     choice's finish_reason (the last of them carries the request's ``usage``), with
-    ``stream_options.include_usage`` OpenAI's extra usage-only chunk, and ``data: [DONE]``."""
+    ``stream_options.include_usage`` OpenAI's extra usage-only chunk, and ``data: [DONE]``.
+
+    ``make_choice(index, text, finish_reason)`` gives the chunk's choice, or a list of them (a chunk each; the
+    last carries the finish_reason)."""
     finished, completion_tokens = 0, 0
     while finished < len(group.choices):
         event = await group.events.get()
@@ -329,21 +372,27 @@ async def stream_choices(group: RequestGroup, make_choice, make_body, rid: str, 
             # a chunk per step that made tokens, even when their text is held back (a partial UTF-8
             # character): clients see each token's arrival, as vLLM's streams show it
             if event.token_ids or event.text:
-                yield R.sse(make_body(rid, model, [make_choice(event.index, event.text, None)], None,
-                                      created=created, chunk=True))
+                for choice in _as_list(make_choice(event.index, event.text, None)):
+                    yield R.sse(make_body(rid, model, [choice], None, created=created, chunk=True))
         elif isinstance(event, FinalEvent):
             finished += 1
             completion_tokens += len(event.output_ids)
             done = finished == len(group.choices)
             use = R.usage(prompt_tokens, completion_tokens) if done else None
-            yield R.sse(make_body(rid, model, [make_choice(event.index, event.text, event.finish_reason)], use,
-                                  created=created, chunk=True))
+            last = _as_list(make_choice(event.index, event.text, event.finish_reason))
+            for choice in last[:-1]:
+                yield R.sse(make_body(rid, model, [choice], None, created=created, chunk=True))
+            yield R.sse(make_body(rid, model, last[-1:], use, created=created, chunk=True))
             if done and include_usage:
                 yield R.sse(make_body(rid, model, [], use, created=created, chunk=True))
         elif isinstance(event, ErrorEvent):
             yield R.sse(error_body(event.message, type="server_error"))
             break
     yield R.SSE_DONE
+
+
+def _as_list(choice: dict | list[dict]) -> list[dict]:
+    return choice if isinstance(choice, list) else [choice]
 
 
 def completion_prompts(prompt, tokenizer) -> tuple[list[str], list[list[int]]]:

@@ -48,9 +48,12 @@ def chat_body(rid: str, model: str, choices: list[dict], usage_: dict | None, *,
     return body
 
 
-def chat_choice(index: int, content: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, content: str | None, finish_reason: str | None, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_delta(index: int, delta: dict, finish_reason: str | None = None) -> dict:
