@@ -13,7 +13,7 @@ only in which biases they have and in the sliding window:
 
 from __future__ import annotations
 
-import re
+import dataclasses
 
 from ..config import AttentionConfig, HybridConfig, MLPConfig
 from . import Converter, register
@@ -21,37 +21,23 @@ from .common import (
     ACTIVATIONS_TO_HF,
     EXPORT_MAX_POSITIONS,
     activation_from_hf,
-    drop_tied_head,
     refuse,
     rope_from_hf,
     rope_to_hf,
 )
+from .rename import Rule, Table
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)\.(.+)")
-_OURS = re.compile(r"layers\.(\d+)\.(norm|mixer)\.(.+)")
-_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm_f.weight",
-        "lm_head.weight": "lm_head.weight"}
-_TOP_BACK = {v: k for k, v in _TOP.items()}
-
-
-def _key_to_ours(k: str) -> str:
-    m = _LAYER.fullmatch(k)
-    if m is None:
-        return _TOP.get(k, k)  # unknown keys pass through and are reported as unexpected
-    i, part, rest = int(m[1]), m[2], m[3]
-    sub = 2 * i + (part in ("mlp", "post_attention_layernorm"))
-    return f"layers.{sub}.{'mixer' if part in ('self_attn', 'mlp') else 'norm'}.{rest}"
-
-
-def _key_to_hf(k: str) -> str:
-    m = _OURS.fullmatch(k)
-    if m is None:
-        return _TOP_BACK[k]
-    j, part, rest = int(m[1]), m[2], m[3]
-    is_mlp = j % 2 == 1
-    if part == "norm":
-        return f"model.layers.{j // 2}.{'post_attention_layernorm' if is_mlp else 'input_layernorm'}.{rest}"
-    return f"model.layers.{j // 2}.{'mlp' if is_mlp else 'self_attn'}.{rest}"
+# One HF decoder layer is our layers 2i (attention) and 2i + 1 (MLP); the rotary inv_freq buffer older
+# checkpoints store is recomputed, so import drops it.
+TABLE = Table("LlamaForCausalLM", tied_head=("lm_head.weight", "model.embed_tokens.weight"),
+              skip=("{any}rotary_emb.inv_freq",), rules=(
+    Rule("embed.weight", "model.embed_tokens.weight"), Rule("norm_f.weight", "model.norm.weight"),
+    Rule("lm_head.weight", "lm_head.weight"),
+    Rule("layers.{2i}.norm.{rest}", "model.layers.{i}.input_layernorm.{rest}"),
+    Rule("layers.{2i+1}.norm.{rest}", "model.layers.{i}.post_attention_layernorm.{rest}"),
+    Rule("layers.{2i}.mixer.{rest}", "model.layers.{i}.self_attn.{rest}"),
+    Rule("layers.{2i+1}.mixer.{rest}", "model.layers.{i}.mlp.{rest}"),
+))
 
 
 def _one_window(arch: str, types: list[str], window: int | None, detail: str) -> int | None:
@@ -111,14 +97,6 @@ def config_from_hf(hf: dict) -> HybridConfig:
                       gated=True, bias=mlp_bias),
         norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         initializer_range=hf.get("initializer_range", 0.02))
-
-
-def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
-    arch = hf["architectures"][0]
-    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # old, recomputable buffer
-    if cfg.tie_embeddings:
-        drop_tied_head(arch, state, "lm_head.weight", "model.embed_tokens.weight")
-    return {_key_to_ours(k): v for k, v in state.items()}
 
 
 # ---- export -------------------------------------------------------------------------------------------
@@ -181,14 +159,11 @@ def _config_to_hf(cfg: HybridConfig, arch: str, model_type: str) -> dict:
     return out
 
 
-def state_to_hf(state: dict, cfg: HybridConfig) -> dict:
-    return {_key_to_hf(k): v for k, v in state.items()}
-
-
 def _converter(name: str, arch: str, refusal) -> Converter:
-    return Converter(name=name, architectures=(arch,), config_from_hf=config_from_hf, state_from_hf=state_from_hf,
-                     export_refusal=refusal, config_to_hf=lambda cfg: _config_to_hf(cfg, arch, name),
-                     state_to_hf=state_to_hf)
+    table = dataclasses.replace(TABLE, arch=arch)  # one set of names, three archs; the arch names errors
+    return Converter(name=name, architectures=(arch,), config_from_hf=config_from_hf,
+                     state_from_hf=lambda state, hf, cfg: table.from_hf(state, cfg), export_refusal=refusal,
+                     config_to_hf=lambda cfg: _config_to_hf(cfg, arch, name), state_to_hf=table.to_hf)
 
 
 register(_converter("llama", "LlamaForCausalLM", _llama_refusal))

@@ -12,26 +12,24 @@ rescale_prenorm_residual, initializer_range) are not needed to run the weights a
 from __future__ import annotations
 
 import math
-import re
 
 from ..config import HybridConfig, Mamba1Config, Mamba2Config
 from . import Converter, register
-from .common import drop_tied_head, hf_float, refuse
+from .common import hf_float, refuse
+from .rename import Rule, Table
 
-_LAYER = re.compile(r"backbone\.layers\.(\d+)\.(norm|mixer)\.(.+)")
-_TOP = {"backbone.embeddings.weight": "embed.weight", "backbone.embedding.weight": "embed.weight",
-        "backbone.norm_f.weight": "norm_f.weight", "lm_head.weight": "lm_head.weight"}
-_TOP_BACK = {"embed.weight": "backbone.embeddings.weight", "norm_f.weight": "backbone.norm_f.weight",
-             "lm_head.weight": "lm_head.weight"}
-
-
-def _key_to_ours(k: str) -> str:
-    m = _LAYER.fullmatch(k)
-    return f"layers.{m[1]}.{m[2]}.{m[3]}" if m else _TOP.get(k, k)
-
-
-def _key_to_hf(k: str) -> str:
-    return "backbone." + k if k.startswith("layers.") else _TOP_BACK[k]
+# An HF Mamba block is one of our sub-layers under the prefix "backbone."; older checkpoints name the
+# embedding "embedding" (read, not written).
+_RULES = (
+    Rule("embed.weight", "backbone.embeddings.weight"),
+    Rule("embed.weight", "backbone.embedding.weight", export=False),
+    Rule("norm_f.weight", "backbone.norm_f.weight"), Rule("lm_head.weight", "lm_head.weight"),
+    Rule("layers.{i}.norm.{rest}", "backbone.layers.{i}.norm.{rest}"),
+    Rule("layers.{i}.mixer.{rest}", "backbone.layers.{i}.mixer.{rest}"),
+)
+_TIED = ("lm_head.weight", ("backbone.embeddings.weight", "backbone.embedding.weight"))
+MAMBA1 = Table("MambaForCausalLM", rules=_RULES, tied_head=_TIED)
+MAMBA2 = Table("Mamba2ForCausalLM", rules=_RULES, tied_head=_TIED)
 
 
 def _check_act(arch: str, hf: dict) -> None:
@@ -69,17 +67,6 @@ def mamba2_config_from_hf(hf: dict) -> HybridConfig:
     return HybridConfig(vocab_size=hf["vocab_size"], d_model=d, pattern="M" * hf["num_hidden_layers"], mamba2=m2,
                         norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
-
-
-def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
-    if cfg.tie_embeddings:
-        embed = "backbone.embeddings.weight" if "backbone.embeddings.weight" in state else "backbone.embedding.weight"
-        drop_tied_head(hf["architectures"][0], state, "lm_head.weight", embed)
-    return {_key_to_ours(k): v for k, v in state.items()}
-
-
-def state_to_hf(state: dict, cfg: HybridConfig) -> dict:
-    return {_key_to_hf(k): v for k, v in state.items()}
 
 
 # ---- export -------------------------------------------------------------------------------------------
@@ -128,8 +115,8 @@ def _mamba2_config_to_hf(cfg: HybridConfig) -> dict:
 
 
 register(Converter(name="mamba", architectures=("MambaForCausalLM",), config_from_hf=mamba1_config_from_hf,
-                   state_from_hf=state_from_hf, export_refusal=_mamba1_refusal, config_to_hf=_mamba1_config_to_hf,
-                   state_to_hf=state_to_hf))
+                   state_from_hf=lambda state, hf, cfg: MAMBA1.from_hf(state, cfg), export_refusal=_mamba1_refusal,
+                   config_to_hf=_mamba1_config_to_hf, state_to_hf=MAMBA1.to_hf))
 register(Converter(name="mamba2", architectures=("Mamba2ForCausalLM",), config_from_hf=mamba2_config_from_hf,
-                   state_from_hf=state_from_hf, export_refusal=_mamba2_refusal, config_to_hf=_mamba2_config_to_hf,
-                   state_to_hf=state_to_hf))
+                   state_from_hf=lambda state, hf, cfg: MAMBA2.from_hf(state, cfg), export_refusal=_mamba2_refusal,
+                   config_to_hf=_mamba2_config_to_hf, state_to_hf=MAMBA2.to_hf))

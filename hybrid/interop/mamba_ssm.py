@@ -25,14 +25,16 @@ conv_init) or the kernels used (use_fast_path, use_mem_eff_path, sequence_parall
 from __future__ import annotations
 
 import math
-import re
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 
 from ..checkpoint import CheckpointError
 from ..config import AttentionConfig, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig
 from . import MAMBA_SSM, Converter, register
-from .common import drop_tied_head, refuse, split_rows
+from .common import refuse
+from .rename import Chunk, Rule, Split, Table
 
 ARCH = "mamba_ssm MambaLMHeadModel"
 NORM_EPS = 1e-5
@@ -135,9 +137,6 @@ def config_from_hf(raw: dict) -> HybridConfig:
                         norm_eps=NORM_EPS, tie_embeddings=raw.get("tie_embeddings", True), **kw)
 
 
-_LAYER = re.compile(r"backbone\.layers\.(\d+)\.(norm|mixer|norm2|mlp)\.(.+)")
-
-
 def _rotary_deinterleave(w: torch.Tensor, n_heads: int, head_dim: int, rot: int) -> torch.Tensor:
     """Reorder the rows of a q or k projection (weight or bias) so each head's first ``rot`` channels go
     from pairs (2i, 2i+1) to pairs (i, i + rot/2)."""
@@ -145,43 +144,60 @@ def _rotary_deinterleave(w: torch.Tensor, n_heads: int, head_dim: int, rot: int)
     return w.view(n_heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
 
 
-def state_from_hf(state: dict, raw: dict, cfg: HybridConfig) -> dict:
-    if cfg.tie_embeddings:
-        drop_tied_head(ARCH, state, "lm_head.weight", "backbone.embedding.weight")
-    per = 2 if raw.get("d_intermediate", 0) else 1
+def _qkv_rows(cfg: HybridConfig) -> list[int]:
     a = cfg.attention
+    return [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
+
+
+@dataclass(frozen=True)
+class _InterleavedQKV(Split):
+    """MHA's ``in_proj`` with interleaved rotary: split into q, k, v, then q's and k's rotated channels
+    reordered to rotate-half pairs (see the module docstring). Import only: we do not write mamba_ssm."""
+
+    def from_hf(self, theirs, cfg):
+        q, k, v = super().from_hf(theirs, cfg)
+        a = cfg.attention
+        if a.rotary_dim:
+            q = _rotary_deinterleave(q, a.n_heads, a.head_dim, a.rotary_dim)
+            k = _rotary_deinterleave(k, a.n_kv_heads, a.head_dim, a.rotary_dim)
+        return [q, k, v]
+
+    def to_hf(self, ours, cfg):
+        raise NotImplementedError("mamba_ssm checkpoints are read, not written")
+
+
+@cache
+def _table(mlp: bool, interleaved: bool) -> Table:
+    """mamba_ssm's names: a ``Block`` is our layer i, or, with an MLP (``d_intermediate > 0``), our layers
+    2i (norm, mixer) and 2i + 1 (norm2, mlp). Attention and Mamba mixers share the name ``in_proj``, so
+    the attention rules check the layer kind on import."""
+    mix, ffn = ("layers.{2i}", "layers.{2i+1}") if mlp else ("layers.{i}", None)
+    hf = "backbone.layers.{i}"
+    qkv = _InterleavedQKV(_qkv_rows) if interleaved else Split(_qkv_rows)
+    mlp_rules = (
+        Rule(f"{ffn}.norm.{{rest}}", f"{hf}.norm2.{{rest}}"),
+        # GatedMLP's fc1 packs [up, gate]; fc2 is down_proj
+        Rule((f"{ffn}.mixer.up_proj.{{rest}}", f"{ffn}.mixer.gate_proj.{{rest}}"), f"{hf}.mlp.fc1.{{rest}}",
+             op=Chunk(2)),
+        Rule(f"{ffn}.mixer.down_proj.{{rest}}", f"{hf}.mlp.fc2.{{rest}}"),
+        Rule(f"{ffn}.mixer.{{rest}}", f"{hf}.mlp.{{rest}}"),
+    ) if mlp else ()
+    return Table(ARCH, tied_head=("lm_head.weight", "backbone.embedding.weight"), rules=(
+        Rule("embed.weight", "backbone.embedding.weight"), Rule("norm_f.weight", "backbone.norm_f.weight"),
+        Rule("lm_head.weight", "lm_head.weight"),
+        Rule(f"{mix}.norm.{{rest}}", f"{hf}.norm.{{rest}}"),
+        # MHA: in_proj packs rows [q, k, v]; out_proj is our o_proj
+        Rule((f"{mix}.mixer.q_proj.{{rest}}", f"{mix}.mixer.k_proj.{{rest}}", f"{mix}.mixer.v_proj.{{rest}}"),
+             f"{hf}.mixer.in_proj.{{rest}}", op=qkv, kinds="*", import_kinds=True),
+        Rule(f"{mix}.mixer.o_proj.{{rest}}", f"{hf}.mixer.out_proj.{{rest}}", kinds="*", import_kinds=True),
+        Rule(f"{mix}.mixer.{{rest}}", f"{hf}.mixer.{{rest}}"),  # Mamba / Mamba2: named as ours
+        *mlp_rules,
+    ))
+
+
+def state_from_hf(state: dict, raw: dict, cfg: HybridConfig) -> dict:
     interleaved = bool((raw.get("attn_cfg") or {}).get("rotary_emb_interleaved", False))
-    out = {}
-    for k, v in state.items():
-        m = _LAYER.fullmatch(k)
-        if m is None:
-            out[{"backbone.embedding.weight": "embed.weight", "backbone.norm_f.weight": "norm_f.weight"}.get(k, k)] = v
-            continue
-        j, part, rest = per * int(m[1]), m[2], m[3]
-        if part in ("norm2", "mlp"):
-            j += 1
-        if part in ("norm", "norm2"):
-            out[f"layers.{j}.norm.{rest}"] = v
-        elif part == "mlp" and rest in ("fc1.weight", "fc1.bias"):
-            up, gate = v.chunk(2, dim=0)
-            kind = rest.split(".")[1]
-            out[f"layers.{j}.mixer.up_proj.{kind}"] = up.contiguous()
-            out[f"layers.{j}.mixer.gate_proj.{kind}"] = gate.contiguous()
-        elif part == "mlp" and rest.startswith("fc2."):
-            out[f"layers.{j}.mixer.down_proj.{rest[4:]}"] = v
-        elif cfg.layer_kinds[j] == "attention" and rest in ("in_proj.weight", "in_proj.bias"):
-            kind = rest.split(".")[1]
-            q, k_, v_ = split_rows(v, [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim])
-            if interleaved and a.rotary_dim:
-                q = _rotary_deinterleave(q, a.n_heads, a.head_dim, a.rotary_dim)
-                k_ = _rotary_deinterleave(k_, a.n_kv_heads, a.head_dim, a.rotary_dim)
-            for name, t in (("q_proj", q), ("k_proj", k_), ("v_proj", v_)):
-                out[f"layers.{j}.mixer.{name}.{kind}"] = t
-        elif cfg.layer_kinds[j] == "attention" and rest.startswith("out_proj."):
-            out[f"layers.{j}.mixer.o_proj.{rest[9:]}"] = v
-        else:
-            out[f"layers.{j}.mixer.{rest}"] = v
-    return out
+    return _table(bool(raw.get("d_intermediate", 0)), interleaved).from_hf(state, cfg)
 
 
 register(Converter(name=MAMBA_SSM, architectures=(MAMBA_SSM,), config_from_hf=config_from_hf,

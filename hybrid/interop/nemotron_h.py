@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 
 import torch
 
@@ -32,6 +31,7 @@ from ..config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from . import Converter, register
 from .common import ACTIVATIONS_TO_HF, EXPORT_MAX_POSITIONS, activation_from_hf, float_to_hf, refuse
 from .hf_hybrid import attention_mismatches, no_attention, require, with_defaults
+from .rename import Rule, Table
 
 ARCH = "NemotronHForCausalLM"
 # NemotronHConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -102,12 +102,25 @@ def config_from_hf(raw: dict) -> HybridConfig:
     )
 
 
+# NemotronH's layers are ours 1:1 under the prefix "backbone." (on disk; "model." in transformers' memory, read
+# too); the multi-token-prediction head (mtp.*) is not part of the causal LM forward and is dropped. A tied
+# model's head is absent or equal to the embedding (tie_from_state), and is written as a copy of it.
+TABLE = Table(ARCH, tied_head=("lm_head.weight", EMBED_KEYS), export_tied_head=True, skip=("mtp.{any}",), rules=(
+    Rule("embed.weight", "backbone.embeddings.weight"),
+    Rule("embed.weight", "model.embeddings.weight", export=False),
+    Rule("embed.weight", "embeddings.weight", export=False),
+    Rule("lm_head.weight", "lm_head.weight"),
+    Rule("{rest}", "backbone.{rest}"),
+    Rule("{rest}", "model.{rest}", export=False),
+))
+
+
 def tie_from_state(cfg: HybridConfig, state: dict, hf: dict) -> HybridConfig:
     """Tied when the config says so and the head is absent or equal to the embedding (see the module
     docstring): then tied and untied readings give the same model."""
     if not hf.get("tie_word_embeddings"):
         return cfg
-    embed = next((state[k] for k in EMBED_KEYS if k in state), None)
+    embed = state.get(TABLE.embedding_name(state))
     head = state.get("lm_head.weight")
     if head is None or (embed is not None and torch.equal(head, embed)):
         return dataclasses.replace(cfg, tie_embeddings=True)
@@ -115,15 +128,7 @@ def tie_from_state(cfg: HybridConfig, state: dict, hf: dict) -> HybridConfig:
 
 
 def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
-    out = {}
-    if cfg.tie_embeddings:
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # equal to the embedding
-    for k, v in state.items():
-        if k.startswith("mtp."):
-            continue  # multi-token-prediction head: not part of the causal LM forward
-        k = re.sub(r"^(backbone|model)\.", "", k)
-        out["embed.weight" if k == "embeddings.weight" else k] = v
-    return out
+    return TABLE.from_hf(state, cfg)
 
 
 def export_refusal(cfg: HybridConfig) -> str | None:
@@ -178,11 +183,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
 
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
-    out = {("backbone.embeddings.weight" if k == "embed.weight" else
-            k if k == "lm_head.weight" else f"backbone.{k}"): v for k, v in state.items()}
-    if cfg.tie_embeddings:  # transformers' and vLLM's NemotronH read lm_head from the file even when tied
-        out["lm_head.weight"] = state["embed.weight"].clone()
-    return out
+    return TABLE.to_hf(state, cfg)  # tied: lm_head too, as transformers' and vLLM's NemotronH read it from the file
 
 
 register(Converter(name="nemotron_h", architectures=(ARCH,), config_from_hf=config_from_hf,

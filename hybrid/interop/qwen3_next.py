@@ -25,15 +25,13 @@ dropped, as transformers drops it. Every config key is mapped, known not to chan
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
-
 import torch
 
 from ..checkpoint import CheckpointError
 from ..config import AttentionConfig, GatedDeltaNetConfig, HybridConfig, MLPConfig, MoEConfig
 from . import Converter, register
-from .common import EXPORT_MAX_POSITIONS, drop_tied_head, refuse, rope_from_hf, rope_to_hf
+from .common import EXPORT_MAX_POSITIONS, refuse, rope_from_hf, rope_to_hf
+from .rename import Chunk, Op, Rule, Stack, Table
 
 ARCH = "Qwen3NextForCausalLM"
 # Qwen3NextConfig's defaults (transformers 5.x) for keys a config.json may leave out.
@@ -144,13 +142,6 @@ def config_from_hf(raw: dict) -> HybridConfig:
 
 
 # ---- tensors -------------------------------------------------------------------------------------
-TOP_LEVEL = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm_f.weight"}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|linear_attn|self_attn|mlp)"
-                    r"\.(.+)")
-_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-EXPERT_MATS = ("gate_proj", "up_proj", "down_proj")
-
-
 def _gdn_sizes(cfg: HybridConfig) -> tuple[int, int, int, int]:
     """(key heads, head_k_dim, value rows per key head, value heads per key head)."""
     g = cfg.gated_deltanet
@@ -158,75 +149,57 @@ def _gdn_sizes(cfg: HybridConfig) -> tuple[int, int, int, int]:
     return g.n_k_heads, g.head_k_dim, r * g.head_v_dim, r
 
 
-def _in_proj_from_hf(qkvz: torch.Tensor, ba: torch.Tensor, cfg: HybridConfig) -> torch.Tensor:
-    """in_proj_qkvz [Hk*(2K + 2rV), D] and in_proj_ba [Hk*2r, D], grouped per key head -> our in_proj
-    [q | k | v | z | b | a] rows."""
-    nk, hk, rv, r = _gdn_sizes(cfg)
-    D = qkvz.shape[-1]
-    if qkvz.shape != (nk * (2 * hk + 2 * rv), D) or ba.shape != (nk * 2 * r, D):
-        raise CheckpointError(f"{ARCH}: in_proj_qkvz {tuple(qkvz.shape)} / in_proj_ba {tuple(ba.shape)} do not "
-                              f"fit the config's {cfg.gated_deltanet.n_k_heads} key and "
-                              f"{cfg.gated_deltanet.n_heads} value heads")
-    q, k, v, z = qkvz.view(nk, 2 * hk + 2 * rv, D).split([hk, hk, rv, rv], dim=1)
-    b, a = ba.view(nk, 2 * r, D).split([r, r], dim=1)
-    return torch.cat([t.reshape(-1, D) for t in (q, k, v, z, b, a)])
+class _GroupedInProj(Op):
+    """in_proj_qkvz [Hk*(2K + 2rV), D] and in_proj_ba [Hk*2r, D], grouped per key head <-> our in_proj
+    [q | k | v | z | b | a] rows: a permutation of rows, so the round trip is exact."""
+
+    def from_hf(self, theirs, cfg):
+        qkvz, ba = theirs
+        nk, hk, rv, r = _gdn_sizes(cfg)
+        D = qkvz.shape[-1]
+        if qkvz.shape != (nk * (2 * hk + 2 * rv), D) or ba.shape != (nk * 2 * r, D):
+            raise CheckpointError(f"{ARCH}: in_proj_qkvz {tuple(qkvz.shape)} / in_proj_ba {tuple(ba.shape)} do not "
+                                  f"fit the config's {cfg.gated_deltanet.n_k_heads} key and "
+                                  f"{cfg.gated_deltanet.n_heads} value heads")
+        q, k, v, z = qkvz.view(nk, 2 * hk + 2 * rv, D).split([hk, hk, rv, rv], dim=1)
+        b, a = ba.view(nk, 2 * r, D).split([r, r], dim=1)
+        return [torch.cat([t.reshape(-1, D) for t in (q, k, v, z, b, a)])]
+
+    def to_hf(self, ours, cfg):
+        (w,) = ours
+        nk, hk, rv, r = _gdn_sizes(cfg)
+        D = w.shape[-1]
+        q, k, v, z, b, a = (t.view(nk, -1, D) for t in w.split([nk * hk, nk * hk, nk * rv, nk * rv, nk * r, nk * r]))
+        return [torch.cat([q, k, v, z], dim=1).reshape(-1, D).contiguous(),
+                torch.cat([b, a], dim=1).reshape(-1, D).contiguous()]
 
 
-def _in_proj_to_hf(w: torch.Tensor, cfg: HybridConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    nk, hk, rv, r = _gdn_sizes(cfg)
-    D = w.shape[-1]
-    q, k, v, z, b, a = (t.view(nk, -1, D) for t in w.split([nk * hk, nk * hk, nk * rv, nk * rv, nk * r, nk * r]))
-    return (torch.cat([q, k, v, z], dim=1).reshape(-1, D).contiguous(),
-            torch.cat([b, a], dim=1).reshape(-1, D).contiguous())
+_MIX, _FFN, _HF = "layers.{2i}.mixer", "layers.{2i+1}.mixer", "model.layers.{i}"
+# Experts are read per expert (the hub layout, which we export) or fused (transformers' in-memory layout,
+# gate rows first); the dense MLP, shared_expert.* and shared_expert_gate are named as ours. The MTP head
+# (mtp.*) is dropped, as transformers drops it.
+TABLE = Table(ARCH, tied_head=("lm_head.weight", "model.embed_tokens.weight"), skip=("mtp.{any}",), rules=(
+    Rule("embed.weight", "model.embed_tokens.weight"), Rule("norm_f.weight", "model.norm.weight"),
+    Rule("lm_head.weight", "lm_head.weight"),
+    Rule("layers.{2i}.norm.{rest}", f"{_HF}.input_layernorm.{{rest}}"),
+    Rule("layers.{2i+1}.norm.{rest}", f"{_HF}.post_attention_layernorm.{{rest}}"),
+    Rule(f"{_MIX}.{{rest}}", f"{_HF}.self_attn.{{rest}}", kinds="*"),
+    Rule(f"{_MIX}.in_proj.weight", (f"{_HF}.linear_attn.in_proj_qkvz.weight", f"{_HF}.linear_attn.in_proj_ba.weight"),
+         op=_GroupedInProj(), kinds="G"),
+    Rule(f"{_MIX}.{{rest}}", f"{_HF}.linear_attn.{{rest}}", kinds="G"),
+    Rule(f"{_FFN}.{{mat:gate_proj|up_proj|down_proj}}", f"{_HF}.mlp.experts.{{e}}.{{mat}}.weight", kinds="E",
+         op=Stack("e", count=lambda cfg: cfg.moe.n_experts)),
+    Rule((f"{_FFN}.gate_proj", f"{_FFN}.up_proj"), f"{_HF}.mlp.experts.gate_up_proj", op=Chunk(2, 1), export=False),
+    Rule(f"{_FFN}.down_proj", f"{_HF}.mlp.experts.down_proj", export=False),
+    Rule(f"{_FFN}.router.weight", f"{_HF}.mlp.gate.weight"),
+    Rule(f"{_FFN}.{{rest}}", f"{_HF}.mlp.{{rest}}"),
+))
 
 
 def state_from_hf(state: dict, hf: dict, cfg: HybridConfig) -> dict:
     """The checkpoint's tensors under our names. Names nothing maps stay as they are, so the strict load
     reports them; a tied model's stored head must equal the embedding (it is dropped)."""
-    state = {k: v for k, v in state.items() if not k.startswith("mtp.")}  # the MTP head transformers ignores
-    if cfg.tie_embeddings:
-        drop_tied_head(ARCH, state, "lm_head.weight", "model.embed_tokens.weight")
-    out: dict[str, torch.Tensor] = {}
-    in_proj: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)  # (layer, matrix) -> e -> W
-    for name, v in state.items():
-        m = _LAYER.fullmatch(name)
-        if m is None:
-            out[TOP_LEVEL.get(name, name)] = v
-            continue
-        i, part, rest = int(m[1]), m[2], m[3]
-        mixer, ffn = f"layers.{2 * i}", f"layers.{2 * i + 1}"
-        if part == "input_layernorm":
-            out[f"{mixer}.norm.{rest}"] = v
-        elif part == "post_attention_layernorm":
-            out[f"{ffn}.norm.{rest}"] = v
-        elif part == "linear_attn" and rest in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
-            in_proj[2 * i][rest.split(".")[0]] = v
-        elif part in ("linear_attn", "self_attn"):
-            out[f"{mixer}.mixer.{rest}"] = v
-        elif (e := _EXPERT.fullmatch(rest)) is not None:  # the hub layout: one tensor per expert
-            experts[(2 * i + 1, e[2])][int(e[1])] = v
-        elif rest == "experts.gate_up_proj":  # fused: [E, 2F, D], gate rows first
-            out[f"{ffn}.mixer.gate_proj"], out[f"{ffn}.mixer.up_proj"] = (t.contiguous() for t in v.chunk(2, dim=1))
-        elif rest == "experts.down_proj":
-            out[f"{ffn}.mixer.down_proj"] = v
-        elif rest == "gate.weight":
-            out[f"{ffn}.mixer.router.weight"] = v
-        else:  # dense MLP gate/up/down_proj, shared_expert.*, shared_expert_gate.weight: named as ours
-            out[f"{ffn}.mixer.{rest}"] = v
-    for j, parts in sorted(in_proj.items()):
-        if len(parts) != 2:
-            lacking = sorted({"in_proj_qkvz", "in_proj_ba"} - set(parts))
-            raise CheckpointError(f"{ARCH}: layer {j // 2} linear_attn lacks {lacking[0]}.weight")
-        out[f"layers.{j}.mixer.in_proj.weight"] = _in_proj_from_hf(parts["in_proj_qkvz"], parts["in_proj_ba"], cfg)
-    for (j, mat), by_expert in sorted(experts.items()):
-        lacking = sorted(set(range(cfg.moe.n_experts)) - set(by_expert))
-        if lacking or len(by_expert) != cfg.moe.n_experts:
-            raise CheckpointError(f"{ARCH}: layer {j // 2} mlp has experts {sorted(by_expert)} for {mat} but the "
-                                  f"config says num_experts={cfg.moe.n_experts}"
-                                  + (f" (missing experts {lacking})" if lacking else ""))
-        out[f"layers.{j}.mixer.{mat}"] = torch.stack([by_expert[e] for e in range(cfg.moe.n_experts)])
-    return out
+    return TABLE.from_hf(state, cfg)
 
 
 # ---- export --------------------------------------------------------------------------------------
@@ -296,33 +269,7 @@ def config_to_hf(cfg: HybridConfig) -> dict:
 
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
-    top = {ours: theirs for theirs, ours in TOP_LEVEL.items()}
-    out = {}
-    for k, v in state.items():
-        m = re.fullmatch(r"layers\.(\d+)\.(norm|mixer)\.(.+)", k)
-        if not m:
-            out[top.get(k, k)] = v
-            continue
-        j, part, rest = int(m[1]), m[2], m[3]
-        i, is_ffn = divmod(j, 2)
-        pre = f"model.layers.{i}"
-        if part == "norm":
-            out[f"{pre}.{'post_attention_layernorm' if is_ffn else 'input_layernorm'}.{rest}"] = v
-        elif not is_ffn and cfg.pattern[j] == "*":
-            out[f"{pre}.self_attn.{rest}"] = v
-        elif not is_ffn and rest == "in_proj.weight":
-            out[f"{pre}.linear_attn.in_proj_qkvz.weight"], out[f"{pre}.linear_attn.in_proj_ba.weight"] = \
-                _in_proj_to_hf(v, cfg)
-        elif not is_ffn:
-            out[f"{pre}.linear_attn.{rest}"] = v
-        elif cfg.pattern[j] == "E" and rest in EXPERT_MATS:  # per expert, the hub layout
-            for e in range(v.shape[0]):
-                out[f"{pre}.mlp.experts.{e}.{rest}.weight"] = v[e]
-        elif rest == "router.weight":
-            out[f"{pre}.mlp.gate.weight"] = v
-        else:
-            out[f"{pre}.mlp.{rest}"] = v
-    return out
+    return TABLE.to_hf(state, cfg)
 
 
 register(Converter(name="qwen3_next", architectures=(ARCH,), config_from_hf=config_from_hf,
