@@ -30,6 +30,10 @@ _SUB = 16  # sub-chunk of the intra-chunk scores (fla's secondary chunks): the p
 # Tokens processed at once: the intra-chunk temporaries ([H, n, C, 16, K] on the diagonal) are sized by this
 # block, not by the sequence, so a long prompt costs the working memory of a short one.
 _BLOCK = 1024
+# Largest decay (nats) within a sub-chunk for which its diagonal block is factored into one matmul: the factor
+# exp(-c) reaches e^30 ~ 1e13, far inside fp32; beyond it (a gate of -2 a token and more, over 16 tokens) the
+# block is summed pairwise in log space. The layer's gates (logsigmoid / 16) rarely get there.
+_FACTOR_MAX = 30.0
 
 
 def _check_shapes(q, k, v, g, lead: int) -> None:
@@ -84,14 +88,21 @@ def _intra(q, k, g, s):
     ns = C // s
     qs, ks, gs = (x.reshape(*lead, ns, s, K) for x in (q, k, g))
     cl = gs.cumsum(-2)  # running log decay inside each sub-chunk
-    # diagonal sub-chunks, pairwise: sum_d q_id k_jd exp(c_id - c_jd) for j <= i   [.., ns, s, s]
-    # in place where nothing is differentiated (inference: one [.., s, s, K] temporary); out of place under
-    # autograd (a GLA model training), which needs what the in-place forms overwrite
-    decay = cl[..., :, None, :] - cl[..., None, :, :]
-    kd = (decay.clamp(max=0.0).exp() * ks[..., None, :, :] if torch.is_grad_enabled()
-          else decay.clamp_(max=0.0).exp_().mul_(ks[..., None, :, :]))  # k_j exp(c_i - c_j)  [.., i, j, K]
-    diag = torch.matmul(kd, qs[..., :, :, None]).squeeze(-1)  # . q_i over K  [.., i, j]
-    del decay, kd
+    # diagonal sub-chunks: sum_d q_id k_jd exp(c_id - c_jd) for j <= i   [.., ns, s, s]
+    if -float(cl.detach()[..., -1, :].min()) <= _FACTOR_MAX:
+        # every sub-chunk decays by at most e^-_FACTOR_MAX: factored through its start, (q exp(c)) (k exp(-c))^T,
+        # one matmul; k exp(-c) <= e^_FACTOR_MAX, and each product q_i k_j exp(c_i - c_j) (j <= i) is as exact
+        # as the pairwise one (those above the diagonal may be large, never inf, and are masked out)
+        diag = torch.matmul(qs * cl.exp(), (ks * (-cl).exp()).transpose(-1, -2))
+    else:
+        # pairwise in log space (what fla's chunk_gla does on the diagonal). In place where nothing is
+        # differentiated (inference: one [.., s, s, K] temporary); out of place under autograd (a GLA model
+        # training), which needs what the in-place forms overwrite
+        decay = cl[..., :, None, :] - cl[..., None, :, :]
+        kd = (decay.clamp(max=0.0).exp() * ks[..., None, :, :] if torch.is_grad_enabled()
+              else decay.clamp_(max=0.0).exp_().mul_(ks[..., None, :, :]))  # k_j exp(c_i - c_j)  [.., i, j, K]
+        diag = torch.matmul(kd, qs[..., :, :, None]).squeeze(-1)  # . q_i over K  [.., i, j]
+        del decay, kd
     A = q.new_zeros(*lead, ns, s, ns, s)
     tri = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     idx = torch.arange(ns, device=q.device)

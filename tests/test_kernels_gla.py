@@ -62,6 +62,18 @@ def test_strong_decays_stay_finite_and_exact():
     assert torch.isfinite(o).all() and rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
 
 
+@pytest.mark.parametrize("factor_max", [0.0, float("inf")])
+def test_both_forms_of_the_diagonal_blocks_agree(monkeypatch, factor_max):
+    """The diagonal sub-chunk blocks summed pairwise in log space (forced: factor_max 0) and factored into one
+    matmul (forced: inf; the default for mild decays) give the reference."""
+    q, k, v, g, s0 = _inputs(2, 70, 2, 16, 8, strength=0.5)
+    assert -g.sum(1).min() > 1.0  # decays that matter
+    monkeypatch.setattr(gla, "_FACTOR_MAX", factor_max)
+    o_ref, s_ref = kernels.gla_ref(q, k, v, g, initial_state=s0)
+    o, s = kernels.gla_chunk(q, k, v, g, initial_state=s0)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+
 @pytest.mark.parametrize("chunk_size", [16, 24, 32])  # 24: not a multiple of the sub-chunk (one block per chunk)
 def test_chunk_size_and_block_change_nothing(monkeypatch, chunk_size):
     """Other chunk sizes and a block boundary inside the sequence (the walk carries the state across blocks)."""
