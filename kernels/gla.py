@@ -9,11 +9,13 @@ Recurrence (per head): ``S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t``, ``o_t = q_t
 
 Chunked form (chunks of C tokens, ``c`` the running log decay inside a chunk, per key dim, inclusive): from the
 state ``S`` at a chunk's start, ``O = (Q * exp(c)) S + A V`` with ``A_ij = sum_d q_id k_jd exp(c_id - c_jd)``
-(``j <= i``), and ``S <- diag(exp(c_C)) S + (K * exp(c_C - c))^T V``. Every exponent used is <= 0, so nothing
-overflows whatever the decay: ``A`` is built as fla's ``chunk_gla`` builds it, in sub-chunks of 16 tokens; a
-block below the diagonal, sub-chunk I against an earlier J, factors through the log decay ``r`` at the end of
-sub-chunk I-1 (``exp(c_i - c_j) = exp(c_i - r) exp(r - c_j)``, both factors <= 1), so it is one matmul; the
-16 x 16 blocks on the diagonal are summed pairwise in log space. Accumulation is fp32 whatever the input dtype.
+(``j <= i``), and ``S <- diag(exp(c_C)) S + (K * exp(c_C - c))^T V``. No exponent used exceeds 0 (bar the
+bounded case below), so nothing overflows whatever the decay: ``A`` is built as fla's ``chunk_gla`` builds it,
+in sub-chunks of 16 tokens; a block below the diagonal, sub-chunk I against an earlier J, factors through the
+log decay ``r`` at the end of sub-chunk I-1 (``exp(c_i - c_j) = exp(c_i - r) exp(r - c_j)``, both factors
+<= 1), so it is one matmul; the 16 x 16 blocks on the diagonal are one matmul through the sub-chunk's start
+when no sub-chunk decays by more than e^-30 (the factor exp(-c) then stays below e^30), else summed pairwise in
+log space. Accumulation is fp32 whatever the input dtype.
 """
 
 from __future__ import annotations
