@@ -115,3 +115,26 @@ def test_unknown_option_is_refused_by_name():
 def test_unused_section_is_not_validated():
     """A pattern without ``L`` does not check the gla section (as every other kind)."""
     HybridConfig(vocab_size=32, d_model=32, pattern="*-", gla=GLAConfig(n_heads=3))
+
+
+def test_int8_state_step_is_the_step_on_the_dequantised_state_within_the_code_bound():
+    """Compressed state: a GLA step on an int8 pool (its spec's groups: one scale per head and key row) is the fp32
+    step on the dequantised rows, re-quantised: output equal, new state within half a code of each row's scale."""
+    from hybrid.cache import StatePool
+
+    cfg = recipes.get("gla-tiny")
+    spec = GLA.cache_spec(cfg, CacheDtypes.for_dtype(torch.float32, ssm=torch.int8)).states[0]
+    assert spec.dtype == torch.int8 and spec.groups == 4 * 8
+    pool = StatePool(spec.shape, spec.dtype, 5, spec.groups)
+    slots = torch.tensor([4, 1])
+    pool.write(slots, torch.randn(2, *spec.shape) * torch.tensor([0.01, 1.0, 10.0, 100.0])[None, :, None, None])
+    before = pool.read(slots).clone()
+    q, k, g = torch.randn(2, 4, 8), torch.randn(2, 4, 8), F.logsigmoid(torch.randn(2, 4, 8)) / 16
+    v = torch.randn(2, 4, 16)
+    y = pool.step(kernels.gla_step, q, k, v, g, slots=slots)
+    expect = before.clone()
+    y_ref = kernels.gla_step_ref(expect, q, k, v, g)
+    torch.testing.assert_close(y, y_ref)
+    bound = 0.5 * expect.abs().amax(-1, keepdim=True) / 127  # per (head, key row), the spec's groups
+    assert ((pool.read(slots) - expect).abs() <= bound * (1 + 1e-5) + 1e-7).all()
+    assert pool.data.dtype == torch.int8 and not torch.equal(pool.read(slots), expect)  # really re-quantised
