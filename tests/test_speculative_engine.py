@@ -264,9 +264,10 @@ def test_speculation_on_compressed_and_pruned_caches(recipe, kv_dtype, state_dty
     from hybrid.kv_pruning import StreamingLLM
 
     if recipe == "gla-hybrid-tiny" and state_dtype == "int8":
-        # the near-tie this docstring warns of: with an int8 state, GLA's 4th prompt flips a token at position 9
-        # (the verify rounds its working copy once, the plain engine per token); all tokens still come back
-        pytest.skip("int8 GLA state: greedy tokens not exact by construction, a near-tie flips on this seed")
+        # what this docstring warns of: with an int8 state the verify rounds its working copy once, the plain
+        # engine after every token; on this seed GLA's 4th prompt then differs at one token (position 9; the
+        # logit margin there not measured). Every other dtype pair, and int8 in test_cache_compression, holds.
+        pytest.skip("int8 GLA state: greedy tokens not exact by construction; one token differs on this seed")
     target = tiny(recipe)
     prompts = prompts_of([4, 6, 5, 40, 33])
     prune = None if window is None else StreamingLLM(sinks=4, window=window)
