@@ -141,7 +141,7 @@ def family_config(size: str, share: float, n_mixers: int, vocab_size: int,
     mlp=False)`` -- ``n_mixers`` Mamba-2/attention mixers with no MLPs between them, as Zoology
     compares sequence mixers -- with its vocabulary cut to the MQAR tokens (an MQAR model never sees
     any other id) and, if given, ``init_std`` as its initializer range. ``mixer``: the constant-state mixer
-    (``recipes.FAMILY_MIXERS``: ``mamba2`` or ``gdn``)."""
+    (``recipes.FAMILY_MIXERS``: ``mamba2``, ``gdn`` or ``gla``)."""
     from ..recipes import attention_family
 
     cfg = dataclasses.replace(attention_family(size, share, n_mixers, mlp=False, mixer=mixer), vocab_size=vocab_size)

@@ -299,9 +299,9 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
     takes them; the timings use the default cache), then the four output files under ``output``. ``lock``: a file
     held with an exclusive ``flock`` while timing (not while training), so that on a shared machine
     no two benchmarks that take the same lock run at once. ``mixer``: the family's constant-state mixer
-    (``recipes.FAMILY_MIXERS``: ``mamba2`` or ``gdn``; MQAR family only, checkpoints are what they are)."""
+    (``recipes.FAMILY_MIXERS``: ``mamba2``, ``gdn`` or ``gla``; MQAR family only, checkpoints are what they are)."""
     from .. import from_pretrained
-    from ..recipes import FAMILY_MIXERS, attention_family
+    from ..recipes import FAMILY_MIXER_NAMES, FAMILY_MIXERS, attention_family
     from .tradeoff_report import write_report
 
     t_start = time.perf_counter()
@@ -364,7 +364,7 @@ def run(*, checkpoints: list[str] | None = None, tasks: list[str] | None = None,
         acc_state = HybridLM(acc_cfg).cache_spec().state_bytes_per_sequence  # its conv + SSM state, fp32
         speed_cfg = attention_family(speed_size, 0.0, n_blocks, mixer=mixer)
         fam = "" if mixer == "mamba2" else f", mixer='{mixer}'"  # the default's text as it always was
-        pure = {"mamba2": "Mamba-2", "gdn": "Gated DeltaNet"}[mixer]
+        pure = FAMILY_MIXER_NAMES[mixer]
         settings.update(source="mqar", mixer=mixer, size=size, speed_size=speed_size, n_blocks=n_blocks,
                         seeds=list(seeds),
                         train=asdict(train), long_shares=list(long_shares),

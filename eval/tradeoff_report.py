@@ -82,7 +82,9 @@ def claim_lines(members: list[dict], settings: dict) -> list[str]:
         c = cuts(low, ref)
         first, interp = crossing(c["prefill"])
         longest = max(c["prefill"]) if c["prefill"] else None
-        pure = {"gdn": "Pure Gated DeltaNet"}.get(settings.get("mixer"), "Pure Mamba-2")
+        from ..recipes import FAMILY_MIXER_NAMES  # checkpoints' reports (no mixer setting) read as Mamba-2's
+
+        pure = "Pure " + FAMILY_MIXER_NAMES.get(settings.get("mixer") or "mamba2", "Mamba-2")
         if first is None:
             at = f" ({100 * c['prefill'][longest]:.0f}% at {_k(longest)})" if longest else ""
             lines.append(f"{pure} (`{low['model']}`) does not reach an {TARGET_CUT:.0%} prefill-latency "

@@ -295,6 +295,98 @@ class GatedDeltaNetConfig(SubConfig):
                f"gated_deltanet.A_init_range must be (lo, hi) with 0 < lo <= hi, got {self.A_init_range}")
 
 
+# fla's GatedLinearAttention options that are kernel choices (its ``mode``: chunk / fused_chunk / fused_recurrent,
+# all the same recurrence) have no field here: an unknown field is refused by name by from_dict.
+GLA_GATE_FNS = ("swish",)  # fla's default output-gate activation (silu), the one its fused norm-and-gate takes
+
+
+@dataclass(frozen=True, kw_only=True)
+class GLAConfig(SubConfig):
+    """GLA mixer (``L``, gated linear attention) as flash-linear-attention's ``GatedLinearAttention``: ``n_heads``
+    heads with a ``[head_k_dim, head_v_dim]`` state each (``key_dim = d_model * expand_k`` split over the heads,
+    likewise ``value_dim``), a per-key-dim decay ``logsigmoid(low-rank(x)) / gate_logit_normalizer``, an output
+    gate ``silu(g_proj(x))`` after a per-head RMSNorm, ``n_kv_heads`` key/value/decay heads each shared by
+    ``n_heads / n_kv_heads`` query heads, an optional ``d_conv``-tap causal conv (SiLU) on q/k/v."""
+
+    section: ClassVar[str] = "gla"
+    symbol: ClassVar[str] = "L"
+    mixer: ClassVar[bool] = True
+
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: n_heads
+    expand_k: float = 0.5
+    expand_v: float = 1.0
+    key_dim: int | None = None  # None: int(d_model * expand_k) (fla's); a saved config states it
+    value_dim: int | None = None  # None: int(d_model * expand_v)
+    gate_low_rank_dim: int = 16
+    gate_logit_normalizer: float = 16.0
+    clamp_min: float | None = None  # lower bound of the log decay (fla's clamp_min); None: none
+    use_output_gate: bool = True
+    gate_fn: str = "swish"
+    elementwise_affine: bool = True  # the per-head norm has a weight
+    norm_eps: float = 1e-5
+    # fla fuses the norm and the swish gate into one kernel when True; the two compute the same function, so this
+    # is recorded (a config from fla keeps it) and changes nothing here
+    fuse_norm: bool = True
+    feature_map: str | None = None  # fla's optional feature map on q and k; only None (its default) is supported
+    use_short_conv: bool = False
+    d_conv: int = 4  # fla's conv_size
+    conv_bias: bool = False
+    chunk_size: int = 64  # chunk of the chunked prefill
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.key_dim // self.n_heads
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.value_dim // self.n_heads
+
+    @property
+    def kv_key_dim(self) -> int:
+        """Width of k and of the decay gate (the ``n_kv_heads`` shared heads)."""
+        return self.n_kv_heads * self.head_k_dim
+
+    @property
+    def kv_value_dim(self) -> int:
+        return self.n_kv_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short conv (and of its state): q, k and v."""
+        return self.key_dim + self.kv_key_dim + self.kv_value_dim
+
+    def resolved(self, d_model: int) -> GLAConfig:
+        return dataclasses.replace(
+            self, n_kv_heads=self.n_kv_heads if self.n_kv_heads is not None else self.n_heads,
+            key_dim=self.key_dim if self.key_dim is not None else int(d_model * self.expand_k),
+            value_dim=self.value_dim if self.value_dim is not None else int(d_model * self.expand_v))
+
+    def _validate(self) -> None:
+        for name in ("n_heads", "n_kv_heads", "key_dim", "value_dim", "gate_low_rank_dim", "chunk_size"):
+            _check(getattr(self, name) >= 1, f"gla.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("key_dim", "value_dim"):
+            _check(getattr(self, name) % self.n_heads == 0,
+                   f"gla.{name} ({getattr(self, name)}: d_model x gla.expand_{name[0]} unless set) must be a multiple "
+                   f"of gla.n_heads ({self.n_heads})")
+        _check(self.n_heads % self.n_kv_heads == 0,
+               f"gla.n_heads ({self.n_heads}) must be a multiple of gla.n_kv_heads ({self.n_kv_heads}): each "
+               f"key/value head serves a whole number of heads")
+        _check(self.gate_logit_normalizer > 0,
+               f"gla.gate_logit_normalizer must be > 0, got {self.gate_logit_normalizer}")
+        _check(self.clamp_min is None or self.clamp_min < 0,
+               f"gla.clamp_min bounds a log decay (<= 0) from below: it must be None or < 0, got {self.clamp_min}")
+        _check(self.gate_fn in GLA_GATE_FNS,
+               f"gla.gate_fn {self.gate_fn!r} is not supported; choose one of {GLA_GATE_FNS}")
+        _check(self.feature_map is None,
+               f"gla.feature_map {self.feature_map!r} is not supported; only None (fla's default: q and k as "
+               f"projected)")
+        _check(self.norm_eps > 0, f"gla.norm_eps must be > 0, got {self.norm_eps}")
+        _check(not self.use_short_conv or self.d_conv >= 2,
+               f"gla.d_conv must be >= 2 with use_short_conv (a causal conv keeps d_conv - 1 inputs), got "
+               f"{self.d_conv}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class MLPConfig(SubConfig):
     """MLP (``-``): ``down(act(gate(x)) * up(x))`` when gated (SwiGLU), else ``down(act(up(x)))``."""
@@ -357,7 +449,7 @@ class MoEConfig(SubConfig):
 @dataclass(frozen=True, kw_only=True)
 class HybridConfig:
     """Whole-model configuration. ``pattern`` has one symbol per residual sub-layer
-    (``M`` Mamba-2, ``m`` Mamba-1, ``G`` Gated DeltaNet, ``*`` attention, ``-`` MLP, ``E`` mixture-of-experts
+    (``M`` Mamba-2, ``m`` Mamba-1, ``G`` Gated DeltaNet, ``L`` GLA, ``*`` attention, ``-`` MLP, ``E`` mixture-of-experts
     MLP)."""
 
     vocab_size: int
@@ -367,6 +459,7 @@ class HybridConfig:
     mamba2: Mamba2Config = field(default_factory=Mamba2Config)
     mamba1: Mamba1Config = field(default_factory=Mamba1Config)
     gated_deltanet: GatedDeltaNetConfig = field(default_factory=GatedDeltaNetConfig)
+    gla: GLAConfig = field(default_factory=GLAConfig)
     mlp: MLPConfig = field(default_factory=MLPConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     norm_eps: float = 1e-5

@@ -1,9 +1,9 @@
 """The layer pattern language: one symbol per residual sub-layer.
 
 ``M`` Mamba-2 mixer, ``m`` Mamba-1 mixer, ``G`` Gated DeltaNet mixer (gated delta rule, as Qwen3-Next),
-``*`` GQA attention, ``-`` MLP, ``E`` mixture-of-experts
-MLP (top-k routed, as in Jamba). Each symbol is one
-pre-norm residual sub-layer (``x = x + f(norm(x))``), after Megatron-LM's hybrid models.
+``L`` GLA mixer (gated linear attention, as flash-linear-attention), ``*`` GQA attention, ``-`` MLP,
+``E`` mixture-of-experts MLP (top-k routed, as in Jamba). Each symbol is one pre-norm
+residual sub-layer (``x = x + f(norm(x))``), after Megatron-LM's hybrid models.
 """
 
 from __future__ import annotations

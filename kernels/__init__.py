@@ -10,6 +10,7 @@ Ops, by module:
 - ``selective_scan``: ``selective_scan``, ``selective_varlen_scan``, ``selective_step``
 - ``conv1d``: ``causal_conv1d``, ``causal_conv1d_varlen``, ``causal_conv1d_step``
 - ``gated_delta``: ``gated_delta_chunk`` (batched), ``gated_delta_varlen`` (packed), ``gated_delta_step``
+- ``gla``: ``gla_chunk`` (batched), ``gla_varlen`` (packed), ``gla_step`` (gated linear attention)
 - ``projection``: ``linear`` (the layers' projections; decode-sized ones through the native matrix-vector product)
 """
 
@@ -32,6 +33,7 @@ from .gated_delta import (
                      gated_delta_varlen,
                      gated_delta_varlen_ref,
 )
+from .gla import gla_chunk, gla_ref, gla_step, gla_step_ref, gla_varlen, gla_varlen_ref
 from .paged_attention import (
                      gather_kv,
                      paged_decode_attention,
@@ -57,7 +59,8 @@ __all__ = [
     "BackendError", "causal_attention", "causal_attention_ref", "causal_conv1d", "causal_conv1d_ref",
     "causal_conv1d_step", "causal_conv1d_step_ref", "causal_conv1d_varlen", "causal_conv1d_varlen_ref",
     "causal_mask", "dispatch", "gated_delta_chunk", "gated_delta_ref", "gated_delta_step", "gated_delta_step_ref",
-    "gated_delta_varlen", "gated_delta_varlen_ref", "gather_kv", "linear", "linear_ref", "paged_decode_attention",
+    "gated_delta_varlen", "gated_delta_varlen_ref", "gather_kv", "gla_chunk", "gla_ref", "gla_step", "gla_step_ref",
+    "gla_varlen", "gla_varlen_ref", "linear", "linear_ref", "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention", "paged_prefill_attention_ref", "selective_scan", "selective_scan_ref",
     "selective_step", "selective_step_ref", "selective_varlen_scan", "selective_varlen_scan_ref",

@@ -49,6 +49,11 @@ PACKAGES = {
         "chunk": "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
         "recurrent": "fla.ops.gated_delta_rule:fused_recurrent_gated_delta_rule",
     }),
+    # the same distribution's GLA kernels, loaded apart so a version without them leaves the delta rule usable
+    "fla_gla": ("fla-core", {
+        "chunk": "fla.ops.gla:chunk_gla",
+        "recurrent": "fla.ops.gla:fused_recurrent_gla",
+    }),
 }
 _loaded: dict[str, dict[str, Callable] | str] = {}  # package -> its functions, or why it failed
 
@@ -78,6 +83,11 @@ def fla(name: str) -> Callable:
     return _fns("fla")[name]
 
 
+def fla_gla(name: str) -> Callable:
+    """flash-linear-attention's ``chunk`` or ``recurrent`` gated linear attention (imported on first use)."""
+    return _fns("fla_gla")[name]
+
+
 def probe(package: str) -> Callable[[], str | None]:
     """A dispatch probe: None when ``package`` imports with its CUDA code, else the remembered reason."""
     def check() -> str | None:
@@ -100,7 +110,9 @@ def versions() -> dict[str, str]:
             out[dist] = "not installed"
             continue
         loaded = _load(package) if torch.cuda.is_available() else "not imported (no CUDA device)"
-        out[dist] = version if not isinstance(loaded, str) else f"{version}, {loaded}"
+        line = version if not isinstance(loaded, str) else f"{version}, {loaded}"
+        if dist not in out or out[dist] == version:  # fla-core has two groups: a failure of either shows
+            out[dist] = line
     return out
 
 

@@ -18,18 +18,26 @@ Each family comes at three sizes: ``tiny`` (d_model 64, byte vocab; for tests, s
 | gdn           | ``G`` repeated (Gated DeltaNet)           | flash-linear-attention GDN    |
 | qwen3next-like| ``G-G-G-*-`` (3 Gated DeltaNet : 1 attn)  | Qwen3-Next (dense MLP, plain  |
 |               |                                           | GQA: no MoE, no output gate)  |
+| gla           | ``L-`` repeated (GLA + SwiGLU)            | flash-linear-attention GLA    |
+| gla-hybrid    | ``L-L-L-*-`` (3 GLA : 1 attn), GLA with   | fla GLA options: short conv,  |
+|               | the short conv and shared k/v heads       | num_kv_heads                  |
 
 The Gated DeltaNet state of each size holds as many elements as its Mamba-2 layer's SSM state (``small``:
-12 value heads x 128 x 128 = 1536 x 128), so the two mixers compare at equal state bytes.
+12 value heads x 128 x 128 = 1536 x 128), so the two mixers compare at equal state bytes. GLA takes fla's defaults
+(4 heads, ``expand_k`` 0.5, ``expand_v`` 1: ``small`` 4 x 96 x 192 per layer) and, as fla's GLA models, an MLP
+after each mixer; ``gla-hybrid`` turns on the options the plain family leaves off, so the tiny recipes cover both
+state layouts (``recurrent`` alone; ``conv`` and ``recurrent``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from ..config import (
     AttentionConfig,
     GatedDeltaNetConfig,
+    GLAConfig,
     HybridConfig,
     Mamba1Config,
     Mamba2Config,
@@ -46,12 +54,14 @@ _SIZES = {
                  # chunks of 16 so test prompts cross chunk boundaries of the chunked delta rule
                  gated_deltanet=GatedDeltaNetConfig(n_heads=4, n_k_heads=2, head_k_dim=16, head_v_dim=16,
                                                     chunk_size=16),
+                 gla=GLAConfig(n_heads=4, chunk_size=16),  # K 8, V 16; chunks of 16, as the delta rule's
                  mlp=MLPConfig(d_ff=128)),
     "small": dict(d_model=768, vocab_size=32000, tie_embeddings=True,
                   attention=AttentionConfig(n_heads=12, n_kv_heads=4, head_dim=64),
                   mamba2=Mamba2Config(d_state=128, head_dim=64, chunk_size=256),
                   mamba1=Mamba1Config(d_state=16),
                   gated_deltanet=GatedDeltaNetConfig(n_heads=12, n_k_heads=6, head_k_dim=128, head_v_dim=128),
+                  gla=GLAConfig(n_heads=4),
                   mlp=MLPConfig(d_ff=2048)),
     # GQA 8/2 x 64 as llama.cpp's Llama runs it; the head untied so every exporter and llama.cpp converter
     # writes the same separate output matrix; d_ff 1408 ~ 8/3 d_model, rounded to 64
@@ -60,6 +70,7 @@ _SIZES = {
                  mamba2=Mamba2Config(d_state=128, head_dim=64, chunk_size=256),
                  mamba1=Mamba1Config(d_state=16),
                  gated_deltanet=GatedDeltaNetConfig(n_heads=8, n_k_heads=4, head_k_dim=128, head_v_dim=128),
+                 gla=GLAConfig(n_heads=4),
                  mlp=MLPConfig(d_ff=1408)),
 }
 # Depth per size: (blocks for families with MLPs, layers for pure Mamba stacks)
@@ -133,6 +144,16 @@ def _qwen3next_like(size):
     return _make(size, blocks_pattern(_DEPTH[size][0], "G", attn_every=4))
 
 
+def _gla(size):
+    return _make(size, "L-" * _DEPTH[size][0])
+
+
+def _gla_hybrid(size):
+    """Three GLA blocks then one attention block; the GLA with fla's short conv and 2 shared key/value heads."""
+    gla = dataclasses.replace(_SIZES[size]["gla"], n_kv_heads=2, use_short_conv=True)
+    return _make(size, blocks_pattern(_DEPTH[size][0], "L", attn_every=4), gla=gla)
+
+
 _FAMILIES: dict[str, Callable[[str], HybridConfig]] = {
     "llama": _llama,
     "mamba2": _mamba2,
@@ -144,6 +165,8 @@ _FAMILIES: dict[str, Callable[[str], HybridConfig]] = {
     "samba": _samba,
     "gdn": _gdn,
     "qwen3next-like": _qwen3next_like,
+    "gla": _gla,
+    "gla-hybrid": _gla_hybrid,
 }
 
 
@@ -160,13 +183,15 @@ def get(name: str) -> HybridConfig:
 
 
 # The constant-state mixers a tradeoff family can be built with (``hybrid tradeoff --mixer``): name -> symbol
-FAMILY_MIXERS = {"mamba2": "M", "gdn": "G"}
+FAMILY_MIXERS = {"mamba2": "M", "gdn": "G", "gla": "L"}
+# how the tradeoff report names a family's pure constant-state member
+FAMILY_MIXER_NAMES = {"mamba2": "Mamba-2", "gdn": "Gated DeltaNet", "gla": "GLA"}
 
 
 def attention_family(size: str, share: float, n_blocks: int = 8, *, mlp: bool = True,
                      mixer: str = "mamba2") -> HybridConfig:
     """One member of a same-width family whose attention share of mixers is ``share`` (0..1):
-    ``n_blocks`` blocks of (mixer, MLP), ``mixer`` (a name of ``FAMILY_MIXERS``: Mamba-2 or Gated DeltaNet)
+    ``n_blocks`` blocks of (mixer, MLP), ``mixer`` (a name of ``FAMILY_MIXERS``: Mamba-2, Gated DeltaNet or GLA)
     for the constant-state mixers, attention spread evenly; ``mlp=False``: the mixers alone (``MMM*`` instead
     of ``M-M-M-*-``), the pure sequence-mixer stacks of the MQAR accuracy family."""
     if size not in _SIZES:

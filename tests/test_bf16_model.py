@@ -26,11 +26,12 @@ def _reference_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "causal_conv1d", kernels.causal_conv1d_ref)
     monkeypatch.setattr(kernels, "gated_delta_chunk", lambda q, k, v, g, beta, *, chunk_size, **kw:
                         kernels.gated_delta_ref(q, k, v, g, beta, **kw))
+    monkeypatch.setattr(kernels, "gla_chunk", lambda q, k, v, g, *, chunk_size, **kw: kernels.gla_ref(q, k, v, g, **kw))
     monkeypatch.setattr(kernels, "causal_attention", kernels.causal_attention_ref)
 
 
 @pytest.mark.parametrize("recipe", ["mamba2-tiny", "hybrid-1to7-tiny", "jamba-moe-tiny", "mamba1-tiny",
-                                    "nemotronh-tiny", "gdn-tiny"])
+                                    "nemotronh-tiny", "gdn-tiny", "gla-tiny", "gla-hybrid-tiny"])
 def test_bf16_logits_within_bf16_noise_of_fp32(monkeypatch, recipe):
     model = HybridLM(recipes.get(recipe)).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 75))  # several SSD chunks (16), a partial last one

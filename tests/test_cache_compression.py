@@ -337,7 +337,7 @@ PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(n)] for i, n in enumerate([9, 2
 
 
 @pytest.mark.parametrize("kv,state", DTYPE_PAIRS)
-@pytest.mark.parametrize("name", ["jamba-tiny", "hybrid-1to7-tiny"])
+@pytest.mark.parametrize("name", ["jamba-tiny", "hybrid-1to7-tiny", "gla-hybrid-tiny"])
 def test_engine_invariants_under_each_dtype(name, kv, state):
     model = _peaked(name)
     kw = dict(block_size=4, kv_dtype=kv, state_dtype=state)

@@ -145,15 +145,16 @@ def test_hybrid_member_learns_the_lookup_past_the_copy_plateau():
     assert after[8] > 0.5, after  # well past copying some value (1/8)
 
 
-def test_gdn_family_groups_by_what_the_layer_classes_declare():
-    """--mixer gdn: the Gated DeltaNet mixers of a hybrid get the constant-state lr (no kind named in mqar.py), a
-    pure G stack trains at the full lr, and the family's patterns use G where the default uses M."""
+@pytest.mark.parametrize("mixer,sym", [("gdn", "G"), ("gla", "L")])
+def test_linear_attention_families_group_by_what_the_layer_classes_declare(mixer, sym):
+    """--mixer gdn / gla: the Gated DeltaNet / GLA mixers of a hybrid get the constant-state lr (no kind named in
+    mqar.py), a pure stack trains at the full lr, and the family's patterns use G / L where the default uses M."""
     cfg = mqar.TrainConfig(lr=1e-3, mamba_lr_scale=0.25)
-    hybrid = mqar.build_model("tiny", 0.5, 2, cfg, "gdn")
-    assert hybrid.config.pattern == "G*"
+    hybrid = mqar.build_model("tiny", 0.5, 2, cfg, mixer)
+    assert hybrid.config.pattern == sym + "*"
     scaled = {id(p) for g in mqar.param_groups(hybrid, cfg) if g["lr"] == 0.25e-3 for p in g["params"]}
     assert scaled == {id(p) for p in hybrid.layers[0].mixer.parameters()}
-    pure = mqar.build_model("tiny", 0.0, 2, cfg, "gdn")
-    assert pure.config.pattern == "GG" and {g["lr"] for g in mqar.param_groups(pure, cfg)} == {1e-3}
+    pure = mqar.build_model("tiny", 0.0, 2, cfg, mixer)
+    assert pure.config.pattern == sym * 2 and {g["lr"] for g in mqar.param_groups(pure, cfg)} == {1e-3}
     with pytest.raises(ValueError, match="unknown family mixer"):
-        mqar.family_config("tiny", 0.0, 2, 256, mixer="gla")
+        mqar.family_config("tiny", 0.0, 2, 256, mixer="rwkv7")

@@ -65,18 +65,20 @@ def test_tradeoff_micro_writes_json_csv_markdown_png(tmp_path, capsys):
     assert (out / "tradeoff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_tradeoff_mixer_gdn_builds_the_family_with_gated_deltanet(tmp_path):
-    """--mixer gdn: the same report, the constant-state mixers of both the MQAR and the timed models are G."""
-    out = tmp_path / "gdn"
-    main(["tradeoff", "--mixer", "gdn", "--shares", "0", "0.5", "--n-blocks", "2", "--seeds", "0", "--steps", "2",
+@pytest.mark.parametrize("mixer,sym,name", [("gdn", "G", "Gated DeltaNet"), ("gla", "L", "GLA")])
+def test_tradeoff_mixer_builds_the_family_with_that_mixer(tmp_path, mixer, sym, name):
+    """--mixer gdn / gla: the same report, the constant-state mixers of both the MQAR and the timed models are
+    G / L, and the report names the pure member by the mixer's name."""
+    out = tmp_path / mixer
+    main(["tradeoff", "--mixer", mixer, "--shares", "0", "0.5", "--n-blocks", "2", "--seeds", "0", "--steps", "2",
           "--train-batch", "4", "--train-kv-pairs", "2", "--kv-pairs", "2", "--eval-sequences", "4",
           "--speed-size", "tiny", "--lengths", "16", "--long-lengths", "--long-shares", "--chunk", "16",
           "--repeats", "1", "--warmup", "0", "--threads", "1", "--output", str(out)])
     report = json.loads((out / "tradeoff.json").read_text())
-    assert report["settings"]["mixer"] == "gdn"
+    assert report["settings"]["mixer"] == mixer
     assert [(m["acc_pattern"], m["speed_model"]["pattern"]) for m in report["members"]] == [
-        ("GG", "G-G-"), ("G*", "G-*-")]
-    assert "Pure Gated DeltaNet (`attn=0`)" in (out / "tradeoff.md").read_text()
+        (sym * 2, f"{sym}-{sym}-"), (sym + "*", f"{sym}-*-")]
+    assert f"Pure {name} (`attn=0`)" in (out / "tradeoff.md").read_text()
 
 
 def test_tradeoff_rejects_long_shares_outside_the_family(tmp_path):

@@ -85,10 +85,12 @@ def noisy_copy(model, scale, seed=5):
     return other
 
 
-@pytest.mark.parametrize(("name", "noise"), [("hybrid-1to7-tiny", 0.02), ("jamba-tiny", 0.05)])
+@pytest.mark.parametrize(("name", "noise"), [("hybrid-1to7-tiny", 0.02), ("jamba-tiny", 0.05),
+                                             ("gla-hybrid-tiny", 0.02)])
 def test_rolled_back_state_equals_the_state_of_decoding_the_kept_tokens(name, noise):
     """After verify steps that accepted some drafts and rejected others, each request's Mamba conv and SSM
-    states and its KV entries equal those of a plain engine that computed the same tokens."""
+    states (GLA's conv and recurrent ones) and its KV entries equal those of a plain engine that computed the
+    same tokens."""
     target = tiny(name)
     draft = noisy_copy(target, noise)  # agrees with the target often, not always: partial acceptance
     spec = SpeculativeConfig(method="draft", draft_model=draft, num_tokens=4)
@@ -106,10 +108,9 @@ def test_rolled_back_state_equals_the_state_of_decoding_the_kept_tokens(name, no
     preq = plain.requests[pid]
     assert preq.num_computed == req.num_computed
     a, b = engine.cache_manager.state_slot(rid), plain.cache_manager.state_slot(pid)
-    for (conv, ssm), (pconv, pssm) in zip(engine.cache.ssm.pools.values(), plain.cache.ssm.pools.values(),
-                                          strict=True):
-        torch.testing.assert_close(conv[a], pconv[b], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(ssm[a], pssm[b], rtol=1e-4, atol=1e-5)
+    for states, pstates in zip(engine.cache.ssm.pools.values(), plain.cache.ssm.pools.values(), strict=True):
+        for t, pt in zip(states, pstates, strict=True):  # each state tensor the layer's spec names
+            torch.testing.assert_close(t[a], pt[b], rtol=1e-4, atol=1e-5)
     m, pm = engine.cache_manager, plain.cache_manager
     n = req.num_computed
     assert len(m.block_table(rid)) == m.kv.blocks_for(n), "rejected tokens' blocks were given back"

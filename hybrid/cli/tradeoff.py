@@ -23,8 +23,11 @@ def add_parser(sub) -> None:
                    help="width the same patterns are timed and sized at (recipes.attention_family size)")
     p.add_argument("--n-blocks", type=int, default=4,
                    help="mixers per family member (timed models: blocks of mixer + MLP; MQAR models: mixers only)")
-    p.add_argument("--mixer", default="mamba2", choices=["mamba2", "gdn"],
-                   help="the family's constant-state mixer (recipes.FAMILY_MIXERS): Mamba-2 (M) or Gated DeltaNet (G)")
+    from ..recipes import FAMILY_MIXER_NAMES, FAMILY_MIXERS  # the table of mixers a family can be built with
+
+    p.add_argument("--mixer", default="mamba2", choices=sorted(FAMILY_MIXERS),
+                   help="the family's constant-state mixer (recipes.FAMILY_MIXERS): " + ", ".join(
+                       f"{FAMILY_MIXER_NAMES[m]} ({s})" for m, s in FAMILY_MIXERS.items()))
     p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="attention shares of the family members")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="MQAR training seeds per member")

@@ -1,1 +1,1 @@
-"""Model layers: norms, RoPE, attention, Mamba-2 and Mamba-1 mixers, MLP."""
+"""Model layers: norms, RoPE, attention, the Mamba-2, Mamba-1, Gated DeltaNet and GLA mixers, MLP, MoE."""

@@ -12,13 +12,14 @@ from ..config import SUBCONFIGS, HybridConfig
 from ..specs import CacheDtypes, ModelCacheSpec
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
+from .gla import GLA
 from .mamba1 import Mamba1
 from .mamba2 import Mamba2
 from .mlp import MLP
 from .moe import MoE
 
 LAYER_CLASSES: dict[str, type[nn.Module]] = {
-    cls.kind: cls for cls in (Attention, Mamba2, Mamba1, GatedDeltaNet, MLP, MoE)}
+    cls.kind: cls for cls in (Attention, Mamba2, Mamba1, GatedDeltaNet, GLA, MLP, MoE)}
 # every config section (hybrid.config.SubConfig: a kind with a pattern symbol) needs its class here, and only those
 if set(LAYER_CLASSES) != set(SUBCONFIGS):
     raise TypeError(f"layer kinds with a config section but no layer class: "

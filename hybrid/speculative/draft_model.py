@@ -132,7 +132,8 @@ class DraftModelDrafter:
             self.computed[rid] = start + which
         if back_ids:
             pos = [self._ids.index(r) for r in back_ids]
-            saved = [[(c[pos], s[pos]) for c, s in snap] for snap in self._saved]
+            # each layer's saved rows, whatever state tensors its spec names (conv + SSM, recurrent alone, ...)
+            saved = [[tuple(t[pos] for t in states) for states in snap] for snap in self._saved]
             self.manager.load_states(back_ids, saved, back_which)
         for req in reqs:
             rid = req.request_id
