@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import HybridConfig
@@ -21,12 +22,19 @@ class CheckpointError(ValueError):
 
 def save_native(model, directory: str | Path) -> Path:
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     cfg = {"format": FORMAT_TAG, **model.config.to_dict()}
+    meta = {"format": "pt", "library": FORMAT_TAG}
+    if getattr(model, "quantization", None) is not None:  # torchao weights as their inner tensors
+        from .quantized_checkpoint import CONFIG_KEY, flatten
+
+        state, cfg[CONFIG_KEY] = flatten(model)  # refuses before anything is written
+        meta[CONFIG_KEY] = cfg[CONFIG_KEY]["method"]
+    else:
+        # safetensors refuses aliased tensors; tied models have no lm_head entry, so nothing is shared.
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
-    # safetensors refuses aliased tensors; tied models have no lm_head entry, so nothing is shared.
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt", "library": FORMAT_TAG})
+    save_file(state, str(directory / WEIGHTS_FILE), metadata=meta)
     return directory
 
 
@@ -38,6 +46,7 @@ def is_native(directory: str | Path) -> bool:
 def read_native_config(directory: str | Path) -> HybridConfig:
     raw = json.loads((Path(directory) / CONFIG_FILE).read_text())
     raw.pop("format", None)
+    raw.pop("quantization", None)  # hybrid.quantized_checkpoint's section, not part of the architecture
     return HybridConfig.from_dict(raw)
 
 
@@ -71,6 +80,13 @@ def load_native(directory: str | Path, *, dtype: torch.dtype | None = None,
     config = read_native_config(directory)
     with torch.device("meta"):
         model = HybridLM(config)
+    section = json.loads((directory / CONFIG_FILE).read_text()).get("quantization")
+    with safe_open(str(directory / WEIGHTS_FILE), "pt") as f:
+        written = (f.metadata() or {}).get("quantization")
+    if section is not None or written is not None:  # torchao weights, rebuilt from their inner tensors
+        from . import quantized_checkpoint as qc
+
+        return qc.load(model, directory / WEIGHTS_FILE, section, written, dtype=dtype, device=device).eval()
     state = load_file(str(directory / WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
     load_state_strict(model, state, str(directory / WEIGHTS_FILE))
     if dtype is not None:

@@ -35,7 +35,8 @@ def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
                     device: str | torch.device | None = None, torch_dtype: str | torch.dtype | None = None):
     """Load a checkpoint folder: our own format (:func:`save_pretrained`), or a Hugging Face /
     mamba_ssm checkpoint through the converter for its architecture (``hybrid.interop``). The
-    folder's tokenizer, if it has a ``tokenizer.json``, is attached as ``model.tokenizer``.
+    folder's tokenizer, if it has a ``tokenizer.json``, is attached as ``model.tokenizer``. A folder saved
+    from a quantised model loads quantised (its torchao weights as saved; ``model.quantization`` set).
     ``dtype`` (or transformers' older name ``torch_dtype``) is a torch dtype or its name; None or
     ``"auto"`` keeps the checkpoint's."""
     if torch_dtype is not None:
@@ -57,15 +58,16 @@ def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
 
 
 def save_pretrained(model, directory: str | Path, format: str = "hybrid") -> Path:
-    """Write ``directory``: ``format="hybrid"`` (ours: config.json + model.safetensors) or the name
+    """Write ``directory``: ``format="hybrid"`` (ours: config.json + model.safetensors; a model quantised by
+    :func:`hybrid.quantize` keeps its torchao weights, see :mod:`hybrid.quantized_checkpoint`) or the name
     of an export format of ``hybrid.interop`` (a checkpoint its home library loads; ``"hf"`` picks
-    the first one that is exact)."""
+    the first one that is exact; refused for a quantised model)."""
+    if format == "hybrid":  # a quantised model too: hybrid.quantized_checkpoint
+        return save_native(model, directory)
     method = getattr(model, "quantization", None)
     if method is not None:  # before anything is written: a half-written folder would lose nothing but confuse
-        raise ValueError(f"save_pretrained of a {method}-quantised model is not supported yet: save the model "
-                         f"before hybrid.quantize, and quantise after loading (hybrid.quantize(model, {method!r}) "
-                         f"or --quantize {method})")
-    if format == "hybrid":
-        return save_native(model, directory)
+        raise ValueError(f"save_pretrained(format={format!r}) of a {method}-quantised model is not supported: "
+                         f"that format holds unquantised weights. Save it in ours (format='hybrid' keeps the "
+                         f"quantisation), or export the model before hybrid.quantize")
     from .interop import export
     return export(model, directory, format)
