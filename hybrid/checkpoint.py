@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import HybridConfig
@@ -22,19 +21,12 @@ class CheckpointError(ValueError):
 
 def save_native(model, directory: str | Path) -> Path:
     directory = Path(directory)
-    cfg = {"format": FORMAT_TAG, **model.config.to_dict()}
-    meta = {"format": "pt", "library": FORMAT_TAG}
-    if getattr(model, "quantization", None) is not None:  # torchao weights as their inner tensors
-        from .quantized_checkpoint import CONFIG_KEY, flatten
-
-        state, cfg[CONFIG_KEY] = flatten(model)  # refuses before anything is written
-        meta[CONFIG_KEY] = cfg[CONFIG_KEY]["method"]
-    else:
-        # safetensors refuses aliased tensors; tied models have no lm_head entry, so nothing is shared.
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     directory.mkdir(parents=True, exist_ok=True)
+    cfg = {"format": FORMAT_TAG, **model.config.to_dict()}
     (directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file(state, str(directory / WEIGHTS_FILE), metadata=meta)
+    # safetensors refuses aliased tensors; tied models have no lm_head entry, so nothing is shared.
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt", "library": FORMAT_TAG})
     return directory
 
 
@@ -68,25 +60,23 @@ def load_state_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], so
     model.load_state_dict(state, strict=True, assign=True)
 
 
-def load_native(directory: str | Path, *, dtype: torch.dtype | None = None,
-                device: str | torch.device | None = None):
+def empty_model(directory: Path):
+    """The folder's HybridLM on the meta device (no memory), its files checked first."""
     from .model import HybridLM
 
-    directory = Path(directory)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (directory / name).is_file():
             raise CheckpointError(f"{directory} has no {name}; a hybrid-lm checkpoint folder holds "
                                   f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by save_pretrained)")
     config = read_native_config(directory)
     with torch.device("meta"):
-        model = HybridLM(config)
-    section = json.loads((directory / CONFIG_FILE).read_text()).get("quantization")
-    with safe_open(str(directory / WEIGHTS_FILE), "pt") as f:
-        written = (f.metadata() or {}).get("quantization")
-    if section is not None or written is not None:  # torchao weights, rebuilt from their inner tensors
-        from . import quantized_checkpoint as qc
+        return HybridLM(config)
 
-        return qc.load(model, directory / WEIGHTS_FILE, section, written, dtype=dtype, device=device).eval()
+
+def load_native(directory: str | Path, *, dtype: torch.dtype | None = None,
+                device: str | torch.device | None = None):
+    directory = Path(directory)
+    model = empty_model(directory)
     state = load_file(str(directory / WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
     load_state_strict(model, state, str(directory / WEIGHTS_FILE))
     if dtype is not None:

@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointError, is_native, load_native, save_native
+from .quantized_checkpoint import is_quantized
+from .quantized_checkpoint import load as load_quantized
+from .quantized_checkpoint import save as save_quantized
 from .tokenizer import load_tokenizer
 
 
@@ -49,8 +52,12 @@ def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; give the checkpoint folder")
-    model = load_native(path, dtype=dtype, device=device) if is_native(path) else \
-        load_foreign(path, dtype=dtype, device=device)
+    if not is_native(path):
+        model = load_foreign(path, dtype=dtype, device=device)
+    elif is_quantized(path):  # saved from a hybrid.quantize'd model: its torchao weights as they were
+        model = load_quantized(path, dtype=dtype, device=device)
+    else:
+        model = load_native(path, dtype=dtype, device=device)
     # the checkpoint's own tokenizer (tokenizer.json, special tokens from tokenizer_config.json and
     # generation_config.json), or None when the folder has none
     model.tokenizer = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
@@ -62,9 +69,9 @@ def save_pretrained(model, directory: str | Path, format: str = "hybrid") -> Pat
     :func:`hybrid.quantize` keeps its torchao weights, see :mod:`hybrid.quantized_checkpoint`) or the name
     of an export format of ``hybrid.interop`` (a checkpoint its home library loads; ``"hf"`` picks
     the first one that is exact; refused for a quantised model)."""
-    if format == "hybrid":  # a quantised model too: hybrid.quantized_checkpoint
-        return save_native(model, directory)
     method = getattr(model, "quantization", None)
+    if format == "hybrid":
+        return save_native(model, directory) if method is None else save_quantized(model, directory)
     if method is not None:  # before anything is written: a half-written folder would lose nothing but confuse
         raise ValueError(f"save_pretrained(format={format!r}) of a {method}-quantised model is not supported: "
                          f"that format holds unquantised weights. Save it in ours (format='hybrid' keeps the "

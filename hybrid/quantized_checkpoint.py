@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import importlib
 import json
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from .checkpoint import CheckpointError
+from .checkpoint import CONFIG_FILE, FORMAT_TAG, WEIGHTS_FILE, CheckpointError, empty_model, load_state_strict
 
 CONFIG_KEY = "quantization"
 METHODS = ("int8wo", "int4wo")  # as hybrid.quantize.METHODS; kept here so loading does not import torchao early
@@ -39,7 +42,7 @@ TENSOR_TYPES = {
 _FIX = "re-save the model with save_pretrained, or load the unquantised checkpoint and quantise it again"
 
 
-def is_plain(t: torch.Tensor) -> bool:
+def _is_plain(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
@@ -84,7 +87,7 @@ def flatten(model) -> tuple[dict[str, torch.Tensor], dict]:
 
     state, weights = {}, {}
     for name, t in model.state_dict().items():
-        if is_plain(t):
+        if _is_plain(t):
             # safetensors refuses aliased tensors; tied models have no lm_head entry, so nothing is shared.
             state[name] = t.detach().contiguous()
             continue
@@ -197,15 +200,39 @@ def unflatten(section, classes: dict, state: dict[str, torch.Tensor], source: st
     return out
 
 
-def load(model, path, section, written: str | None, *, dtype: torch.dtype | None, device) -> torch.nn.Module:
-    """Load the quantised checkpoint ``path`` (its config.json ``section``; ``written``: the method the
-    safetensors header names) into ``model``, built on the meta device: the stored int8 / packed int4
-    tensors become the weights as they are (no fp32 copy is made)."""
-    from safetensors.torch import load_file
+def is_quantized(directory: Path) -> bool:
+    """Whether a native checkpoint folder holds a quantised model: its config.json has our section, or its
+    safetensors header says so (the config's section lost: :func:`load` names that)."""
+    if CONFIG_KEY in json.loads((directory / CONFIG_FILE).read_text()):
+        return True
+    if not (directory / WEIGHTS_FILE).is_file():
+        return False
+    with safe_open(str(directory / WEIGHTS_FILE), "pt") as f:
+        return CONFIG_KEY in (f.metadata() or {})
 
-    from .checkpoint import load_state_strict
 
-    source = str(path.parent)
+def save(model, directory: str | Path) -> Path:
+    """Write a quantised ``model`` to ``directory`` in our format (config.json + model.safetensors, as
+    :func:`hybrid.checkpoint.save_native`), with its quantisation; everything is checked before writing."""
+    state, section = flatten(model)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = {"format": FORMAT_TAG, **model.config.to_dict(), CONFIG_KEY: section}
+    (directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(state, str(directory / WEIGHTS_FILE),
+              metadata={"format": "pt", "library": FORMAT_TAG, CONFIG_KEY: section["method"]})
+    return directory
+
+
+def load(directory: str | Path, *, dtype: torch.dtype | None = None, device=None) -> torch.nn.Module:
+    """Load a quantised checkpoint folder: the model is built on the meta device and the stored int8 / packed
+    int4 tensors become its weights as they are (no fp32 copy is made, nothing is quantised again)."""
+    directory = Path(directory)
+    model = empty_model(directory)
+    source, path = str(directory), directory / WEIGHTS_FILE
+    section = json.loads((directory / CONFIG_FILE).read_text()).get(CONFIG_KEY)
+    with safe_open(str(path), "pt") as f:
+        written = (f.metadata() or {}).get(CONFIG_KEY)
     if section is None:
         raise CheckpointError(f"{source}: its weights file is {written}-quantised but config.json has no "
                               f"{CONFIG_KEY!r} section (the torchao type and attributes of each weight); {_FIX}")
@@ -216,7 +243,7 @@ def load(model, path, section, written: str | None, *, dtype: torch.dtype | None
     state = unflatten(section, classes, load_file(str(path), device=str(device)), source, dtype=dtype)
     load_state_strict(model, state, str(path))
     finish(model, list(section["weights"]), method)
-    return model
+    return model.eval()
 
 
 def finish(model, quantized: list[str], method: str) -> None:
@@ -225,13 +252,3 @@ def finish(model, quantized: list[str], method: str) -> None:
     for name in quantized:
         model.get_parameter(name).requires_grad_(False)
     model.quantization = method
-
-
-def read_section(directory) -> dict | None:
-    """The config.json quantization section of a native checkpoint folder, or None if it is not quantised."""
-    from pathlib import Path
-
-    from .checkpoint import CONFIG_FILE
-
-    raw = json.loads((Path(directory) / CONFIG_FILE).read_text())
-    return raw.get(CONFIG_KEY)

@@ -57,6 +57,7 @@ def _quantised(model):
 def test_round_trip_is_exact(tmp_path, recipe, method):
     model = _model(recipe, method)
     q = _quantised(model)
+    assert q
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     plain = [m for m in linears if type(m.weight) is torch.nn.Parameter]
     if (recipe, method) == ("hybrid-1to7-tiny", "int4wo"):
