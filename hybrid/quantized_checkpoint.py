@@ -207,8 +207,11 @@ def is_quantized(directory: Path) -> bool:
         return True
     if not (directory / WEIGHTS_FILE).is_file():
         return False
-    with safe_open(str(directory / WEIGHTS_FILE), "pt") as f:
-        return CONFIG_KEY in (f.metadata() or {})
+    try:
+        with safe_open(str(directory / WEIGHTS_FILE), "pt") as f:
+            return CONFIG_KEY in (f.metadata() or {})
+    except Exception:  # an unreadable file: the plain loader names what is wrong (config first, then weights)
+        return False
 
 
 def save(model, directory: str | Path) -> Path:
