@@ -38,6 +38,7 @@ def is_native(directory: str | Path) -> bool:
 def read_native_config(directory: str | Path) -> HybridConfig:
     raw = json.loads((Path(directory) / CONFIG_FILE).read_text())
     raw.pop("format", None)
+    raw.pop("quantization", None)  # hybrid.quantized_checkpoint's section, not part of the architecture
     return HybridConfig.from_dict(raw)
 
 
@@ -59,18 +60,23 @@ def load_state_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], so
     model.load_state_dict(state, strict=True, assign=True)
 
 
-def load_native(directory: str | Path, *, dtype: torch.dtype | None = None,
-                device: str | torch.device | None = None):
+def empty_model(directory: Path):
+    """The folder's HybridLM on the meta device (no memory), its files checked first."""
     from .model import HybridLM
 
-    directory = Path(directory)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (directory / name).is_file():
             raise CheckpointError(f"{directory} has no {name}; a hybrid-lm checkpoint folder holds "
                                   f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by save_pretrained)")
     config = read_native_config(directory)
     with torch.device("meta"):
-        model = HybridLM(config)
+        return HybridLM(config)
+
+
+def load_native(directory: str | Path, *, dtype: torch.dtype | None = None,
+                device: str | torch.device | None = None):
+    directory = Path(directory)
+    model = empty_model(directory)
     state = load_file(str(directory / WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
     load_state_strict(model, state, str(directory / WEIGHTS_FILE))
     if dtype is not None:

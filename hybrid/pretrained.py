@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointError, is_native, load_native, save_native
+from .quantized_checkpoint import is_quantized
+from .quantized_checkpoint import load as load_quantized
+from .quantized_checkpoint import save as save_quantized
 from .tokenizer import load_tokenizer
 
 
@@ -35,7 +38,8 @@ def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
                     device: str | torch.device | None = None, torch_dtype: str | torch.dtype | None = None):
     """Load a checkpoint folder: our own format (:func:`save_pretrained`), or a Hugging Face /
     mamba_ssm checkpoint through the converter for its architecture (``hybrid.interop``). The
-    folder's tokenizer, if it has a ``tokenizer.json``, is attached as ``model.tokenizer``.
+    folder's tokenizer, if it has a ``tokenizer.json``, is attached as ``model.tokenizer``. A folder saved
+    from a quantised model loads quantised (its torchao weights as saved; ``model.quantization`` set).
     ``dtype`` (or transformers' older name ``torch_dtype``) is a torch dtype or its name; None or
     ``"auto"`` keeps the checkpoint's."""
     if torch_dtype is not None:
@@ -48,8 +52,12 @@ def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; give the checkpoint folder")
-    model = load_native(path, dtype=dtype, device=device) if is_native(path) else \
-        load_foreign(path, dtype=dtype, device=device)
+    if not is_native(path):
+        model = load_foreign(path, dtype=dtype, device=device)
+    elif is_quantized(path):  # saved from a hybrid.quantize'd model: its torchao weights as they were
+        model = load_quantized(path, dtype=dtype, device=device)
+    else:
+        model = load_native(path, dtype=dtype, device=device)
     # the checkpoint's own tokenizer (tokenizer.json, special tokens from tokenizer_config.json and
     # generation_config.json), or None when the folder has none
     model.tokenizer = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
@@ -57,15 +65,16 @@ def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
 
 
 def save_pretrained(model, directory: str | Path, format: str = "hybrid") -> Path:
-    """Write ``directory``: ``format="hybrid"`` (ours: config.json + model.safetensors) or the name
+    """Write ``directory``: ``format="hybrid"`` (ours: config.json + model.safetensors; a model quantised by
+    :func:`hybrid.quantize` keeps its torchao weights, see :mod:`hybrid.quantized_checkpoint`) or the name
     of an export format of ``hybrid.interop`` (a checkpoint its home library loads; ``"hf"`` picks
-    the first one that is exact)."""
+    the first one that is exact; refused for a quantised model)."""
     method = getattr(model, "quantization", None)
-    if method is not None:  # before anything is written: a half-written folder would lose nothing but confuse
-        raise ValueError(f"save_pretrained of a {method}-quantised model is not supported yet: save the model "
-                         f"before hybrid.quantize, and quantise after loading (hybrid.quantize(model, {method!r}) "
-                         f"or --quantize {method})")
     if format == "hybrid":
-        return save_native(model, directory)
+        return save_native(model, directory) if method is None else save_quantized(model, directory)
+    if method is not None:  # before anything is written: a half-written folder would lose nothing but confuse
+        raise ValueError(f"save_pretrained(format={format!r}) of a {method}-quantised model is not supported: "
+                         f"that format holds unquantised weights. Save it in ours (format='hybrid' keeps the "
+                         f"quantisation), or export the model before hybrid.quantize")
     from .interop import export
     return export(model, directory, format)

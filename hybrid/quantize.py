@@ -22,9 +22,16 @@ METHODS = ("int8wo", "int4wo")
 
 def quantize(model: torch.nn.Module, method: str) -> torch.nn.Module:
     """Quantise ``model``'s linear layers in place with torchao's weight-only ``method`` (see :data:`METHODS`);
-    returns the model."""
+    returns the model. A model already quantised with ``method`` is returned as it is; with another method,
+    refused. ``save_pretrained`` keeps the quantisation (:mod:`hybrid.quantized_checkpoint`)."""
     if method not in METHODS:
         raise ValueError(f"unknown quantisation {method!r}; choose one of {', '.join(METHODS)}")
+    done = getattr(model, "quantization", None)
+    if done == method:  # e.g. loaded from a quantised checkpoint: quantising again would change nothing
+        return model
+    if done is not None:
+        raise ValueError(f"the model is already {done}-quantised; quantise the unquantised model as {method} "
+                         "instead")
     try:
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
     except ImportError as e:

@@ -139,9 +139,12 @@ def test_lm_eval_model_scores_the_quantised_model():
         HybridEvalLM(recipe="llama-tiny", quantize="int2")
 
 
-def test_saving_a_quantised_model_is_refused_before_anything_is_written(tmp_path):
+def test_a_quantised_model_saves_and_loads_quantised(tmp_path):
+    """save_pretrained keeps the quantisation (the full round trip is tests/test_quantized_checkpoint.py)."""
     model = HybridLM(recipes.get("llama-tiny")).eval()
     hybrid.quantize(model, "int8wo")
-    with pytest.raises(ValueError, match="save the model before hybrid.quantize"):
-        hybrid.save_pretrained(model, tmp_path / "q")
-    assert not (tmp_path / "q").exists()
+    loaded = hybrid.from_pretrained(hybrid.save_pretrained(model, tmp_path / "q"))
+    assert loaded.quantization == "int8wo" and type(loaded.lm_head.weight).__name__ == "Int8Tensor"
+    x = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        assert torch.equal(loaded(x), model(x))

@@ -45,10 +45,15 @@ def add_dtype_device(p: argparse.ArgumentParser, *, device_help: str = "where th
                         "CPU: torchao's prototype int4 format)")
 
 
-def quantized(model, args):
-    """``model`` quantised as ``--quantize`` asks (in place), or as it is."""
+def quantized(model, args, where: str = "the model"):
+    """``model`` quantised as ``--quantize`` asks (in place), or as it is. A checkpoint folder saved quantised
+    loads quantised without the flag; a ``--quantize`` naming another method is refused."""
     method = getattr(args, "quantize", None)
-    if not method:
+    done = getattr(model, "quantization", None)
+    if done is not None and method and method != done:
+        raise CLIError(f"{where} is already {done}-quantised, so --quantize {method} cannot apply: drop "
+                       f"--quantize (it loads as {done}), or give the unquantised checkpoint")
+    if not method or done == method:
         return model
     from ..quantize import quantize
 
@@ -89,7 +94,7 @@ def models_from_args(args) -> dict:
         with torch.device(args.device):
             models[name] = quantized(HybridLM(config).to(dtype).eval(), args)
     for path in args.model or []:
-        models[path] = quantized(from_pretrained(path, dtype=dtype, device=args.device), args)
+        models[path] = quantized(from_pretrained(path, dtype=dtype, device=args.device), args, f"--model {path}")
     if not models:
         raise CLIError("give --recipe NAME (or all-small) and/or --model DIR")
     return models
@@ -145,7 +150,8 @@ def engine_model(args, *, seed: int):
         config = recipe_config(args.recipe)
         torch.manual_seed(seed)  # a recipe has random weights; the seed makes them reproducible
         return quantized(HybridLM(config).to(device=args.device, dtype=dtype).eval(), args), load_tokenizer(None)
-    return quantized(from_pretrained(args.model, dtype=dtype, device=args.device), args), load_tokenizer(args.model)
+    model = from_pretrained(args.model, dtype=dtype, device=args.device)
+    return quantized(model, args, f"--model {args.model}"), load_tokenizer(args.model)
 
 
 def speculative(args, model):
