@@ -3,6 +3,11 @@ against ``mamba2-small`` (issue 27's goal: >= 0.8x, fp32 and bf16) and the one-t
 mixers' state-update ops at equal state bytes (goal: GDN within 1.5x of Mamba-2).
 
     python -m benchmarks.gdn_vs_mamba2 --lengths 2048 8192 --dtypes fp32 bf16 --threads 2
+    python -m benchmarks.gdn_vs_mamba2 --lengths 32768 --dtypes fp32 --long-from 16384 --decode-batches
+
+Lengths from ``--long-from`` on take ``--long-repeats`` repeats after ``--long-warmup`` warm-up turns (default
+1 and 0: a 32K fp32 prefill of either model takes over a minute on 2 cores, bf16 several times that where the
+CPU has no native bf16).
 
 Prefill: ``model(ids, logits_to_keep=1)`` timed as ``hybrid bench`` does (min / median / max), GFLOP/s against
 each model's declared ``flops_per_token`` (every layer class declares its own). The two models take turns
@@ -29,7 +34,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @torch.inference_mode()
-def prefill_rows(lengths: list[int], dtypes: list[str], repeats: int) -> list[dict]:
+def prefill_rows(lengths: list[int], dtypes: list[str], repeats: int, *, long_from: int | None = None,
+                 long_repeats: int = 1, long_warmup: int = 0) -> list[dict]:
     rows = []
     for dname in dtypes:
         models = {}
@@ -39,7 +45,9 @@ def prefill_rows(lengths: list[int], dtypes: list[str], repeats: int) -> list[di
         for L in lengths:
             ids = torch.randint(0, 1000, (1, L))
             fns = {n: (lambda m=m, ids=ids: m(ids, logits_to_keep=1)) for n, m in models.items()}
-            times = interleaved_seconds(fns, warmup=1, repeats=repeats)
+            long = long_from is not None and L >= long_from
+            times = interleaved_seconds(fns, warmup=long_warmup if long else 1,
+                                        repeats=long_repeats if long else repeats)
             gfs = {}
             for n, ts in times.items():
                 flops = prefill_flops(models[n], L, 1, "last")
@@ -100,6 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--long-from", type=int, default=16384,
+                   help="prefill lengths from this one on take --long-repeats / --long-warmup instead")
+    p.add_argument("--long-repeats", type=int, default=1)
+    p.add_argument("--long-warmup", type=int, default=0)
     p.add_argument("--decode-batches", type=int, nargs="*", default=[1, 8])
     p.add_argument("--no-prefill", action="store_true", help="only the decode step")
     add_threads(p, 2)
@@ -109,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"threads={threads} cpu_flags={' '.join(cpu_flags())} torch={torch.__version__}", flush=True)
     rows = decode_rows(args.decode_batches, args.repeats) if args.decode_batches else []
     if not args.no_prefill:
-        rows += prefill_rows(args.lengths, args.dtypes, args.repeats)
+        rows += prefill_rows(args.lengths, args.dtypes, args.repeats, long_from=args.long_from,
+                             long_repeats=args.long_repeats, long_warmup=args.long_warmup)
     record(args.json, "gdn_vs_mamba2", rows, threads=threads)
 
 

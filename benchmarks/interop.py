@@ -55,6 +55,13 @@ def _jamba_like(cfg: HybridConfig) -> HybridConfig:
                                mamba1=dataclasses.replace(cfg.mamba1, inner_norms=True))
 
 
+def _qwen3_next_like(cfg: HybridConfig) -> HybridConfig:
+    # Qwen3-Next's RMSNorms scale by 1 + weight, its attention is gated, q/k-normed and rotates a quarter of each
+    # head (transformers' default partial_rotary_factor); the Gated DeltaNet layers are gdn-small's as they are
+    return dataclasses.replace(cfg, norm_offset=1.0, attention=dataclasses.replace(
+        cfg.attention, output_gate=True, qk_norm=True, rotary_fraction=0.25))
+
+
 # name -> (our recipe, export format, adjustment making the recipe representable in that format)
 ENTRIES: dict[str, tuple[str, str, Callable[[HybridConfig], HybridConfig] | None]] = {
     "llama": ("llama-small", "llama", None),
@@ -62,6 +69,11 @@ ENTRIES: dict[str, tuple[str, str, Callable[[HybridConfig], HybridConfig] | None
     "bamba": ("hybrid-1to7-small", "bamba", _bamba_like),
     "nemotron_h": ("nemotronh-small", "nemotron_h", _untied),
     "jamba": ("jamba-small", "jamba", _jamba_like),
+    # the 3:1 layout (9 Gated DeltaNet layers of gdn-small's shape, 3 attention, an MLP after each): transformers'
+    # Qwen3-Next cannot run without an attention layer, so a GDN-only model has no transformers twin.
+    # Without flash-linear-attention and causal-conv1d installed transformers takes its torch path
+    # (torch_chunk_gated_delta_rule), the one a CPU has.
+    "qwen3_next": ("qwen3next-like-small", "qwen3_next", _qwen3_next_like),
 }
 
 

@@ -26,7 +26,8 @@ def test_a_forward_without_logits_to_keep_is_refused():
 
 
 @pytest.mark.parametrize("name", ["MambaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM",
-                                  "NemotronHForCausalLM", "JambaForCausalLM", "LlamaForCausalLM"])
+                                  "NemotronHForCausalLM", "JambaForCausalLM", "LlamaForCausalLM",
+                                  "Qwen3NextForCausalLM"])
 def test_the_compared_transformers_models_keep_last_logits(name):
     import inspect
 
@@ -35,3 +36,16 @@ def test_the_compared_transformers_models_keep_last_logits(name):
     assert "logits_to_keep" in inspect.signature(getattr(transformers, name).forward).parameters
     with pytest.raises(ValueError, match="logits must be one of"):
         interop_bench.bench([], [8], 0, 1, logits="first")
+
+
+def test_every_entry_exports_in_its_format():
+    """Each benchmarked recipe, adjusted, is one its exporter takes (a refusal would only show as a skip)."""
+    from hybrid.recipes import get as get_recipe
+
+    from hybrid.interop import FORMATS, export_formats, export_problem
+
+    assert {fmt for _, fmt, _ in interop_bench.ENTRIES.values()} <= set(export_formats())
+    for name, (recipe, fmt, adjust) in interop_bench.ENTRIES.items():
+        cfg = get_recipe(recipe)
+        cfg = adjust(cfg) if adjust else cfg
+        assert export_problem(FORMATS[fmt], cfg) is None, name
