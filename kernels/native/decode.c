@@ -540,7 +540,7 @@ int hl_gemv(const void *w, int wdt, const float *scale, const void *bias, int bd
    block of 16 rows (N % 32 == 16) holds 8 bytes per k, rows 2j (low) and 2j + 1 (high). scale_and_zero
    [K/G, N, 2] (fp32 or bf16: the model's dtype) per group of G inputs: w = (q - 8) * scale + zero.
 
-   Per block and group the codes' dot products sum_k q x_k are accumulated in fp32 (one 128-bit load per k gives
+   Per block and group the codes' dot products sum_k q x_k are accumulated in fp32 (one k's 16 bytes give
    32 rows' codes), then y += scale * that + (zero - 8 scale) * sum_k x_k: the group's dequantisation costs a
    few operations per row per group instead of one per weight. */
 
@@ -562,12 +562,16 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 /* the codes of one k of a 32-row block as fp32: rows 0-7, 8-15, 16-23, 24-31 */
 static inline void nib32(const uint8_t *p, v8 *r0, v8 *r1, v8 *r2, v8 *r3) {
 #ifdef __AVX2__
-    const __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-    *r0 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    *r1 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    *r2 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    *r3 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    /* each half of the 16 bytes zero-extended to 32-bit lanes straight from memory, then the low nibble masked
+       and the high one shifted down: 2 widening loads, 4 integer ops, 4 conversions for 32 codes (splitting
+       the nibbles first took 2 more shuffles and left the compiler too few registers for its accumulators) */
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    const __m256i m = _mm256_set1_epi32(15);
+    *r0 = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(a, m));
+    *r1 = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(b, m));
+    *r2 = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    *r3 = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 #else
     for (int i = 0; i < 8; ++i) {
         (*r0)[i] = (float)(p[i] & 15), (*r1)[i] = (float)(p[8 + i] & 15);
@@ -651,12 +655,13 @@ static int int4_block(const Int4Mat *m, const Int4X *xs, int64_t nb, float out[]
             const uint8_t *p = q + k0 * 16;
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
             for (int64_t kk = 0; kk < G; kk += 2) {
-                v8 r0, r1, r2, r3, t0, t1, t2, t3;
+                v8 r0, r1, r2, r3;
                 nib32(p + kk * 16, &r0, &r1, &r2, &r3);
-                nib32(p + kk * 16 + 16, &t0, &t1, &t2, &t3);
-                const float xv = x[kk], xw = x[kk + 1];
+                const float xv = x[kk];
                 a0 += r0 * xv, a1 += r1 * xv, a2 += r2 * xv, a3 += r3 * xv;
-                c0 += t0 * xw, c1 += t1 * xw, c2 += t2 * xw, c3 += t3 * xw;
+                nib32(p + kk * 16 + 16, &r0, &r1, &r2, &r3);
+                const float xw = x[kk + 1];
+                c0 += r0 * xw, c1 += r1 * xw, c2 += r2 * xw, c3 += r3 * xw;
             }
             *(v8u *)acc[0] = a0 + c0, *(v8u *)(acc[0] + 8) = a1 + c1, *(v8u *)(acc[0] + 16) = a2 + c2;
             *(v8u *)(acc[0] + 24) = a3 + c3;
