@@ -10,8 +10,7 @@ Ops, by module:
 - ``selective_scan``: ``selective_scan``, ``selective_varlen_scan``, ``selective_step``
 - ``conv1d``: ``causal_conv1d``, ``causal_conv1d_varlen``, ``causal_conv1d_step``
 - ``gated_delta``: ``gated_delta_chunk`` (batched), ``gated_delta_varlen`` (packed), ``gated_delta_step``
-- ``projection``: ``linear`` (the layers' projections; decode-sized ones through the native matrix-vector product),
-  ``linear_int4`` (torchao's CPU int4 weight-only codes, the same way)
+- ``projection``: ``linear`` (the layers' projections; decode-sized ones through the native matrix-vector product)
 """
 
 from . import dispatch
@@ -43,7 +42,7 @@ from .paged_attention import (
                      varlen_attention_ref,
                      write_kv,
 )
-from .projection import linear, linear_int4, linear_int4_ref, linear_ref
+from .projection import linear, linear_ref
 from .selective import (
                      selective_scan,
                      selective_scan_ref,
@@ -58,8 +57,8 @@ __all__ = [
     "BackendError", "causal_attention", "causal_attention_ref", "causal_conv1d", "causal_conv1d_ref",
     "causal_conv1d_step", "causal_conv1d_step_ref", "causal_conv1d_varlen", "causal_conv1d_varlen_ref",
     "causal_mask", "dispatch", "gated_delta_chunk", "gated_delta_ref", "gated_delta_step", "gated_delta_step_ref",
-    "gated_delta_varlen", "gated_delta_varlen_ref", "gather_kv", "linear", "linear_int4", "linear_int4_ref",
-    "linear_ref", "paged_decode_attention", "paged_decode_attention_ref",
+    "gated_delta_varlen", "gated_delta_varlen_ref", "gather_kv", "linear", "linear_ref", "paged_decode_attention",
+    "paged_decode_attention_ref",
     "paged_prefill_attention", "paged_prefill_attention_ref", "selective_scan", "selective_scan_ref",
     "selective_step", "selective_step_ref", "selective_varlen_scan", "selective_varlen_scan_ref",
     "ssd_chunk_scan", "ssd_scan_ref", "ssd_step", "ssd_step_ref", "ssd_varlen_scan", "ssd_varlen_scan_ref",

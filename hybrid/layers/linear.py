@@ -2,7 +2,7 @@
 forward goes through :func:`hybrid.kernels.linear`, so a decode step's few rows take the native matrix-vector
 product at the memory bandwidth; ``residual`` adds the sub-layer's input in the same pass. A torchao int8
 weight-only weight (:func:`hybrid.quantize`) is handed over as its codes and row scales, a torchao CPU int4 one
-as its int4pack codes and group scales/zeros (:func:`hybrid.kernels.linear_int4`)."""
+as its int4pack codes and group scales/zeros (:func:`hybrid.kernels.projection.linear_int4`)."""
 
 from __future__ import annotations
 
@@ -24,5 +24,5 @@ class Linear(nn.Linear):
                 return kernels.linear(x, codes, self.bias, residual, scale=scale)
             blocks = int4_blocks(w)
             if blocks is not None:
-                return kernels.linear_int4(x, *blocks, self.bias, residual)
+                return kernels.projection.linear_int4(x, *blocks, self.bias, residual)
         return kernels.linear(x, w, self.bias, residual)
