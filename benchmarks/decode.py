@@ -130,11 +130,15 @@ def decode_step_bytes(model: HybridLM, batch: int, context: int) -> int:
     """Bytes one decode step must move at least: every weight once (the embedding only for the looked-up
     rows unless it is also the LM head), each sequence's K/V for its context, each Mamba state read and
     written."""
-    from hybrid.quantize import int8_rows
+    from hybrid.quantize import int4_blocks, int8_rows
 
-    def nbytes(p):  # a torchao int8 weight reports its dtype's element size: count its codes and scales
-        rows = int8_rows(p)
-        return p.numel() * p.element_size() if rows is None else rows[0].numel() + 4 * rows[1].numel()
+    def nbytes(p):  # a torchao int8/int4 weight reports its dtype's element size: count its codes and scales
+        rows, blocks = int8_rows(p), int4_blocks(p)
+        if rows is not None:
+            return rows[0].numel() + 4 * rows[1].numel()
+        if blocks is not None:
+            return sum(t.numel() * t.element_size() for t in blocks[:2])
+        return p.numel() * p.element_size()
 
     weights = sum(nbytes(p) for p in model.parameters())
     if model.lm_head is not None:

@@ -85,3 +85,21 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     if getattr(weight, "zero_point", None) is not None and bool(weight.zero_point.any()):
         return None
     return qdata, scale.reshape(-1).float()
+
+
+def int4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(uint8 codes [N, K/2] in aten's int4pack layout, scale_and_zero [K/group, N, 2], group) of torchao's CPU
+    int4 weight-only tensor (``Int4OpaqueTensor``, its tinygemm path: w = (q - 8) * scale + zero, see
+    docs/notes/int4-cpu-layout.md), or None for any other weight (its int8-activation variant among them)."""
+    if type(weight).__name__ != "Int4OpaqueTensor":
+        return None
+    qdata, sz, block = getattr(weight, "qdata", None), getattr(weight, "scale_and_zero", None), \
+        getattr(weight, "block_size", None)
+    if qdata is None or sz is None or block is None or getattr(weight, "act_mapping_type", None) is not None \
+            or getattr(weight, "act_pre_scale", None) is not None or len(block) != 2 or block[0] != 1:
+        return None
+    N, K, group = weight.shape[0], weight.shape[1], int(block[1])
+    if qdata.dtype != torch.uint8 or tuple(qdata.shape) != (N, K // 2) or sz.dim() != 3 \
+            or tuple(sz.shape) != (K // group, N, 2) or K % group:
+        return None
+    return qdata, sz, group

@@ -4,7 +4,8 @@ For the few input rows of a decode step the product is a matrix-vector product w
 weight matrix once: torch's CPU GEMV reached 21.7 GB/s on a machine whose cores stream 57 GB/s, and each of its
 calls is a fork/join of OpenMP threads. The ``native`` backend (:mod:`.native`, ``decode.c``) streams the
 weights at the read bandwidth with its own pool, for fp32, bf16 and int8-with-row-scales weights, and adds the
-bias and the sub-layer's residual in the same pass. Everything else — autograd, many rows (prefill, where
+bias and the sub-layer's residual in the same pass; ``linear_int4`` does the same for torchao's CPU int4
+weight-only codes. Everything else — autograd, many rows (prefill, where
 oneDNN's GEMM is compute-bound and fast), other devices, quantized weight subclasses — takes ``F.linear``.
 """
 
@@ -85,3 +86,97 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 dispatch.register("linear", "torch", _linear_torch)
 dispatch.register("linear", "native", _linear_native, native.available, _native_supports)
+
+
+# ---- int4 weight-only (torchao's CPU Int4OpaqueTensor: aten's int4pack layout, docs/notes/int4-cpu-layout.md) ----
+
+def int4_dequantize(qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int) -> torch.Tensor:
+    """The fp32 weight [N, K] that int4pack codes ``qdata`` (uint8 [N, K/2]: blocks of 32 rows, K-major; the
+    16 bytes of block nb at input k hold rows nb*32 + i in the low nibble and nb*32 + 16 + i in the high one; a
+    last block of 16 rows holds 8 bytes per k, rows 2j low and 2j + 1 high) and ``scale_and_zero``
+    ([K/group, N, 2]) stand for: (q - 8) * scale + zero."""
+    N, K = qdata.shape[0], qdata.shape[1] * 2
+    flat = qdata.contiguous().view(-1).to(torch.int32)
+    full = N // 32
+    q = torch.empty(N, K, dtype=torch.int32)
+    body = flat[:full * 16 * K].view(full, K, 16)
+    q[:full * 32] = torch.cat([body & 15, body >> 4], 2).permute(0, 2, 1).reshape(full * 32, K)
+    if N % 32:
+        tail = flat[full * 16 * K:].view(K, 8)
+        q[full * 32:] = torch.stack([tail & 15, tail >> 4], 2).reshape(K, 16).t()
+    scale = scale_and_zero[..., 0].float().t().repeat_interleave(group, 1)
+    zero = scale_and_zero[..., 1].float().t().repeat_interleave(group, 1)
+    return (q.float() - 8.0) * scale + zero
+
+
+def linear_int4_ref(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int,
+                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference, in fp32: x [..., K] against the dequantised int4 weight (:func:`int4_dequantize`), + bias
+    [N] + residual [..., N] -> [..., N] in x's dtype."""
+    return linear_ref(x, int4_dequantize(qdata, scale_and_zero, group), bias, residual)
+
+
+def _linear_int4_torch(x, qdata, scale_and_zero, group, bias=None, residual=None):
+    # what torchao's Int4OpaqueTensor computes: aten's CPU int4 kernel, activations in the scales' dtype
+    N = qdata.shape[0]
+    x2 = x.reshape(-1, x.shape[-1]).to(scale_and_zero.dtype).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qdata, group, scale_and_zero)[:, :N]
+    y = y.reshape(*x.shape[:-1], N)
+    if bias is not None:
+        y = y + bias
+    y = y.to(x.dtype)
+    return y if residual is None else y + residual
+
+
+def _int4_native_supports(x, qdata, scale_and_zero, group, bias=None, residual=None) -> str | None:
+    """a few contiguous fp32/bf16 rows, int4pack codes with fp32/bf16 scales, no autograd"""
+    if x.device.type != "cpu":
+        return "not on the CPU"
+    if torch.compiler.is_compiling():
+        return "compiling"
+    if torch.is_grad_enabled() and x.requires_grad:
+        return "autograd"
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if not 0 < rows <= native.MAX_ROWS:
+        return f"{rows} rows (the native product takes 1..{native.MAX_ROWS})"
+    N = qdata.shape[0]
+    if x.dtype not in (torch.float32, torch.bfloat16) or scale_and_zero.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtypes {x.dtype} x int4 with {scale_and_zero.dtype} scales"
+    if qdata.dtype != torch.uint8 or qdata.shape != (N, K // 2) or N % 16 or K % group or not 2 <= group <= 1024 \
+            or group % 2 or scale_and_zero.shape != (K // group, N, 2):
+        return f"int4 codes {tuple(qdata.shape)} / scales {tuple(scale_and_zero.shape)} for K={K}, group {group}"
+    if not (x.is_contiguous() and qdata.is_contiguous() and scale_and_zero.is_contiguous()):
+        return "not contiguous"
+    if residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()):
+        return "residual of another dtype or layout"
+    if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_contiguous()):
+        return "bias dtype"
+    return None
+
+
+def _linear_int4_native(x, qdata, scale_and_zero, group, bias=None, residual=None):
+    N, K = qdata.shape[0], x.shape[-1]
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
+    codes = native.DTYPE_CODES
+    rc = native.library().hl_gemv_int4(
+        qdata.data_ptr(), scale_and_zero.data_ptr(), codes[scale_and_zero.dtype], group,
+        bias.data_ptr() if bias is not None else None, codes[bias.dtype] if bias is not None else -1,
+        x.data_ptr(), codes[x.dtype], residual.data_ptr() if residual is not None else None, y.data_ptr(),
+        codes[x.dtype], x.numel() // K, N, K)
+    if rc:
+        raise RuntimeError(f"hl_gemv_int4 refused N={N} K={K} group {group} (a bug: _int4_native_supports passed it)")
+    return y
+
+
+def linear_int4(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int,
+                bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T + bias [N] + residual [..., N] -> [..., N] in x's dtype, W the int4 weight torchao's CPU
+    ``Int4OpaqueTensor`` holds (``hybrid.quantize.int4_blocks``): the native product for a decode step's few rows,
+    aten's int4 kernel (torchao's own) otherwise."""
+    _, fn = dispatch.choose("linear_int4", x.device.type)
+    return fn(x, qdata, scale_and_zero, group, bias, residual)
+
+
+dispatch.register("linear_int4", "torch", _linear_int4_torch)
+dispatch.register("linear_int4", "native", _linear_int4_native, native.available, _int4_native_supports)

@@ -15,9 +15,10 @@ Mamba-2 layer seven; each mirrors the rounding points of the torch ops it replac
 to the eager layers, bit for bit in bf16, and to the full forward).
 
 Covered: attention over fp32/bf16 K/V pools (no int8/fp8 pages, no StreamingLLM/SnapKV pruning), gated or
-plain MLPs, Mamba-2 with fp32/bf16 state pools (no int8 or stochastic-rounded state); fp32, bf16 or torchao
-int8 weight-only linear layers; up to 64 decoding sequences (from 4 on, the products are blocked 4 weight rows
-x 3 input rows: a batched step is compute-bound; past 64 torch's GEMMs take them). A layer outside that runs
+plain MLPs, Mamba-2 with fp32/bf16 state pools (no int8 or stochastic-rounded state); fp32, bf16, torchao
+int8 weight-only or torchao CPU int4 weight-only linear layers (int4 attention: head_dim a multiple of 16); up
+to 64 decoding sequences (from 4 on, the products are blocked 4 weight rows x 3 input rows: a batched step is
+compute-bound; past 64 torch's GEMMs take them). A layer outside that runs
 its eager forward (the others keep their programs; the step is then one call per covered sub-layer).
 ``HYBRID_BACKEND=torch`` turns it all off.
 """
@@ -32,14 +33,15 @@ import torch
 from ..kernels import dispatch, native
 from ..kernels.native import DTYPE_CODES
 from ..kernels.native.ops import ACTIVATIONS
-from ..quantize import int8_rows
+from ..quantize import int4_blocks, int8_rows
 from .attention import Attention
 from .mamba2 import Mamba2
 from .mlp import MLP
 from .norm import GatedRMSNorm, RMSNorm
 
 _FLOATS = (torch.float32, torch.bfloat16)
-(OP_RMSNORM, OP_GEMV, OP_GATED_UP, OP_QKV_ROPE, OP_PAGED, OP_CONV, OP_DT, OP_SSD, OP_GATED_RMSNORM) = range(9)
+(OP_RMSNORM, OP_GEMV, OP_GATED_UP, OP_QKV_ROPE, OP_PAGED, OP_CONV, OP_DT, OP_SSD, OP_GATED_RMSNORM, OP_GEMV_INT4,
+ OP_GATED_UP_INT4, OP_QKV_ROPE_INT4) = range(12)
 X = object()  # an op argument standing for the step's residual stream (program.c's HL_STEP_X)
 
 
@@ -89,6 +91,14 @@ class _Builder:
             raise _Unsupported(f"a {type(w).__name__} weight")
         return rows
 
+    @staticmethod
+    def int4(linear) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(int4pack codes, scale_and_zero, group) of a torchao CPU int4 weight-only layer, else None."""
+        blocks = int4_blocks(linear.weight)
+        if blocks is not None and not (blocks[0].is_contiguous() and blocks[1].is_contiguous()):
+            raise _Unsupported("int4 codes not contiguous")
+        return blocks
+
     def op(self, kind: int, ptrs=(), ints=(), floats=()) -> None:
         o = HlOp(kind=kind)
         for k, t in enumerate(ptrs):
@@ -113,9 +123,17 @@ class _Builder:
         self.op(OP_RMSNORM, (x, norm.weight, y), (DTYPE_CODES[self.dtype], _code(norm.weight), d), (norm.eps,))
 
     def gemv(self, linear, x, y, *, residual=None, act: str | None = None) -> None:
-        w, scale = self.weight(linear)
         if not _plain(linear.bias):
             raise _Unsupported("a bias of another dtype")
+        blocks = self.int4(linear)
+        if blocks is not None:
+            q, sz, group = blocks
+            dt = DTYPE_CODES[self.dtype]
+            self.op(OP_GEMV_INT4, (q, sz, linear.bias, x, residual, y),
+                    (_code(sz), group, _code(linear.bias), dt, dt, q.shape[0], linear.in_features,
+                     0 if act is None else ACTIVATIONS[act] + 1))
+            return
+        w, scale = self.weight(linear)
         N, K = w.shape
         dt = DTYPE_CODES[self.dtype]
         self.op(OP_GEMV, (w, scale, linear.bias, x, residual, y),
@@ -136,6 +154,10 @@ def _attention(b: _Builder, block, view) -> None:
     if rot % 2 or rot > attn.head_dim:
         raise _Unsupported(f"rotary_dim {rot}")
     q_, k_, v_, o_ = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    int4 = [b.int4(m) for m in (q_, k_, v_)]
+    if any(t is not None for t in int4):
+        _attention_int4(b, block, view, int4)
+        return
     (wq, sq), (wk, sk), (wv, sv) = b.weight(q_), b.weight(k_), b.weight(v_)
     if len({wq.dtype, wk.dtype, wv.dtype}) != 1 or not _plain(q_.bias, k_.bias, v_.bias) \
             or len({t.dtype for t in (q_.bias, k_.bias, v_.bias) if t is not None}) > 1:
@@ -151,6 +173,29 @@ def _attention(b: _Builder, block, view) -> None:
     b.gemv(o_, o, X, residual=X)
 
 
+def _attention_int4(b: _Builder, block, view, int4) -> None:
+    """_attention's ops for int4 q/k/v weights (all three int4, one group and scale dtype, head_dim a multiple of
+    16: the int4pack layout's granularity)."""
+    attn = block.mixer
+    q_, k_, v_, o_ = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    if any(t is None for t in int4) or len({(t[1].dtype, t[2]) for t in int4}) != 1 or attn.head_dim % 16:
+        raise _Unsupported("q/k/v not all int4 of one group, or a head_dim not a multiple of 16")
+    biases = (q_.bias, k_.bias, v_.bias)
+    if not _plain(*biases) or len({t.dtype for t in biases if t is not None}) > 1:
+        raise _Unsupported("q/k/v biases of different dtypes")
+    (qq, szq, group), (qk, szk, _), (qv, szv, _) = int4
+    k_pool, v_pool = view.k_pool, view.v_pool
+    d_model, Hq, Hkv, D = q_.in_features, attn.n_heads, attn.n_kv_heads, attn.head_dim
+    dt = DTYPE_CODES[b.dtype]
+    h, q, o = b.buffer(d_model), b.buffer(Hq * D), b.buffer(Hq * D)
+    b.rmsnorm(block.norm, X, h)
+    b.op(OP_QKV_ROPE_INT4, (qq, szq, q_.bias, qk, szk, k_.bias, qv, szv, v_.bias, h, q, k_pool, v_pool),
+         (_code(szq), group, _code(q_.bias), dt, _code(k_pool), attn.rope.rotary_dim, Hq, Hkv, D, d_model))
+    b.op(OP_PAGED, (q, k_pool, v_pool, o), (dt, _code(k_pool), Hq, Hkv, D, k_pool.shape[1], view.window or 0),
+         (D ** -0.5,))
+    b.gemv(o_, o, X, residual=X)
+
+
 def _mlp(b: _Builder, block, view) -> None:
     m = block.mixer
     d_model, d_ff = m.up_proj.weight.shape[1], m.up_proj.weight.shape[0]
@@ -158,6 +203,14 @@ def _mlp(b: _Builder, block, view) -> None:
     b.rmsnorm(block.norm, X, h)
     if m.gate_proj is None:
         b.gemv(m.up_proj, h, a, act=m.activation)
+    elif b.int4(m.gate_proj) is not None or b.int4(m.up_proj) is not None:
+        g4, u4 = b.int4(m.gate_proj), b.int4(m.up_proj)
+        if g4 is None or u4 is None or (g4[1].dtype, g4[2]) != (u4[1].dtype, u4[2]) \
+                or not _plain(m.gate_proj.bias, m.up_proj.bias):
+            raise _Unsupported("gate/up weights not both int4 of one group")
+        b.op(OP_GATED_UP_INT4, (g4[0], g4[1], m.gate_proj.bias, u4[0], u4[1], m.up_proj.bias, h, a),
+             (_code(g4[1]), g4[2], _code(m.up_proj.bias), DTYPE_CODES[b.dtype], ACTIVATIONS[m.activation], d_ff,
+              d_model))
     else:
         (wg, sg), (wu, su) = b.weight(m.gate_proj), b.weight(m.up_proj)
         if wg.dtype != wu.dtype or not _plain(m.gate_proj.bias, m.up_proj.bias):

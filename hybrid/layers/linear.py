@@ -1,7 +1,8 @@
 """``Linear``: ``nn.Linear`` (same parameters, same state-dict names, what torchao's ``quantize_`` finds) whose
 forward goes through :func:`hybrid.kernels.linear`, so a decode step's few rows take the native matrix-vector
 product at the memory bandwidth; ``residual`` adds the sub-layer's input in the same pass. A torchao int8
-weight-only weight (:func:`hybrid.quantize`) is handed over as its codes and row scales."""
+weight-only weight (:func:`hybrid.quantize`) is handed over as its codes and row scales, a torchao CPU int4 one
+as its int4pack codes and group scales/zeros (:func:`hybrid.kernels.projection.linear_int4`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weight
         if type(w) is not nn.Parameter and type(w) is not torch.Tensor and x.numel() <= 16 * x.shape[-1]:
-            from ..quantize import int8_rows
+            from ..quantize import int4_blocks, int8_rows
 
             rows = int8_rows(w)
             if rows is not None:
                 codes, scale = rows
                 return kernels.linear(x, codes, self.bias, residual, scale=scale)
+            blocks = int4_blocks(w)
+            if blocks is not None:
+                return kernels.projection.linear_int4(x, *blocks, self.bias, residual)
         return kernels.linear(x, w, self.bias, residual)

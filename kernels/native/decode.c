@@ -11,7 +11,8 @@
    microseconds), then sleep on a futex.
 
    Weights are row-major [N, K] (nn.Linear's layout): fp32, bf16 (widened to fp32 in registers), or int8
-   with one fp32 scale per row (torchao's int8 weight-only layout). Inputs x are [B, K] rows (fp32 or bf16),
+   with one fp32 scale per row (torchao's int8 weight-only layout); or torchao's CPU int4 weight-only codes in
+   aten's blocked int4pack layout with per-group scales and zeros (hl_gemv_int4, see its section). Inputs x are [B, K] rows (fp32 or bf16),
    accumulation is fp32, outputs [B, N] fp32 or bf16 (rounded to nearest even), an optional bias and an
    optional residual added in the same pass. */
 
@@ -533,6 +534,240 @@ int hl_gemv(const void *w, int wdt, const float *scale, const void *bias, int bd
     return gemv_act(w, wdt, scale, bias, bdt, x, xdt, res, y, ydt, B, N, K, 0);
 }
 
+/* ---- int4 weight-only products (torchao's CPU Int4OpaqueTensor, aten's int4pack layout) ----------------------
+   docs/notes/int4-cpu-layout.md: codes q in 0..15, qdata uint8 [N, K/2] in blocks of 32 output rows, K-major: the
+   16 bytes at block nb, input k hold rows nb*32 + i (low nibble) and nb*32 + 16 + i (high nibble), i < 16; a last
+   block of 16 rows (N % 32 == 16) holds 8 bytes per k, rows 2j (low) and 2j + 1 (high). scale_and_zero
+   [K/G, N, 2] (fp32 or bf16: the model's dtype) per group of G inputs: w = (q - 8) * scale + zero.
+
+   Per block and group the codes' dot products sum_k q x_k are accumulated in fp32 (one k's 16 bytes give
+   32 rows' codes), then y += scale * that + (zero - 8 scale) * sum_k x_k: the group's dequantisation costs a
+   few operations per row per group instead of one per weight. */
+
+typedef struct {
+    const uint8_t *q; /* qdata [N, K/2] */
+    const void *sz;   /* scale_and_zero [K/G, N, 2] */
+    int64_t N, K, G;
+    int sdt;
+} Int4Mat;
+
+typedef struct {
+    const float *x;    /* [B, K] fp32 */
+    const float *xsum; /* [B, K/G] each group's sum of x */
+    int64_t B;
+} Int4X;
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+/* the codes of one k of a 32-row block as fp32: rows 0-7, 8-15, 16-23, 24-31 */
+static inline void nib32(const uint8_t *p, v8 *r0, v8 *r1, v8 *r2, v8 *r3) {
+#ifdef __AVX2__
+    /* each half of the 16 bytes zero-extended to 32-bit lanes straight from memory, then the low nibble masked
+       and the high one shifted down: 2 widening loads, 4 integer ops, 4 conversions for 32 codes (splitting
+       the nibbles first took 2 more shuffles and left the compiler too few registers for its accumulators) */
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    const __m256i m = _mm256_set1_epi32(15);
+    *r0 = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(a, m));
+    *r1 = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(b, m));
+    *r2 = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    *r3 = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+#else
+    for (int i = 0; i < 8; ++i) {
+        (*r0)[i] = (float)(p[i] & 15), (*r1)[i] = (float)(p[8 + i] & 15);
+        (*r2)[i] = (float)(p[i] >> 4), (*r3)[i] = (float)(p[8 + i] >> 4);
+    }
+#endif
+}
+
+/* scale and zero of 8 consecutive rows (one group): 8 (scale, zero) pairs de-interleaved */
+static inline void load_sz8(const void *sz, int sdt, int64_t i, v8 *s, v8 *z) {
+    const v8 p0 = load_w8(sz, sdt, i), p1 = load_w8(sz, sdt, i + 8);
+    const i32x8 ms = {0, 2, 4, 6, 8, 10, 12, 14}, mz = {1, 3, 5, 7, 9, 11, 13, 15};
+    *s = __builtin_shuffle(p0, p1, ms);
+    *z = __builtin_shuffle(p0, p1, mz);
+}
+
+/* one block's group codes (G inputs from k0) widened to fp32 into wb [G][32] in row order (a 16-row tail block
+   fills lanes 0-15) */
+static void int4_widen(const uint8_t *q, int nr, int64_t k0, int64_t G, float *wb) {
+    if (nr == 32) {
+        for (int64_t kk = 0; kk < G; ++kk) {
+            v8 r0, r1, r2, r3;
+            nib32(q + (k0 + kk) * 16, &r0, &r1, &r2, &r3);
+            float *d = wb + kk * 32;
+            *(v8u *)d = r0, *(v8u *)(d + 8) = r1, *(v8u *)(d + 16) = r2, *(v8u *)(d + 24) = r3;
+        }
+        return;
+    }
+    for (int64_t kk = 0; kk < G; ++kk) {
+        const uint8_t *p = q + (k0 + kk) * 8;
+        float *d = wb + kk * 32;
+        for (int j = 0; j < 8; ++j) d[2 * j] = (float)(p[j] & 15), d[2 * j + 1] = (float)(p[j] >> 4);
+    }
+}
+
+/* acc[b][r] = sum over the G widened weights wb of rows r < NV * 8 against input rows b0, b0 + 1 (NB of them) */
+static inline __attribute__((always_inline)) void int4_dots(const float *wb, const float *x, int64_t K, int64_t k0,
+                                                            int64_t G, int64_t b0, float acc[][32], const int NB,
+                                                            const int NV) {
+    v8 a[2][4] = {{{0}}};
+    const float *x0 = x + b0 * K + k0, *x1 = x0 + K;
+    for (int64_t kk = 0; kk < G; ++kk) {
+        const float *w = wb + kk * 32;
+        const float xa = x0[kk], xb = NB > 1 ? x1[kk] : 0.0f;
+        for (int v = 0; v < NV; ++v) {
+            const v8 wv = *(const v8u *)(w + 8 * v);
+            a[0][v] += wv * xa;
+            if (NB > 1) a[1][v] += wv * xb;
+        }
+    }
+    for (int j = 0; j < NB; ++j)
+        for (int v = 0; v < NV; ++v) *(v8u *)(acc[b0 + j] + 8 * v) = a[j][v];
+}
+
+/* a thread's widened group codes (int4_widen) */
+static float *w4_scratch(int64_t n) {
+    static _Thread_local float *buf = NULL;
+    static _Thread_local int64_t cap = 0;
+    return grow_scratch(&buf, &cap, n);
+}
+
+/* out[b][r] = block nb's row r (r < the returned 32 or 16 rows) of the dequantised W against input row b; -1 when
+   out of memory */
+static int int4_block(const Int4Mat *m, const Int4X *xs, int64_t nb, float out[][32]) {
+    const int64_t K = m->K, G = m->G, ng = K / G, B = xs->B, row0 = nb * 32;
+    const int nr = m->N - row0 >= 32 ? 32 : 16;
+    const uint8_t *q = m->q + row0 * (K / 2);
+    float acc[MAXB][32];
+    float *wb = NULL;
+    if (B > 1 || nr < 32) {
+        wb = w4_scratch(G * 32);
+        if (!wb) return -1;
+    }
+    for (int64_t b = 0; b < B; ++b)
+        for (int r = 0; r < 32; ++r) out[b][r] = 0.0f;
+    for (int64_t gi = 0; gi < ng; ++gi) {
+        const int64_t k0 = gi * G;
+        if (!wb) { /* one input row: straight from the codes; two inputs a step, each into its own 4 accumulators
+                      of 8 rows, so 8 chains of FMAs hide the FMA latency (G is even) */
+            const float *x = xs->x + k0;
+            const uint8_t *p = q + k0 * 16;
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+            for (int64_t kk = 0; kk < G; kk += 2) {
+                v8 r0, r1, r2, r3;
+                nib32(p + kk * 16, &r0, &r1, &r2, &r3);
+                const float xv = x[kk];
+                a0 += r0 * xv, a1 += r1 * xv, a2 += r2 * xv, a3 += r3 * xv;
+                nib32(p + kk * 16 + 16, &r0, &r1, &r2, &r3);
+                const float xw = x[kk + 1];
+                c0 += r0 * xw, c1 += r1 * xw, c2 += r2 * xw, c3 += r3 * xw;
+            }
+            *(v8u *)acc[0] = a0 + c0, *(v8u *)(acc[0] + 8) = a1 + c1, *(v8u *)(acc[0] + 16) = a2 + c2;
+            *(v8u *)(acc[0] + 24) = a3 + c3;
+        } else {
+            int4_widen(q, nr, k0, G, wb);
+            int64_t b = 0;
+            if (nr == 32) {
+                for (; b + 2 <= B; b += 2) int4_dots(wb, xs->x, K, k0, G, b, acc, 2, 4);
+                if (b < B) int4_dots(wb, xs->x, K, k0, G, b, acc, 1, 4);
+            } else {
+                for (; b + 2 <= B; b += 2) int4_dots(wb, xs->x, K, k0, G, b, acc, 2, 2);
+                if (b < B) int4_dots(wb, xs->x, K, k0, G, b, acc, 1, 2);
+            }
+        }
+        for (int r = 0; r < nr; r += 8) {
+            v8 s, z;
+            load_sz8(m->sz, m->sdt, (gi * m->N + row0 + r) * 2, &s, &z);
+            const v8 z8 = z - s * 8.0f; /* (q - 8) s + z = q s + (z - 8 s) */
+            for (int64_t b = 0; b < B; ++b) {
+                v8 o = *(v8u *)(out[b] + r);
+                o += s * *(const v8u *)(acc[b] + r) + z8 * xs->xsum[b * ng + gi];
+                *(v8u *)(out[b] + r) = o;
+            }
+        }
+    }
+    return nr;
+}
+
+/* x [B, K] (fp32 or bf16) as fp32, then each group's sum, in this thread's scratch */
+static float *int4_load_x(const void *x, int xdt, int64_t B, int64_t K, int64_t G, Int4X *xs) {
+    static _Thread_local float *buf = NULL;
+    static _Thread_local int64_t cap = 0;
+    const int64_t ng = K / G;
+    float *xf = grow_scratch(&buf, &cap, B * K + B * ng);
+    if (!xf) return NULL;
+    for (int64_t i = 0; i < B * K; ++i) xf[i] = load_as_f32(x, xdt, i);
+    float *sums = xf + B * K;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t gi = 0; gi < ng; ++gi) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < G; ++k) s += xf[b * K + gi * G + k];
+            sums[b * ng + gi] = s;
+        }
+    xs->x = xf, xs->xsum = sums, xs->B = B;
+    return xf;
+}
+
+static int int4_shape_ok(int64_t B, int64_t N, int64_t K, int64_t G) {
+    return B >= 1 && B <= MAXB && N >= 16 && N % 16 == 0 && G >= 2 && G % 2 == 0 && G <= 1024 && K >= G && K % G == 0;
+}
+
+/* 32-row blocks a chunk of the pool takes (chunk_rows' ~1/64 of the matrix, at least 32 KB) */
+static int64_t int4_chunk_blocks(int64_t N, int64_t K) {
+    const int64_t b = chunk_rows(N, K / 2) / 32;
+    return b < 1 ? 1 : b;
+}
+
+typedef struct {
+    Int4Mat m;
+    Int4X xs;
+    const void *bias, *res;
+    void *y;
+    int64_t blocks; /* per chunk */
+    int bdt, ydt, act1;
+} Int4Gemv;
+
+static void int4_gemv_chunk(const void *job, int64_t chunk) {
+    const Int4Gemv *g = job;
+    const int64_t nblocks = (g->m.N + 31) / 32, B = g->xs.B, N = g->m.N;
+    const int64_t lo = chunk * g->blocks, hi = lo + g->blocks < nblocks ? lo + g->blocks : nblocks;
+    float out[MAXB][32];
+    for (int64_t nb = lo; nb < hi; ++nb) {
+        const int nr = int4_block(&g->m, &g->xs, nb, out);
+        if (nr < 0) continue; /* (out of memory for 2 KB-16 KB of scratch: the rows stay unwritten) */
+        for (int r = 0; r < nr; ++r) {
+            const int64_t n = nb * 32 + r;
+            const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
+            for (int64_t b = 0; b < B; ++b) {
+                float v = out[b][r] + bias;
+                if (g->act1) v = activate(round_to(v, g->ydt), g->act1 - 1);
+                if (g->res) v = round_to(v, g->ydt) + load_as_f32(g->res, g->ydt, b * N + n);
+                store_as(g->y, g->ydt, b * N + n, v);
+            }
+        }
+    }
+}
+
+/* y[B, N] = act(x[B, K] W^T + bias[N]) + res[B, N] for int4 W (q, sz: see above; sdt its scale dtype) */
+static int gemv_int4_act(const uint8_t *q, const void *sz, int sdt, int64_t G, const void *bias, int bdt,
+                         const void *x, int xdt, const void *res, void *y, int ydt, int64_t B, int64_t N, int64_t K,
+                         int act1) {
+    if (!int4_shape_ok(B, N, K, G) || (sdt != DT_F32 && sdt != DT_BF16)) return -1;
+    Int4Gemv g = {{q, sz, N, K, G, sdt}, {0}, bias, res, y, int4_chunk_blocks(N, K), bdt, ydt, act1};
+    if (!int4_load_x(x, xdt, B, K, G, &g.xs)) return -1;
+    const int64_t nblocks = (N + 31) / 32;
+    pool_run(int4_gemv_chunk, &g, (nblocks + g.blocks - 1) / g.blocks);
+    return 0;
+}
+
+/* y[B, N] = x[B, K] W^T + bias[N] + res[B, N] for torchao's int4 weight-only W. Returns 0, or -1 for arguments it
+   cannot take (N not a multiple of 16, K not of the group, more than 64 rows, a scale dtype other than fp32/bf16). */
+int hl_gemv_int4(const uint8_t *q, const void *sz, int sdt, int64_t G, const void *bias, int bdt, const void *x,
+                 int xdt, const void *res, void *y, int ydt, int64_t B, int64_t N, int64_t K) {
+    return gemv_int4_act(q, sz, sdt, G, bias, bdt, x, xdt, res, y, ydt, B, N, K, 0);
+}
+
 /* ---- Mamba-2 SSD step -------------------------------------------------------------------------------------- */
 /* One token per sequence: per (sequence b, head h) the state rows s[p][:] (P x N, fp32 or bf16 storage) become
    s * exp(dt A) + dt x[p] B, and y[p] = s . C + D x[p] — ssd_step_ref's arithmetic in one pass over the state
@@ -907,6 +1142,9 @@ typedef struct {
     const void *cos, *sin;
     int64_t Hq, Hkv, D, rot;
     int pdt;
+    int int4;          /* the matrices are int4 (q4, xs4; m[] keeps their biases, outputs and shapes) */
+    Int4Mat q4[3];
+    Int4X xs4;
 } QkvRope;
 
 static void qkv_rope_chunk(const void *job, int64_t head) {
@@ -916,7 +1154,20 @@ static void qkv_rope_chunk(const void *job, int64_t head) {
     const Gemv *g = &j->m[which];
     const int64_t D = j->D, rot = j->rot, half = rot / 2, B = g->B;
     float acc[MAXB][512], outs[4][MAXB];
-    for (int64_t d = 0; d < D; ++d) {
+    if (j->int4) { /* the 32-row blocks the head's rows fall in (D % 16 == 0; with D % 32 == 16 a block is
+                      shared by two heads and computed for each) */
+        float out4[MAXB][32];
+        for (int64_t nb = h * D / 32; nb * 32 < h * D + D; ++nb) {
+            const int nr = int4_block(&j->q4[which], &j->xs4, nb, out4);
+            for (int r = 0; r < nr; ++r) {
+                const int64_t n = nb * 32 + r, d = n - h * D;
+                if (d < 0 || d >= D) continue;
+                const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
+                for (int64_t b = 0; b < B; ++b) acc[b][d] = round_to(out4[b][r] + bias, g->ydt);
+            }
+        }
+    }
+    for (int64_t d = 0; d < D && !j->int4; ++d) {
         const int64_t n = h * D + d;
         if (d % 4 == 0) {
             const int nr = D - d < 4 ? (int)(D - d) : 4;
@@ -963,6 +1214,70 @@ int hl_qkv_rope(const void *wq, const void *bq, const void *wk, const void *bk, 
                   {wv, sv, bv, NULL, NULL, xf, Hkv * D, K, B, D, wdt, bdt, xdt, 0}},
                  kpool, vpool, slots, cos, sin, Hq, Hkv, D, rot, pdt};
     pool_run(qkv_rope_chunk, &j, Hq + 2 * Hkv);
+    return 0;
+}
+
+/* hl_qkv_rope for int4 q/k/v weights (one group size and scale dtype for the three; head_dim a multiple of 16,
+   the int4pack layout's granularity) */
+int hl_qkv_rope_int4(const uint8_t *qq, const void *szq, const void *bq, const uint8_t *qk, const void *szk,
+                     const void *bk, const uint8_t *qv, const void *szv, const void *bv, int sdt, int64_t G, int bdt,
+                     const void *x, int xdt, void *q_out, void *kpool, void *vpool, int pdt, const int64_t *slots,
+                     const void *cos, const void *sin, int64_t rot, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                     int64_t K) {
+    if (D > 512 || D % 16 || rot > D || rot % 2 || !int4_shape_ok(B, Hkv * D, K, G) || Hq < 1
+        || (sdt != DT_F32 && sdt != DT_BF16))
+        return -1;
+    QkvRope j = {{{NULL, NULL, bq, NULL, q_out, NULL, Hq * D, K, B, D, DT_NONE, bdt, xdt, 0},
+                  {NULL, NULL, bk, NULL, NULL, NULL, Hkv * D, K, B, D, DT_NONE, bdt, xdt, 0},
+                  {NULL, NULL, bv, NULL, NULL, NULL, Hkv * D, K, B, D, DT_NONE, bdt, xdt, 0}},
+                 kpool, vpool, slots, cos, sin, Hq, Hkv, D, rot, pdt, 1,
+                 {{qq, szq, Hq * D, K, G, sdt}, {qk, szk, Hkv * D, K, G, sdt}, {qv, szv, Hkv * D, K, G, sdt}},
+                 {0}};
+    if (!int4_load_x(x, xdt, B, K, G, &j.xs4)) return -1;
+    pool_run(qkv_rope_chunk, &j, Hq + 2 * Hkv);
+    return 0;
+}
+
+/* hl_gated_up for int4 gate/up weights: y = act(x Wg^T + bg) * (x Wu^T + bu), a chunk of 32-row blocks of both
+   matrices at a time, the rounding points of gated_up_chunk */
+typedef struct {
+    Int4Mat g, u;
+    Int4X xs;
+    const void *bg, *bu;
+    void *y;
+    int64_t blocks;
+    int bdt, ydt, act;
+} GatedUp4;
+
+static void gated_up4_chunk(const void *job, int64_t chunk) {
+    const GatedUp4 *j = job;
+    const int64_t N = j->g.N, nblocks = (N + 31) / 32, B = j->xs.B;
+    const int64_t lo = chunk * j->blocks, hi = lo + j->blocks < nblocks ? lo + j->blocks : nblocks;
+    float OG[MAXB][32], OU[MAXB][32];
+    for (int64_t nb = lo; nb < hi; ++nb) {
+        const int nr = int4_block(&j->g, &j->xs, nb, OG);
+        if (nr < 0 || int4_block(&j->u, &j->xs, nb, OU) < 0) continue;
+        for (int r = 0; r < nr; ++r) {
+            const int64_t n = nb * 32 + r;
+            const float bg = j->bg ? load_as_f32(j->bg, j->bdt, n) : 0.0f;
+            const float bu = j->bu ? load_as_f32(j->bu, j->bdt, n) : 0.0f;
+            for (int64_t b = 0; b < B; ++b) {
+                const float a = round_to(activate(round_to(OG[b][r] + bg, j->ydt), j->act), j->ydt);
+                store_as(j->y, j->ydt, b * N + n, a * round_to(OU[b][r] + bu, j->ydt));
+            }
+        }
+    }
+}
+
+int hl_gated_up_int4(const uint8_t *qg, const void *szg, const void *bg, const uint8_t *qu, const void *szu,
+                     const void *bu, int sdt, int64_t G, int bdt, const void *x, int xdt, void *y, int act, int64_t B,
+                     int64_t N, int64_t K) {
+    if (!int4_shape_ok(B, N, K, G) || (sdt != DT_F32 && sdt != DT_BF16)) return -1;
+    const int64_t blocks = (int4_chunk_blocks(N, K) + 1) / 2; /* two matrices a block */
+    GatedUp4 j = {{qg, szg, N, K, G, sdt}, {qu, szu, N, K, G, sdt}, {0}, bg, bu, y, blocks < 1 ? 1 : blocks, bdt,
+                  xdt, act};
+    if (!int4_load_x(x, xdt, B, K, G, &j.xs)) return -1;
+    pool_run(gated_up4_chunk, &j, ((N + 31) / 32 + j.blocks - 1) / j.blocks);
     return 0;
 }
 

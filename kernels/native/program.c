@@ -19,6 +19,9 @@ enum {
     OP_DT = 6,
     OP_SSD = 7,
     OP_GATED_RMSNORM = 8,
+    OP_GEMV_INT4 = 9,
+    OP_GATED_UP_INT4 = 10,
+    OP_QKV_ROPE_INT4 = 11,
 };
 
 #define HL_OP_PTRS 14
@@ -82,6 +85,16 @@ static int run_op(const HlOp *o, const HlStep *st) {
         hl_gated_rmsnorm(P(0), P(1), I(0), (int)I(1), P(2), (int)I(2), (float)o->f[0], I(3), (int)I(4), P(3), n,
                          I(5));
         return 0;
+    case OP_GEMV_INT4:
+        return gemv_int4_act(P(0), P(1), (int)I(0), I(1), P(2), (int)I(2), P(3), (int)I(3), P(4), P(5), (int)I(4), n,
+                             I(5), I(6), (int)I(7));
+    case OP_GATED_UP_INT4:
+        return hl_gated_up_int4(P(0), P(1), P(2), P(3), P(4), P(5), (int)I(0), I(1), (int)I(2), P(6), (int)I(3), P(7),
+                                (int)I(4), n, I(5), I(6));
+    case OP_QKV_ROPE_INT4:
+        return hl_qkv_rope_int4(P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), P(8), (int)I(0), I(1), (int)I(2),
+                                P(9), (int)I(3), P(10), P(11), P(12), (int)I(4), st->kv_slots, st->cos, st->sin,
+                                I(5), n, I(6), I(7), I(8), I(9));
     default:
         return -1;
     }
