@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from . import cuda_backend, dispatch, native
 from .native import ops as native_ops
 from .packing import check_cu_seqlens, sequences, slot_rows
-from .state_tiles import scratch, tiles
+from .state_tiles import update_in_fp32_tiles
 
 _CHUNK = 64  # chunk of the torch path: the [C, C] UT solve and decays stay small, the walk takes L / 64 steps
 # Tokens processed at once: the batched intra-chunk temporaries ([H, n, C, C] and the expanded q/k) are sized by
@@ -295,9 +295,8 @@ def _step_torch(state, q, k, v, g, beta, *, scale=None, slots=None):
         bv = beta.float().reshape(n * H, 1, 1)
         vf = v.float().reshape(n * H, 1, V)
         y = torch.empty(n * H, 1, V, device=v.device)
-        low = rows.dtype != torch.float32
-        for i, j in tiles(n, H * K * V, v.device):
-            f = scratch((j - i) * H * K * V, v.device).view(j - i, H, K, V).copy_(rows[i:j]) if low else rows[i:j]
+
+        def update(i, j, f):
             r = slice(i * H, j * H)
             S = f.view((j - i) * H, K, V)
             # from the old state: S^T k and S^T q at once; with a the decay, the new state's read-out is
@@ -306,8 +305,8 @@ def _step_torch(state, q, k, v, g, beta, *, scale=None, slots=None):
             delta = (vf[r] - read[:, :1]).mul_(bv[r])  # beta (v - a S^T k)  [.., 1, V]
             torch.addcmul(read[:, 1:], kqdot[r], delta, out=y[r])
             S.mul_(decay[r]).baddbmm_(kT[r], delta)
-            if low:
-                rows[i:j].copy_(f)
+
+        update_in_fp32_tiles(rows, update)
         y = y.view(n, H, V).to(v.dtype)
     if scatter:
         state.index_copy_(0, slots, rows)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from . import cuda_backend, dispatch
 from .packing import check_cu_seqlens, sequences, slot_rows
-from .state_tiles import scratch, tiles
+from .state_tiles import update_in_fp32_tiles
 
 _CHUNK = 64  # chunk of the torch path (fla's): the inter-chunk walk takes L / 64 steps
 _SUB = 16  # sub-chunk of the intra-chunk scores (fla's secondary chunks): the pairwise log-space blocks
@@ -202,15 +202,14 @@ def _step_torch(state, q, k, v, g, *, scale=None, slots=None):
         vf = v.float().reshape(n * H, 1, V)
         qf = (q.float() * scale).reshape(n * H, 1, K)
         y = torch.empty(n * H, 1, V, device=v.device)
-        low = rows.dtype != torch.float32
-        for i, j in tiles(n, H * K * V, v.device):
-            f = scratch((j - i) * H * K * V, v.device).view(j - i, H, K, V).copy_(rows[i:j]) if low else rows[i:j]
+
+        def update(i, j, f):
             r = slice(i * H, j * H)
             Sv = f.view((j - i) * H, K, V)
             Sv.mul_(decay[r]).baddbmm_(kT[r], vf[r])
             torch.bmm(qf[r], Sv, out=y[r])
-            if low:
-                rows[i:j].copy_(f)
+
+        update_in_fp32_tiles(rows, update)
         y = y.view(n, H, V).to(v.dtype)
     if scatter:
         state.index_copy_(0, slots, rows)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from . import cpu_scan, cuda_backend, dispatch, triton_support
 from .packing import check_cu_seqlens, sequences, slot_rows
-from .state_tiles import scratch, tiles
+from .state_tiles import scratch, update_in_fp32_tiles
 from .triton_state_update import selective_state_update
 from .triton_support import needs_grad
 
@@ -169,14 +169,13 @@ def _selective_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
     dt, A = dt.float(), A.float()
     dtx, Bf, Cf = (dt * x.float())[..., None], B.float()[:, None, :], C.float()[..., None]
     y = torch.empty(n, Dm, 1, device=x.device)
-    low = state.dtype != torch.float32
-    for i, j in tiles(n, Dm * N, x.device):
+
+    def update(i, j, f):
         t = j - i
         dA = torch.mul(dt[i:j, :, None], A, out=scratch(t * Dm * N, x.device, 1).view(t, Dm, N)).exp_()
-        f = scratch(t * Dm * N, x.device).view(t, Dm, N).copy_(rows[i:j]) if low else rows[i:j]
         torch.bmm(f.mul_(dA).addcmul_(dtx[i:j], Bf[i:j]), Cf[i:j], out=y[i:j])
-        if low:
-            rows[i:j].copy_(f)
+
+    update_in_fp32_tiles(rows, update)
     if scatter:
         state.index_copy_(0, slots, rows)
     y = y[..., 0]

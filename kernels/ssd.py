@@ -18,7 +18,7 @@ from . import cuda_backend, dispatch, inductor_backend, native, triton_support
 from .compute_dtype import matmul_dtype
 from .native import ops as native_ops
 from .packing import check_cu_seqlens, sequences, slot_rows
-from .state_tiles import scratch, tiles
+from .state_tiles import update_in_fp32_tiles
 from .triton_state_update import ssd_state_update
 from .triton_support import INTERPRET, dot_precision, jit, needs_grad, next_pow2, tl, triton
 
@@ -318,14 +318,13 @@ def _ssd_step_torch(state, x, dt, A, B, C, *, D=None, slots=None):
     dtx = (dt[..., None] * x.float()).view(n * G, rep * P, 1)
     Bf, Cf = B.float().reshape(n * G, 1, N), C.float().reshape(n * G, N, 1)
     y = torch.empty(n * G, rep * P, 1, device=x.device)
-    low = state.dtype != torch.float32
-    for i, j in tiles(n, H * P * N, x.device):
-        f = scratch((j - i) * H * P * N, x.device).view(j - i, H, P, N).copy_(rows[i:j]) if low else rows[i:j]
+
+    def update(i, j, f):
         g = slice(i * G, j * G)
         fg = f.mul_(decay[i:j]).view((j - i) * G, rep * P, N).addcmul_(dtx[g], Bf[g])
         torch.bmm(fg, Cf[g], out=y[g])
-        if low:
-            rows[i:j].copy_(f)
+
+    update_in_fp32_tiles(rows, update)
     if scatter:
         state.index_copy_(0, slots, rows)
     y = y.view(n, H, P)

@@ -56,6 +56,21 @@ def tiles(n: int, row_numel: int, device: torch.device) -> list[tuple[int, int]]
     return [(i, min(n, i + t)) for i in range(0, n, t)]
 
 
+def update_in_fp32_tiles(rows: torch.Tensor, update) -> None:
+    """Run ``update(i, j, f)`` over the :func:`tiles` of ``rows`` (a contiguous [n, ...] state), ``f`` being
+    ``rows[i:j]`` itself when the state is fp32, else an fp32 copy of it in the scratch buffer that is rounded back
+    into ``rows[i:j]`` once ``update`` has changed it in place: a bf16 / fp16 state computed in fp32 and rounded
+    once per step, as the references do."""
+    n, shape = rows.shape[0], rows.shape[1:]
+    row_numel = rows[0].numel() if n else 0
+    low = rows.dtype != torch.float32
+    for i, j in tiles(n, row_numel, rows.device):
+        f = scratch((j - i) * row_numel, rows.device).view(j - i, *shape).copy_(rows[i:j]) if low else rows[i:j]
+        update(i, j, f)
+        if low:
+            rows[i:j].copy_(f)
+
+
 def row_tiles(blocks: int, block_rows: int, row_numel: int, device: torch.device) -> tuple[int, int]:
     """How an int8 step tiles ``blocks`` blocks of ``block_rows`` state rows of ``row_numel`` values (a block:
     the rows of one sequence that share B and C): ``(k, t)``, ``k`` rows per chunk (a divisor of
