@@ -17,6 +17,15 @@ import torch.nn.functional as F
 from . import dispatch, native
 
 
+def _epilogue_refusal(x, bias, residual) -> str | None:
+    """Why the native product cannot add this bias or residual in its epilogue (None: it can)."""
+    if residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()):
+        return "residual of another dtype or layout"
+    if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_contiguous()):
+        return "bias dtype"
+    return None
+
+
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The reference, in fp32: x [..., K], weight [N, K] (int8 codes times ``scale`` [N] when given),
@@ -56,11 +65,7 @@ def _native_supports(x, weight, bias=None, residual=None, scale=None) -> str | N
         return "int8 weights need their row scales"
     if not (x.is_contiguous() and weight.is_contiguous()):
         return "not contiguous"
-    if residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()):
-        return "residual of another dtype or layout"
-    if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_contiguous()):
-        return "bias dtype"
-    return None
+    return _epilogue_refusal(x, bias, residual)
 
 
 def _linear_native(x, weight, bias=None, residual=None, scale=None):
@@ -148,11 +153,7 @@ def _int4_native_supports(x, qdata, scale_and_zero, group, bias=None, residual=N
         return f"int4 codes {tuple(qdata.shape)} / scales {tuple(scale_and_zero.shape)} for K={K}, group {group}"
     if not (x.is_contiguous() and qdata.is_contiguous() and scale_and_zero.is_contiguous()):
         return "not contiguous"
-    if residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()):
-        return "residual of another dtype or layout"
-    if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_contiguous()):
-        return "bias dtype"
-    return None
+    return _epilogue_refusal(x, bias, residual)
 
 
 def _linear_int4_native(x, qdata, scale_and_zero, group, bias=None, residual=None):
