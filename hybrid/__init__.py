@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from .cache import CacheFullError, HybridCache, PagedKVCache, SSMStateCache
 from .checkpoint import CheckpointError
-from .config import AttentionConfig, ConfigError, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig, MoEConfig
+from .config import (
+    AttentionConfig,
+    ConfigError,
+    GatedDeltaNetConfig,
+    GLAConfig,
+    HybridConfig,
+    Mamba1Config,
+    Mamba2Config,
+    MLPConfig,
+    MoEConfig,
+)
 from .engine import Engine
 from .generation import generate
 from .model import HybridLM
@@ -20,7 +30,8 @@ __version__ = "0.1.0"
 
 
 __all__ = [
-    "AttentionConfig", "CheckpointError", "ConfigError", "HybridConfig", "HybridLM", "MLPConfig",
+    "AttentionConfig", "CheckpointError", "ConfigError", "GatedDeltaNetConfig", "GLAConfig", "HybridConfig",
+    "HybridLM", "MLPConfig",
     "Mamba1Config", "Mamba2Config", "MoEConfig", "PatternError", "attention_share", "blocks_pattern",
     "from_pretrained", "parse_pattern", "quantize", "ratio_pattern", "save_pretrained",
     # inference engine

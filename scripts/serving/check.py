@@ -8,6 +8,7 @@ Called by scripts/check_serving.sh (which installs the engines); runs in our .ve
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -114,7 +115,7 @@ def check_family(args, fam, root: Path) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     model = build(fam)
     ids = prompts(fam.config.vocab_size)
-    ours = hybrid.generate(model, ids, max_new_tokens=N_NEW, ignore_eos=True)
+    ours = {"float32": hybrid.generate(model, ids, max_new_tokens=N_NEW, ignore_eos=True)}
     spec = work / "prompts.json"
     spec.write_text(json.dumps({"prompts": ids, "n_new": N_NEW, "max_model_len": max(PROMPT_LENGTHS) + N_NEW + 8}))
     rows = []
@@ -136,8 +137,13 @@ def check_family(args, fam, root: Path) -> list[dict]:
             res = vllm_row(args, export_dir, spec, flags, edir) if engine == "vllm" else \
                 llama_cpp_row(args, export_dir, ids, edir)
             row = {**base, "flags": " ".join(flags), **{k: res.get(k) for k in ("loads", "serves", "error")}}
-            row["identical"] = res.get("tokens") == ours if res.get("serves") else None
-            row["divergence"] = first_divergence(ours, res["tokens"]) if res.get("serves") else None
+            # an engine run in bf16 (``--dtype bfloat16``) is held to our model in bf16
+            dtype = flags[flags.index("--dtype") + 1] if "--dtype" in flags else "float32"
+            if dtype not in ours:
+                ours[dtype] = hybrid.generate(copy.deepcopy(model).to(getattr(torch, dtype)), ids,
+                                              max_new_tokens=N_NEW, ignore_eos=True)
+            row["identical"] = res.get("tokens") == ours[dtype] if res.get("serves") else None
+            row["divergence"] = first_divergence(ours[dtype], res["tokens"]) if res.get("serves") else None
             rows.append(row)
     return rows
 

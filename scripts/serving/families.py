@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import hybrid
-from hybrid import AttentionConfig, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig, MoEConfig
+from hybrid import AttentionConfig, GatedDeltaNetConfig, HybridConfig, Mamba1Config, Mamba2Config, MLPConfig, MoEConfig
 
 ENGINES = ("vllm", "llama.cpp")
 BASE = dict(vocab_size=512, d_model=128, tie_embeddings=False,
@@ -72,6 +72,15 @@ FAMILIES = [
     Family("samba", "Samba: Mamba-1 + sliding-window attention", _cfg(
         "m-*-m-*-", attention=dataclasses.replace(BASE["attention"], sliding_window=32)),
         {"vllm": "hf", "llama.cpp": "hf"}),
+    # experts in every block, as Qwen3-Next ships (llama.cpp's qwen3next has no dense-MLP form)
+    Family("qwen3next", "Qwen3-Next: Gated DeltaNet 3 : gated attention 1 (q/k norms, partial RoPE), top-2 of 4 "
+           "experts + a gated shared expert", _cfg("GEGEGE*E", norm_offset=1.0,
+                moe=MoEConfig(n_experts=4, top_k=2, d_ff=128, normalize_top_k=True, shared_d_ff=128,
+                              shared_gate=True),
+                attention=dataclasses.replace(BASE["attention"], output_gate=True, qk_norm=True, rotary_fraction=0.25),
+                gated_deltanet=GatedDeltaNetConfig(n_heads=4, n_k_heads=2, head_k_dim=64, head_v_dim=64)),
+           # vLLM's CPU Gated DeltaNet runs in bf16 only ("CPU GDN attention requires BF16"): both, to show it
+           {"vllm": "qwen3_next", "llama.cpp": "qwen3_next"}, variants={"vllm": [[], ["--dtype", "bfloat16"]]}),
 ]
 
 

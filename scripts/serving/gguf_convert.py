@@ -62,8 +62,13 @@ def convert(llama_cpp: Path, hf_dir: Path, out: Path, *, tokenizer: bool = False
             kw["hparams"] = hparams = json.loads((hf_dir / "config.json").read_text())
         arch = conversion.get_model_architecture(hparams, conversion.ModelType.TEXT)
         cls = conversion.get_model_class(arch, mmproj=False)  # NotImplementedError: llama.cpp lacks it
+        # our exports carry no multi-token-prediction heads: without no_mtp the Qwen3-Next converter asserts it
+        # finds some (llama.cpp's --no-mtp)
+        extra = {"no_mtp": True} if hasattr(cls, "no_mtp") else {}
         if not tokenizer:
-            cls = type(cls.__name__, (cls,), {"set_vocab": tokenless_vocab, "model_arch": cls.model_arch})
+            extra["set_vocab"] = tokenless_vocab
+        if extra:
+            cls = type(cls.__name__, (cls,), {**extra, "model_arch": cls.model_arch})
         model = cls(hf_dir, getattr(gguf.LlamaFileType, OUTTYPES[outtype]), out, eager=True, **kw)
         model.write()
     return out

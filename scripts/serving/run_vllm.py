@@ -1,8 +1,8 @@
 """Run one exported folder with vLLM (its CPU build here): greedy continuations of token-id prompts, or a
 prefill/decode timing. Runs in the vLLM venv (it does not import hybrid); writes one JSON result.
 
-    python run_vllm.py tokens MODEL_DIR PROMPTS.json OUT.json [--no-prefix-caching] [--tp N]
-    python run_vllm.py bench MODEL_DIR OUT.json --prefill 8x2048 --decode 32x64
+    python run_vllm.py tokens MODEL_DIR PROMPTS.json OUT.json [--no-prefix-caching] [--tp N] [--dtype D]
+    python run_vllm.py bench MODEL_DIR OUT.json --prefill 8x2048 --decode 32x64 [--decode-prompt 16] [--dtype D]
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ def last_error_line(exc: BaseException) -> str:
 
 
 def make_llm(model_dir: str, prefix_caching: bool, max_model_len: int, max_num_seqs: int,
-             max_batch_tokens: int | None = None, tp: int = 1):
+             max_batch_tokens: int | None = None, tp: int = 1, dtype: str = "float32"):
     if tp > 1 and "|" not in os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""):
         # vLLM's CPU workers take one core list each, "|"-separated: one core per tensor-parallel rank
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     from vllm import LLM
-    kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len,
+    kw = dict(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
               max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching, seed=0, tensor_parallel_size=tp)
     if max_batch_tokens:
         kw["max_num_batched_tokens"] = max_batch_tokens
@@ -47,7 +47,8 @@ def run_tokens(args) -> dict:
     spec = json.loads(Path(args.prompts).read_text())
     result = {"loads": False, "serves": False, "tokens": None, "error": None}
     try:
-        llm = make_llm(args.model, args.prefix_caching, spec["max_model_len"], len(spec["prompts"]), tp=args.tp)
+        llm = make_llm(args.model, args.prefix_caching, spec["max_model_len"], len(spec["prompts"]), tp=args.tp,
+                       dtype=args.dtype)
         result["loads"] = True
         result["tokens"] = greedy(llm, spec["prompts"], spec["n_new"])
         result["serves"] = True
@@ -59,7 +60,8 @@ def run_tokens(args) -> dict:
 
 def run_bench(args) -> dict:
     """Prefill: B prompts of L random ids, 1 new token each (median of repeats, after a warm-up).
-    Decode: B prompts of 16 ids x N new tokens, minus the same requests with 1 new token."""
+    Decode: B prompts of P ids (``--decode-prompt``, default 16) x N new tokens, minus the same requests with 1
+    new token."""
     import random
     bp, lp = (int(x) for x in args.prefill.split("x"))
     bd, nd = (int(x) for x in args.decode.split("x"))
@@ -69,7 +71,9 @@ def run_bench(args) -> dict:
     def ids(n):
         return [rng.randrange(vocab) for _ in range(n)]
 
-    llm = make_llm(args.model, False, lp + 8, max(bp, bd), max_batch_tokens=max(lp, 2048))
+    pd = args.decode_prompt
+    llm = make_llm(args.model, False, max(lp, pd + nd) + 8, max(bp, bd), max_batch_tokens=max(lp, 2048),
+                   dtype=args.dtype)
 
     def timed(prompts, n_new):
         t0 = time.perf_counter()
@@ -78,7 +82,7 @@ def run_bench(args) -> dict:
 
     timed([ids(lp)], 1)  # warm-up (compiles, allocates)
     prefill = sorted(timed([ids(lp) for _ in range(bp)], 1) for _ in range(args.repeats))
-    short = [ids(16) for _ in range(bd)]
+    short = [ids(pd) for _ in range(bd)]
     timed(short, 2)
     decode = sorted(timed(short, nd) - timed(short, 1) for _ in range(args.repeats))
     return {"prefill_tok_s": [bp * lp / t for t in prefill], "decode_tok_s": [bd * (nd - 1) / t for t in decode]}
@@ -93,12 +97,15 @@ def main() -> None:
     t.add_argument("out")
     t.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     t.add_argument("--tp", type=int, default=1, help="tensor-parallel size (CPU: one core per rank)")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     b = sub.add_parser("bench")
     b.add_argument("model")
     b.add_argument("out")
     b.add_argument("--prefill", default="8x2048")
     b.add_argument("--decode", default="32x64")
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--decode-prompt", type=int, default=16, help="prompt ids per decoding request")
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     result = run_tokens(args) if args.mode == "tokens" else run_bench(args)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
