@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cuda_backend, dispatch
+from . import cuda_backend, dispatch, native
+from .native import ops as native_ops
 from .packing import check_cu_seqlens, sequences, slot_rows
 from .state_tiles import update_in_fp32_tiles
 
@@ -285,6 +286,8 @@ def flops_per_token(n_heads: int, head_k_dim: int, head_v_dim: int) -> float:
 dispatch.register("gla_chunk", "torch", _chunk_torch)
 dispatch.register("gla_varlen", "torch", _varlen_torch)
 dispatch.register("gla_step", "torch", _step_torch)
+# decode on the CPU: linear_attention.c's one pass over the state per (sequence, head) (torch takes two)
+dispatch.register("gla_step", "native", native_ops.gla_step, native.available, native_ops.supports_gla_step)
 _fla = cuda_backend.probe("fla_gla")
 dispatch.register("gla_chunk", "cuda", _fla_chunk, _fla)
 dispatch.register("gla_varlen", "cuda", _fla_varlen, _fla)

@@ -90,7 +90,8 @@ class GLA(nn.Module):
         c = self.cfg
         q, k, v = qkv.split([c.key_dim, c.kv_key_dim, c.kv_value_dim], dim=-1)
         lead = qkv.shape[:-1]
-        gk = F.logsigmoid(self.gk_proj(low).float()) / c.gate_logit_normalizer
+        # low's rows contiguous: a decode step's few rows then take the native product (the decode program's)
+        gk = F.logsigmoid(self.gk_proj(low.contiguous()).float()) / c.gate_logit_normalizer
         if c.clamp_min is not None:
             gk = gk.clamp(min=c.clamp_min)
         q = q.reshape(*lead, self.n_heads, self.head_k_dim)

@@ -151,3 +151,33 @@ def paged_decode(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scal
 
 # the activations of decode.c's fused ops (the decode program, hybrid/layers/fused_decode.py, passes them)
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}
+
+
+def supports_gla_step(state, q, k, v, g, *, scale=None, slots=None) -> str | None:
+    """fp32/bf16 state, q/k/v rows contiguous within a sequence and of one dtype, g fp32, V <= 512"""
+    why = _common(state, (q, k, v), slots)
+    if why:
+        return why
+    n, H, K = q.shape
+    V = v.shape[2]
+    if V > 512 or state.shape[1:] != (H, K, V) or k.shape != q.shape or g.shape != q.shape or v.shape[1] != H:
+        return f"heads {H} or dims {K}x{V}"
+    if any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (q, k, v)) or not (q.dtype == k.dtype == v.dtype):
+        return "q/k/v layout"
+    if g.dtype != torch.float32 or g.stride(2) != 1 or g.stride(1) != K:
+        return "g not fp32"
+    return None
+
+
+def gla_step(state, q, k, v, g, *, scale=None, slots=None) -> torch.Tensor:
+    """kernels.gla.gla_step_ref's step in decode.c's GLA loop (linear_attention.c): one pass over the state."""
+    n, H, K = q.shape
+    V = v.shape[2]
+    y = torch.empty(n, H, V, dtype=v.dtype)
+    rc = library().hl_gla_step(state.data_ptr(), DTYPE_CODES[state.dtype], _ptr(slots), q.data_ptr(), q.stride(0),
+                               k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), DTYPE_CODES[v.dtype],
+                               g.data_ptr(), g.stride(0), K ** -0.5 if scale is None else float(scale), y.data_ptr(),
+                               n, H, H, K, V)
+    if rc:
+        raise RuntimeError(f"hl_gla_step refused H={H} K={K} V={V} (a bug: supports_gla_step passed it)")
+    return y
