@@ -6,41 +6,54 @@
    product kernel (gemv_act) are decode.c's. */
 
 /* ---- Gated DeltaNet: the one-token step after the conv --------------------------------------------------- */
-/* From the conv's output rows qkv [B, 2 Hk K + H V] (row stride qkv_s) and the in-projection's b | a rows
-   (stride ba_s): q and k L2-normalised per key head in fp32 and rounded to the model dtype (into qk [B, 2 Hk
-   K], contiguous: kernels.gated_delta.l2norm, then .to(dtype)); g = -exp(A_log) softplus(a + dt_bias) and
-   beta = sigmoid(b) in fp32 (GatedDeltaNet.gates); then hl_gdn_step on the rows' state slots -> y [B, H, V]. */
-static void gdn_prep_row(const void *qkv, int xdt, int64_t r, int64_t Hk, int64_t K, float eps, void *qk) {
-    for (int64_t part = 0; part < 2; ++part) /* q, then k */
-        for (int64_t h = 0; h < Hk; ++h) {
-            const int64_t src = r + (part * Hk + h) * K, dst = (part * Hk + h) * K;
-            double ss = 0.0; /* torch sums in fp32 in its own order: a double sum rounds to its value (or an ulp off) */
+/* The pieces are also the eager layer's decode ops (kernels/gated_delta.py's l2norm_heads and gates dispatch
+   here on a CPU), so the program and the eager step compute the same bits: torch's exp / log1p (Sleef's) and
+   sums (its own order) differ from libm's in the last fp32 bit now and then, and a state carries that on. */
+
+/* x rows [B, heads, K] (row stride xs, heads K apart) L2-normalised per head in fp32 (kernels.gated_delta.l2norm:
+   x / sqrt(sum x^2 + eps)), rounded to the dtype into y (row stride ys). */
+void hl_l2norm_heads(const void *x, int64_t xs, int xdt, void *y, int64_t ys, int64_t B, int64_t heads, int64_t K,
+                     float eps) {
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t src = b * xs + h * K, dst = b * ys + h * K;
+            double ss = 0.0;
             for (int64_t i = 0; i < K; ++i) {
-                const float v = load_as_f32(qkv, xdt, src + i);
+                const float v = load_as_f32(x, xdt, src + i);
                 ss += (double)v * v;
             }
             const float inv = 1.0f / sqrtf((float)ss + eps);
-            for (int64_t i = 0; i < K; ++i) store_as(qk, xdt, dst + i, load_as_f32(qkv, xdt, src + i) * inv);
+            for (int64_t i = 0; i < K; ++i) store_as(y, xdt, dst + i, load_as_f32(x, xdt, src + i) * inv);
         }
 }
 
 static inline float softplus1(float v) { return v > 20.0f ? v : log1pf(expf(v)); } /* torch's, threshold 20 */
 
+/* GatedDeltaNet.gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), fp32 [B, H], from b and a rows
+   (strides bs, as) of the model dtype. */
+void hl_gdn_gates(const void *bb, int64_t bs, const void *aa, int64_t as, int xdt, const void *A_log, int adt,
+                  const void *dt_bias, int bdt, float *g, float *beta, int64_t B, int64_t H) {
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h) {
+            const float bv = load_as_f32(bb, xdt, b * bs + h), av = load_as_f32(aa, xdt, b * as + h);
+            const float A = -expf(load_as_f32(A_log, adt, h));
+            g[b * H + h] = A * softplus1(av + load_as_f32(dt_bias, bdt, h));
+            beta[b * H + h] = 1.0f / (1.0f + expf(-bv));
+        }
+}
+
+/* The program's op: from the conv's output rows qkv [B, 2 Hk K + H V] (row stride qkv_s) and the in-projection's
+   b | a rows (stride ba_s): q and k normalised into qk [B, 2 Hk K], the gates into g / beta [B, H], then
+   hl_gdn_step on the rows' state slots -> y [B, H, V]. */
 int hl_gdn_decode(void *state, int sdt, const int64_t *slots, const void *qkv, int xdt, int64_t qkv_s,
                   const void *ba, int64_t ba_s, const void *A_log, int adt, const void *dt_bias, int bdt, void *qk,
                   float *g, float *beta, void *y, int64_t B, int64_t H, int64_t Hk, int64_t K, int64_t V, float eps,
                   float scale) {
     if (K > 512 || V > 512 || Hk < 1 || H % Hk) return -1;
     const int64_t w = 2 * Hk * K, esz = xdt == DT_BF16 ? 2 : 4;
-    for (int64_t b = 0; b < B; ++b) {
-        gdn_prep_row(qkv, xdt, b * qkv_s, Hk, K, eps, (char *)qk + b * w * esz);
-        for (int64_t h = 0; h < H; ++h) {
-            const float bv = load_as_f32(ba, xdt, b * ba_s + h), av = load_as_f32(ba, xdt, b * ba_s + H + h);
-            const float A = -expf(load_as_f32(A_log, adt, h));
-            g[b * H + h] = A * softplus1(av + load_as_f32(dt_bias, bdt, h));
-            beta[b * H + h] = 1.0f / (1.0f + expf(-bv));
-        }
-    }
+    hl_l2norm_heads(qkv, qkv_s, xdt, qk, w, B, Hk, K, eps);
+    hl_l2norm_heads((const char *)qkv + Hk * K * esz, qkv_s, xdt, (char *)qk + Hk * K * esz, w, B, Hk, K, eps);
+    hl_gdn_gates(ba, ba_s, (const char *)ba + H * esz, ba_s, xdt, A_log, adt, dt_bias, bdt, g, beta, B, H);
     return hl_gdn_step(state, sdt, slots, qk, (const char *)qk + Hk * K * esz, w, (const char *)qkv + w * esz, xdt,
                        qkv_s, g, beta, H, scale, y, B, H, Hk, K, V);
 }
@@ -163,10 +176,19 @@ int hl_gla_step(void *state, int sdt, const int64_t *slots, const void *q, int64
     return 0;
 }
 
+/* GLA's log decay (kernels.gla.decay, the eager layer's op on a CPU too): g = logsigmoid(x) / normalizer in fp32
+   (torch's min(x, 0) - log1p(exp(-|x|))), clamped from below at clamp_min when clamp; x [n] in the model dtype. */
+void hl_gla_decay(const void *x, int xdt, float *g, int64_t n, float normalizer, float clamp_min, int clamp) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = load_as_f32(x, xdt, i);
+        const float d = ((v < 0.0f ? v : 0.0f) - log1pf(expf(-fabsf(v)))) / normalizer;
+        g[i] = clamp && d < clamp_min ? clamp_min : d;
+    }
+}
+
 /* GLA's decode after the conv (or straight from the in-projection without one): the decay gate's up-projection
    gk = low W^T + bias (low copied to contiguous rows first: the product kernel eager's Linear takes for them),
-   g = logsigmoid(gk) / normalizer in fp32 (torch's min(x, 0) - log1p(exp(-|x|))), clamped from below when
-   clamp, then hl_gla_step over q | k | v of qkv (row stride qkv_s) -> y [B, H, V]. */
+   the log decay (hl_gla_decay), then hl_gla_step over q | k | v of qkv (row stride qkv_s) -> y [B, H, V]. */
 int hl_gla_decode(void *state, int sdt, const int64_t *slots, const void *qkv, int xdt, int64_t qkv_s, const void *low,
                   int64_t low_s, void *low_buf, const void *w, const float *wscale, int wdt, const void *bias, int bdt,
                   void *gk, float *g, void *y, int64_t B, int64_t R, int64_t H, int64_t Hkv, int64_t K, int64_t V,
@@ -174,12 +196,7 @@ int hl_gla_decode(void *state, int sdt, const int64_t *slots, const void *qkv, i
     const int64_t esz = xdt == DT_BF16 ? 2 : 4, G = Hkv * K;
     for (int64_t b = 0; b < B; ++b) memcpy((char *)low_buf + b * R * esz, (const char *)low + b * low_s * esz, R * esz);
     if (gemv_act(w, wdt, wscale, bias, bdt, low_buf, xdt, NULL, gk, xdt, B, G, R, 0)) return -1;
-    for (int64_t i = 0; i < B * G; ++i) {
-        const float x = load_as_f32(gk, xdt, i);
-        float v = (x < 0.0f ? x : 0.0f) - log1pf(expf(-fabsf(x)));
-        v = v / normalizer;
-        g[i] = clamp && v < clamp_min ? clamp_min : v;
-    }
+    hl_gla_decay(gk, xdt, g, B * G, normalizer, clamp_min, clamp);
     const int64_t kq = H * K;
     return hl_gla_step(state, sdt, slots, qkv, qkv_s, (const char *)qkv + kq * esz, qkv_s,
                        (const char *)qkv + (kq + G) * esz, qkv_s, xdt, g, G, (float)(1.0 / sqrt((double)K)), y, B, H,

@@ -181,3 +181,69 @@ def gla_step(state, q, k, v, g, *, scale=None, slots=None) -> torch.Tensor:
     if rc:
         raise RuntimeError(f"hl_gla_step refused H={H} K={K} V={V} (a bug: supports_gla_step passed it)")
     return y
+
+
+def _elementwise(*tensors) -> str | None:
+    if any(t.device.type != "cpu" for t in tensors):
+        return "not on the CPU"
+    if torch.compiler.is_compiling():
+        return "compiling"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "autograd"
+    if any(t.dtype not in _FLOATS for t in tensors):
+        return "input dtypes"
+    return None
+
+
+def supports_l2norm_heads(x, eps=1e-6) -> str | None:
+    """x [n, heads, K] fp32/bf16, each row's heads contiguous"""
+    why = _elementwise(x)
+    if why:
+        return why
+    if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        return "layout"
+    return None
+
+
+def l2norm_heads(x, eps=1e-6) -> torch.Tensor:
+    n, heads, K = x.shape
+    y = torch.empty(n, heads, K, dtype=x.dtype)
+    library().hl_l2norm_heads(x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], y.data_ptr(), heads * K, n, heads, K,
+                              eps)
+    return y
+
+
+def supports_gdn_gates(b, a, A_log, dt_bias) -> str | None:
+    """b, a [n, H] of one fp32/bf16 dtype, each row contiguous; A_log, dt_bias [H] contiguous"""
+    why = _elementwise(b, a, A_log, dt_bias)
+    if why:
+        return why
+    if b.dim() != 2 or a.shape != b.shape or b.stride(1) != 1 or a.stride(1) != 1 or a.dtype != b.dtype \
+            or not (A_log.is_contiguous() and dt_bias.is_contiguous()) or A_log.shape != b.shape[1:] \
+            or dt_bias.shape != b.shape[1:]:
+        return "layout"
+    return None
+
+
+def gdn_gates(b, a, A_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    n, H = b.shape
+    g, beta = torch.empty(n, H), torch.empty(n, H)
+    library().hl_gdn_gates(b.data_ptr(), b.stride(0), a.data_ptr(), a.stride(0), DTYPE_CODES[b.dtype], A_log.data_ptr(),
+                           DTYPE_CODES[A_log.dtype], dt_bias.data_ptr(), DTYPE_CODES[dt_bias.dtype], g.data_ptr(),
+                           beta.data_ptr(), n, H)
+    return g, beta
+
+
+def supports_gla_decay(x, normalizer, clamp_min=None) -> str | None:
+    """contiguous fp32/bf16 x"""
+    why = _elementwise(x)
+    if why:
+        return why
+    return None if x.is_contiguous() else "layout"
+
+
+def gla_decay(x, normalizer, clamp_min=None) -> torch.Tensor:
+    g = torch.empty(x.shape)
+    library().hl_gla_decay(x.data_ptr(), DTYPE_CODES[x.dtype], g.data_ptr(), x.numel(), float(normalizer),
+                           0.0 if clamp_min is None else float(clamp_min), int(clamp_min is not None))
+    return g
