@@ -11,11 +11,15 @@ call (measured: issue 25's closing note). A program pays that once a step.
 
 An attention sub-layer is four ops (norm; q/k/v with RoPE and the K/V write in one pass over the three
 matrices; paged attention; out-projection with the residual), a gated MLP three, a plain MLP three, a
-Mamba-2 layer seven; each mirrors the rounding points of the torch ops it replaces (tests hold the program
-to the eager layers, bit for bit in bf16, and to the full forward).
+Mamba-2 layer seven, a Gated DeltaNet layer six (norm; in-projection; conv step; q/k L2 norm, gates and the
+delta-rule step; per-head gated norm; out-projection), a GLA layer five or six (the same, the conv only with
+the short conv, the decay gate's low-rank up-projection and log decay inside the GLA step's op); each mirrors
+the rounding points of the torch ops it replaces (tests hold the program to the eager layers, bit for bit in
+bf16, and to the full forward).
 
 Covered: attention over fp32/bf16 K/V pools (no int8/fp8 pages, no StreamingLLM/SnapKV pruning), gated or
-plain MLPs, Mamba-2 with fp32/bf16 state pools (no int8 or stochastic-rounded state); fp32, bf16, torchao
+plain MLPs, Mamba-2, Gated DeltaNet (head dims up to 512) and GLA (value heads up to 512, no int4 decay-gate
+projection) with fp32/bf16 state pools (no int8 or stochastic-rounded state); fp32, bf16, torchao
 int8 weight-only or torchao CPU int4 weight-only linear layers (int4 attention: head_dim a multiple of 16); up
 to 64 decoding sequences (from 4 on, the products are blocked 4 weight rows x 3 input rows: a batched step is
 compute-bound; past 64 torch's GEMMs take them). A layer outside that runs
