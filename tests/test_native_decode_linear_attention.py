@@ -162,9 +162,10 @@ def _logits(model, prompts, native_step: bool, monkeypatch):
 def test_program_logits_equal_eager_blocks(recipe, dtype, monkeypatch):
     """The whole step's logits against the eager blocks' (a step, then greedy, from the same prompts): the blocks
     are the eager layers' bits in bf16 (test above); the final norm sums in another order (hl_rmsnorm in double,
-    torch's vector_norm in fp32), so in bf16 a logit may be one rounding of the largest off. fp32: the gates'
-    and l2norm's exp / log1p / sums are libm's and a double sum where torch has Sleef's and its own order (ulps
-    of fp32 per op, carried through the states over 5 steps): a bound of 1e-5 relative to the largest logit."""
+    torch's vector_norm in fp32), so in bf16 a logit may be one rounding of the largest off. fp32: the gates,
+    q/k norm, decay and state steps are the same native loops on both sides, but every RMSNorm (block, per-head
+    output, final) sums in double here and in fp32 in torch: fp32 ulps per norm, carried through the states over
+    5 steps and 4-8 blocks: a bound of 1e-5 of the largest logit."""
     model = _tiny(recipe, dtype)
     prompts = [list(range(1, 12)), [7] * 20, list(range(40, 45))]
     program = _logits(model, prompts, True, monkeypatch)
