@@ -393,8 +393,9 @@ def _l2norm_heads_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def l2norm_heads(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """:func:`l2norm` of x [..., heads, K], rounded back to x's dtype (the layer's q / k). On a CPU without autograd
-    decode.c's loop (linear_attention.c), the one the decode program runs: the two then agree to the bit."""
+    """:func:`l2norm` of x [..., heads, K], rounded back to x's dtype (the layer's q / k). On a CPU without
+    autograd, for a decode step's rows (up to 64), linear_attention.c's loop, the one the decode program runs:
+    the two then agree to the bit (prefill keeps torch's vectorised op)."""
     _, fn = dispatch.choose("gated_delta_l2norm", x.device.type)
     return fn(x, eps)
 
@@ -407,8 +408,9 @@ def _gates_torch(b, a, A_log, dt_bias):
 def gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
           dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The log decay ``g = -exp(A_log) softplus(a + dt_bias)`` and write strength ``beta = sigmoid(b)``, fp32
-    [..., H]. On a CPU without autograd (rows [n, H]) decode.c's loop, the decode program's: libm's exp / log1p,
-    where torch's are Sleef's (the two differ in the last fp32 bit now and then)."""
+    [..., H]. On a CPU without autograd, for a decode step's rows [n <= 64, H], linear_attention.c's loop, the
+    decode program's: libm's exp / log1p, where torch's are Sleef's (the two differ in the last fp32 bit now and
+    then)."""
     _, fn = dispatch.choose("gated_delta_gates", b.device.type)
     return fn(b, a, A_log, dt_bias)
 

@@ -284,8 +284,9 @@ def _decay_torch(x, normalizer, clamp_min=None):
 
 def decay(x: torch.Tensor, normalizer: float, clamp_min: float | None = None) -> torch.Tensor:
     """The per-key-dim log decay ``logsigmoid(x) / normalizer`` (clamped from below at ``clamp_min``), fp32. On a
-    CPU without autograd decode.c's loop (linear_attention.c), the decode program's: libm's exp / log1p, where
-    torch's are Sleef's (the two differ in the last fp32 bit now and then, and a state carries it on)."""
+    CPU without autograd, for a decode step's rows [n <= 64, width], linear_attention.c's loop, the decode
+    program's: libm's exp / log1p, where torch's are Sleef's (the two differ in the last fp32 bit now and then,
+    and a state carries it on)."""
     _, fn = dispatch.choose("gla_decay", x.device.type)
     return fn(x, normalizer, clamp_min)
 

@@ -216,3 +216,34 @@ def test_int8_state_pools_run_eager(recipe):
     model = _tiny(recipe)
     cov = _coverage(model, state_dtype=torch.int8)
     assert all("quantised" in cov[i] for i, b in enumerate(model.layers) if b.kind in ("gated_deltanet", "gla")), cov
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_gates_norm_and_decay_match_torch(dtype):
+    """The decode step's native gate / q-k norm / decay loops (the eager layers' ops for a decode step's rows, and
+    the program's) against their torch forms: libm's exp / log1p against Sleef's, a double sum against torch's
+    fp32 one: a few fp32 ulps; bf16 q/k: within one bf16 rounding. Prefill-sized rows stay with torch."""
+    from hybrid.kernels import gated_delta
+
+    g_ = torch.Generator().manual_seed(1)
+    n, H, Hk, K = 5, 6, 3, 20
+    proj = (torch.randn(n, 2 * H + 3, generator=g_) * 4).to(dtype)
+    b, a = proj[:, :H], proj[:, H:2 * H]  # rows strided, as the layer's slices of its projection
+    A_log, dt_bias = torch.rand(H, generator=g_).to(dtype) * 3, torch.randn(H, generator=g_).to(dtype)
+    assert ops.supports_gdn_gates(b, a, A_log, dt_bias) is None
+    (g, beta), (g_t, beta_t) = ops.gdn_gates(b, a, A_log, dt_bias), gated_delta._gates_torch(b, a, A_log, dt_bias)
+    assert g.dtype == beta.dtype == torch.float32
+    assert torch.allclose(g, g_t, rtol=1e-6, atol=0) and torch.allclose(beta, beta_t, rtol=1e-6, atol=0)
+    qk = torch.randn(n, 2 * Hk * K + 7, generator=g_).to(dtype)[:, :Hk * K].reshape(n, Hk, K)
+    assert ops.supports_l2norm_heads(qk) is None
+    got, ref = ops.l2norm_heads(qk), gated_delta.l2norm(qk)
+    assert got.dtype == dtype and (got.float() - ref).abs().max() <= 1e-6 + 2 * _noise(ref, dtype)
+    x = (torch.randn(n, 12, generator=g_) * 8).to(dtype)
+    for clamp_min in (None, -0.2):
+        got, ref = ops.gla_decay(x, 16.0, clamp_min), gla._decay_torch(x, 16.0, clamp_min)
+        assert torch.allclose(got, ref, rtol=1e-6, atol=1e-9)
+        assert clamp_min is None or got.min() >= clamp_min
+    long = torch.randn(65, H).to(dtype)
+    assert "65 rows" in ops.supports_gdn_gates(long, long, A_log, dt_bias)
+    assert "65 rows" in ops.supports_gla_decay(long, 16.0)
+    assert "65 rows" in ops.supports_l2norm_heads(long.reshape(65, 2, 3))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import DTYPE_CODES, library
+from . import DTYPE_CODES, MAX_ROWS, library
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -183,7 +183,11 @@ def gla_step(state, q, k, v, g, *, scale=None, slots=None) -> torch.Tensor:
     return y
 
 
-def _elementwise(*tensors) -> str | None:
+def _elementwise(rows: int, *tensors) -> str | None:
+    """The linear-attention layers' gate / norm loops: single-threaded and scalar, for a decode step's few rows
+    (prefill keeps torch's vectorised, threaded ops)."""
+    if rows > MAX_ROWS:
+        return f"{rows} rows (a decode step's loop: at most {MAX_ROWS})"
     if any(t.device.type != "cpu" for t in tensors):
         return "not on the CPU"
     if torch.compiler.is_compiling():
@@ -196,8 +200,8 @@ def _elementwise(*tensors) -> str | None:
 
 
 def supports_l2norm_heads(x, eps=1e-6) -> str | None:
-    """x [n, heads, K] fp32/bf16, each row's heads contiguous"""
-    why = _elementwise(x)
+    """x [n, heads, K] fp32/bf16 (n <= 64), each row's heads contiguous"""
+    why = _elementwise(x.shape[0] if x.dim() == 3 else MAX_ROWS + 1, x)
     if why:
         return why
     if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
@@ -214,8 +218,8 @@ def l2norm_heads(x, eps=1e-6) -> torch.Tensor:
 
 
 def supports_gdn_gates(b, a, A_log, dt_bias) -> str | None:
-    """b, a [n, H] of one fp32/bf16 dtype, each row contiguous; A_log, dt_bias [H] contiguous"""
-    why = _elementwise(b, a, A_log, dt_bias)
+    """b, a [n, H] (n <= 64) of one fp32/bf16 dtype, each row contiguous; A_log, dt_bias [H] contiguous"""
+    why = _elementwise(b.shape[0] if b.dim() == 2 else MAX_ROWS + 1, b, a, A_log, dt_bias)
     if why:
         return why
     if b.dim() != 2 or a.shape != b.shape or b.stride(1) != 1 or a.stride(1) != 1 or a.dtype != b.dtype \
@@ -235,8 +239,8 @@ def gdn_gates(b, a, A_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def supports_gla_decay(x, normalizer, clamp_min=None) -> str | None:
-    """contiguous fp32/bf16 x"""
-    why = _elementwise(x)
+    """contiguous fp32/bf16 x [n, width] (n <= 64)"""
+    why = _elementwise(x.shape[0] if x.dim() == 2 else MAX_ROWS + 1, x)
     if why:
         return why
     return None if x.is_contiguous() else "layout"
