@@ -388,6 +388,33 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
 
 
+def _l2norm_heads_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return l2norm(x, eps).to(x.dtype)
+
+
+def l2norm_heads(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """:func:`l2norm` of x [..., heads, K], rounded back to x's dtype (the layer's q / k). On a CPU without
+    autograd, for a decode step's rows (up to 64), linear_attention.c's loop, the one the decode program runs:
+    the two then agree to the bit (prefill keeps torch's vectorised op)."""
+    _, fn = dispatch.choose("gated_delta_l2norm", x.device.type)
+    return fn(x, eps)
+
+
+def _gates_torch(b, a, A_log, dt_bias):
+    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+def gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
+          dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log decay ``g = -exp(A_log) softplus(a + dt_bias)`` and write strength ``beta = sigmoid(b)``, fp32
+    [..., H]. On a CPU without autograd, for a decode step's rows [n <= 64, H], linear_attention.c's loop, the
+    decode program's: libm's exp / log1p, where torch's are Sleef's (the two differ in the last fp32 bit now and
+    then)."""
+    _, fn = dispatch.choose("gated_delta_gates", b.device.type)
+    return fn(b, a, A_log, dt_bias)
+
+
 def flops_per_token(n_heads: int, head_k_dim: int, head_v_dim: int) -> float:
     """FLOPs one token costs in the recurrent form (decay, read S^T k, rank-1 write, output S^T q: 7 per state
     element), the count the GFLOP/s of a prefill are reported against (the chunked form does more work)."""
@@ -399,10 +426,15 @@ dispatch.register("gated_delta_varlen", "torch", _varlen_torch)
 dispatch.register("gated_delta_step", "torch", _step_torch)
 # decode on the CPU: decode.c's one loop per (sequence, head), two passes over the state (torch takes three)
 dispatch.register("gated_delta_step", "native", native_ops.gdn_step, native.available, native_ops.supports_gdn_step)
+dispatch.register("gated_delta_l2norm", "torch", _l2norm_heads_torch)
+dispatch.register("gated_delta_l2norm", "native", native_ops.l2norm_heads, native.available,
+                  native_ops.supports_l2norm_heads)
+dispatch.register("gated_delta_gates", "torch", _gates_torch)
+dispatch.register("gated_delta_gates", "native", native_ops.gdn_gates, native.available, native_ops.supports_gdn_gates)
 _fla = cuda_backend.probe("fla")
 dispatch.register("gated_delta_chunk", "cuda", _fla_chunk, _fla)
 dispatch.register("gated_delta_varlen", "cuda", _fla_varlen, _fla)
 dispatch.register("gated_delta_step", "cuda", _fla_step, _fla)
 
 __all__ = ["gated_delta_chunk", "gated_delta_ref", "gated_delta_step", "gated_delta_step_ref", "gated_delta_varlen",
-           "gated_delta_varlen_ref", "l2norm", "flops_per_token"]
+           "gated_delta_varlen_ref", "gates", "l2norm", "l2norm_heads", "flops_per_token"]

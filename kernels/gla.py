@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cuda_backend, dispatch
+from . import cuda_backend, dispatch, native
+from .native import ops as native_ops
 from .packing import check_cu_seqlens, sequences, slot_rows
 from .state_tiles import update_in_fp32_tiles
 
@@ -276,6 +277,20 @@ def gla_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return fn(state, q, k, v, g, scale=scale, slots=slots)
 
 
+def _decay_torch(x, normalizer, clamp_min=None):
+    g = F.logsigmoid(x.float()) / normalizer
+    return g if clamp_min is None else g.clamp(min=clamp_min)
+
+
+def decay(x: torch.Tensor, normalizer: float, clamp_min: float | None = None) -> torch.Tensor:
+    """The per-key-dim log decay ``logsigmoid(x) / normalizer`` (clamped from below at ``clamp_min``), fp32. On a
+    CPU without autograd, for a decode step's rows [n <= 64, width], linear_attention.c's loop, the decode
+    program's: libm's exp / log1p, where torch's are Sleef's (the two differ in the last fp32 bit now and then,
+    and a state carries it on)."""
+    _, fn = dispatch.choose("gla_decay", x.device.type)
+    return fn(x, normalizer, clamp_min)
+
+
 def flops_per_token(n_heads: int, head_k_dim: int, head_v_dim: int) -> float:
     """FLOPs one token costs in the recurrent form (decay, rank-1 write, output q^T S: 5 per state element), the
     count the GFLOP/s of a prefill are reported against (the chunked form does more work)."""
@@ -285,9 +300,14 @@ def flops_per_token(n_heads: int, head_k_dim: int, head_v_dim: int) -> float:
 dispatch.register("gla_chunk", "torch", _chunk_torch)
 dispatch.register("gla_varlen", "torch", _varlen_torch)
 dispatch.register("gla_step", "torch", _step_torch)
+# decode on the CPU: linear_attention.c's one pass over the state per (sequence, head) (torch takes two)
+dispatch.register("gla_step", "native", native_ops.gla_step, native.available, native_ops.supports_gla_step)
+dispatch.register("gla_decay", "torch", _decay_torch)
+dispatch.register("gla_decay", "native", native_ops.gla_decay, native.available, native_ops.supports_gla_decay)
 _fla = cuda_backend.probe("fla_gla")
 dispatch.register("gla_chunk", "cuda", _fla_chunk, _fla)
 dispatch.register("gla_varlen", "cuda", _fla_varlen, _fla)
 dispatch.register("gla_step", "cuda", _fla_step, _fla)
 
-__all__ = ["flops_per_token", "gla_chunk", "gla_ref", "gla_step", "gla_step_ref", "gla_varlen", "gla_varlen_ref"]
+__all__ = ["decay", "flops_per_token", "gla_chunk", "gla_ref", "gla_step", "gla_step_ref", "gla_varlen",
+           "gla_varlen_ref"]

@@ -11,11 +11,15 @@ call (measured: issue 25's closing note). A program pays that once a step.
 
 An attention sub-layer is four ops (norm; q/k/v with RoPE and the K/V write in one pass over the three
 matrices; paged attention; out-projection with the residual), a gated MLP three, a plain MLP three, a
-Mamba-2 layer seven; each mirrors the rounding points of the torch ops it replaces (tests hold the program
-to the eager layers, bit for bit in bf16, and to the full forward).
+Mamba-2 layer seven, a Gated DeltaNet layer six (norm; in-projection; conv step; q/k L2 norm, gates and the
+delta-rule step; per-head gated norm; out-projection), a GLA layer five or six (the same, the conv only with
+the short conv, the decay gate's low-rank up-projection and log decay inside the GLA step's op); each mirrors
+the rounding points of the torch ops it replaces (tests hold the program to the eager layers, bit for bit in
+bf16, and to the full forward).
 
 Covered: attention over fp32/bf16 K/V pools (no int8/fp8 pages, no StreamingLLM/SnapKV pruning), gated or
-plain MLPs, Mamba-2 with fp32/bf16 state pools (no int8 or stochastic-rounded state); fp32, bf16, torchao
+plain MLPs, Mamba-2, Gated DeltaNet (head dims up to 512) and GLA (value heads up to 512, no int4 decay-gate
+projection) with fp32/bf16 state pools (no int8 or stochastic-rounded state); fp32, bf16, torchao
 int8 weight-only or torchao CPU int4 weight-only linear layers (int4 attention: head_dim a multiple of 16); up
 to 64 decoding sequences (from 4 on, the products are blocked 4 weight rows x 3 input rows: a batched step is
 compute-bound; past 64 torch's GEMMs take them). A layer outside that runs
@@ -35,6 +39,8 @@ from ..kernels.native import DTYPE_CODES
 from ..kernels.native.ops import ACTIVATIONS
 from ..quantize import int4_blocks, int8_rows
 from .attention import Attention
+from .gated_deltanet import GatedDeltaNet
+from .gla import GLA
 from .mamba2 import Mamba2
 from .mlp import MLP
 from .norm import GatedRMSNorm, RMSNorm
@@ -42,6 +48,7 @@ from .norm import GatedRMSNorm, RMSNorm
 _FLOATS = (torch.float32, torch.bfloat16)
 (OP_RMSNORM, OP_GEMV, OP_GATED_UP, OP_QKV_ROPE, OP_PAGED, OP_CONV, OP_DT, OP_SSD, OP_GATED_RMSNORM, OP_GEMV_INT4,
  OP_GATED_UP_INT4, OP_QKV_ROPE_INT4) = range(12)
+OP_GDN, OP_HEAD_NORM, OP_GLA = range(16, 19)  # the linear-attention mixers' ops (kernels/native/linear_attention.c)
 X = object()  # an op argument standing for the step's residual stream (program.c's HL_STEP_X)
 
 
@@ -256,7 +263,90 @@ def _mamba2(b: _Builder, block, view) -> None:
     b.gemv(m.out_proj, g, X, residual=X)
 
 
-_EMITTERS = {Attention: _attention, MLP: _mlp, Mamba2: _mamba2}
+def _float_pools(view, names) -> list:
+    """The state pools ``names`` of a constant-state layer's view, plain float rows only (the native steps update
+    them in place; anything else, e.g. an int8 or stochastic-rounded pool, steps the eager way)."""
+    pools = [view[n] for n in names]
+    if any(getattr(p, "quantized", True) or getattr(p, "stochastic", True) or p.data.dtype not in _FLOATS
+           or not p.data.is_contiguous() for p in pools):
+        raise _Unsupported("a quantised or stochastic-rounded state pool")
+    return pools
+
+
+def _conv(b: _Builder, conv, pool, x, width: int, y) -> None:
+    """The short causal conv (SiLU) of a decode step: x's first conv_dim channels (rows ``width`` apart) -> y."""
+    w = conv.weight[:, 0]
+    if not _plain(w, conv.bias):
+        raise _Unsupported("the conv's parameters")
+    b.op(OP_CONV, (pool.data, x, w, conv.bias, y),
+         (_code(pool.data), DTYPE_CODES[b.dtype], width, _code(w), _code(conv.bias), 1, w.shape[0], w.shape[-1]))
+
+
+def _head_norm(b: _Builder, norm, o, z, width: int, H: int, V: int, y) -> None:
+    """The per-head output norm (one [V] weight shared by the heads) of o [n, H V]: GatedRMSNorm(V,
+    norm_before_gate) by silu(z) (z's rows ``width`` apart), or a plain RMSNorm(V) when z is None."""
+    gated = z is not None
+    if gated and not (type(norm) is GatedRMSNorm and norm.norm_before_gate and norm.groups == 1):
+        raise _Unsupported("an output norm other than a per-head GatedRMSNorm(norm_before_gate)")
+    if not gated and not (type(norm) is RMSNorm and not norm.offset and norm.weight.dtype == b.dtype):
+        raise _Unsupported("an output norm other than a plain per-head RMSNorm in the model dtype")
+    if norm.weight.shape != (V,) or not _plain(norm.weight):
+        raise _Unsupported(f"an output norm weight of shape {tuple(norm.weight.shape)}")
+    b.op(OP_HEAD_NORM, (o, z, norm.weight, y),
+         (H * V, width, DTYPE_CODES[b.dtype], _code(norm.weight), int(gated), H, V), (norm.eps,))
+
+
+def _gated_deltanet(b: _Builder, block, view) -> None:
+    m = block.mixer
+    conv_pool, rec_pool = _float_pools(view, ("conv", "recurrent"))
+    H, Hk, K, V = m.n_heads, m.n_k_heads, m.head_k_dim, m.head_v_dim
+    if K > 512 or V > 512:
+        raise _Unsupported(f"head dims {K}x{V} (the native step takes up to 512)")
+    if not _plain(m.A_log, m.dt_bias):
+        raise _Unsupported("A_log / dt_bias parameters")
+    d_model, width, conv_dim = m.in_proj.in_features, m.in_proj.out_features, m.cfg.conv_dim
+    h, proj, qkv = b.buffer(d_model), b.buffer(width), b.buffer(conv_dim)
+    qk, o, y = b.buffer(2 * m.key_dim), b.buffer(m.value_dim), b.buffer(m.value_dim)
+    g, beta = b.buffer(H, torch.float32), b.buffer(H, torch.float32)
+    b.rmsnorm(block.norm, X, h)
+    b.gemv(m.in_proj, h, proj)  # q | k | v | z | b | a
+    _conv(b, m.conv1d, conv_pool, proj, width, qkv)
+    b.op(OP_GDN, (rec_pool.data, qkv, proj[:, conv_dim + m.value_dim:], m.A_log, m.dt_bias, qk, g, beta, o),
+         (_code(rec_pool.data), DTYPE_CODES[b.dtype], conv_dim, width, _code(m.A_log), _code(m.dt_bias), H, Hk, K, V),
+         (1e-6, K ** -0.5))  # kernels.gated_delta.l2norm's eps; the step's default scale
+    _head_norm(b, m.norm, o, proj[:, conv_dim:], width, H, V, y)
+    b.gemv(m.out_proj, y, X, residual=X)
+
+
+def _gla(b: _Builder, block, view) -> None:
+    m = block.mixer
+    c = m.cfg
+    pools = _float_pools(view, ("conv", "recurrent") if m.conv1d is not None else ("recurrent",))
+    H, Hkv, K, V, R = m.n_heads, c.n_kv_heads, m.head_k_dim, m.head_v_dim, c.gate_low_rank_dim
+    if V > 512 or c.feature_map is not None or c.gate_fn != "swish":
+        raise _Unsupported(f"head_v_dim {V} (the native step takes up to 512), or a feature map / gate function")
+    if b.int4(m.gk_proj) is not None or not _plain(m.gk_proj.bias):
+        raise _Unsupported("an int4 (or oddly typed) decay-gate projection")
+    wg, sg = b.weight(m.gk_proj)
+    d_model, width = m.in_proj.in_features, m.in_proj.out_features
+    h, proj = b.buffer(d_model), b.buffer(width)
+    low, gk, gf = b.buffer(R), b.buffer(c.kv_key_dim), b.buffer(c.kv_key_dim, torch.float32)
+    o, y = b.buffer(c.value_dim), b.buffer(c.value_dim)
+    b.rmsnorm(block.norm, X, h)
+    b.gemv(m.in_proj, h, proj)  # q | k | v | g | gk_low
+    qkv, stride = proj, width
+    if m.conv1d is not None:
+        qkv, stride = b.buffer(c.conv_dim), c.conv_dim
+        _conv(b, m.conv1d, pools[0], proj, width, qkv)
+    clamp = c.clamp_min is not None
+    b.op(OP_GLA, (pools[-1].data, qkv, proj[:, c.conv_dim + m.gate_dim:], low, wg, sg, m.gk_proj.bias, gk, gf, o),
+         (_code(pools[-1].data), DTYPE_CODES[b.dtype], stride, width, _code(wg), _code(m.gk_proj.bias), R, H, Hkv, K,
+          V, int(clamp)), (c.gate_logit_normalizer, c.clamp_min if clamp else 0.0))
+    _head_norm(b, m.norm, o, proj[:, c.conv_dim:] if m.gate_dim else None, width, H, V, y)
+    b.gemv(m.out_proj, y, X, residual=X)
+
+
+_EMITTERS = {Attention: _attention, MLP: _mlp, Mamba2: _mamba2, GatedDeltaNet: _gated_deltanet, GLA: _gla}
 
 
 def _check_abi() -> None:

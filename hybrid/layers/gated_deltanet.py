@@ -15,7 +15,6 @@ by :meth:`GatedDeltaNet.cache_spec`; the packed path follows :meth:`hybrid.layer
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
@@ -80,14 +79,13 @@ class GatedDeltaNet(nn.Module):
         """Post-conv qkv [..., conv_dim] -> L2-normalised (in fp32) q, k [..., Hk, K] and v [..., H, V]."""
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         lead = qkv.shape[:-1]
-        q = kernels.gated_delta.l2norm(q.reshape(*lead, self.n_k_heads, self.head_k_dim)).to(qkv.dtype)
-        k = kernels.gated_delta.l2norm(k.reshape(*lead, self.n_k_heads, self.head_k_dim)).to(qkv.dtype)
+        q = kernels.gated_delta.l2norm_heads(q.reshape(*lead, self.n_k_heads, self.head_k_dim))
+        k = kernels.gated_delta.l2norm_heads(k.reshape(*lead, self.n_k_heads, self.head_k_dim))
         return q, k, v.reshape(*lead, self.n_heads, self.head_v_dim)
 
     def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> log decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b), fp32 [..., H]."""
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-        return g, torch.sigmoid(b.float())
+        return kernels.gated_delta.gates(b, a, self.A_log, self.dt_bias)
 
     def _out(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """o [..., H, V], z [..., H*V] -> the gated per-head norm and the out-projection [..., d_model]."""

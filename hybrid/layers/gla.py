@@ -18,7 +18,6 @@ the short conv, named by :meth:`GLA.cache_spec`; the packed path follows
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
@@ -90,9 +89,8 @@ class GLA(nn.Module):
         c = self.cfg
         q, k, v = qkv.split([c.key_dim, c.kv_key_dim, c.kv_value_dim], dim=-1)
         lead = qkv.shape[:-1]
-        gk = F.logsigmoid(self.gk_proj(low).float()) / c.gate_logit_normalizer
-        if c.clamp_min is not None:
-            gk = gk.clamp(min=c.clamp_min)
+        # low's rows contiguous: a decode step's few rows then take the native product (the decode program's)
+        gk = kernels.gla.decay(self.gk_proj(low.contiguous()), c.gate_logit_normalizer, c.clamp_min)
         q = q.reshape(*lead, self.n_heads, self.head_k_dim)
         k, gk = (x.reshape(*lead, c.n_kv_heads, self.head_k_dim) for x in (k, gk))
         v = v.reshape(*lead, c.n_kv_heads, self.head_v_dim)

@@ -34,8 +34,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if _disabled():
         return None, f"{ENV}=0"
     here = Path(__file__).parent
-    # one translation unit: program.c runs decode.c's static ops back to back
-    source = (here / "decode.c").read_text() + "\n" + (here / "program.c").read_text()
+    # one translation unit: program.c runs decode.c's (and linear_attention.c's) static ops back to back
+    source = "\n".join((here / f).read_text() for f in ("decode.c", "linear_attention.c", "program.c"))
     lib, why = build("hybrid_decode", source, FLAGS, ("-lm", "-lpthread"))
     if lib is None:
         return None, why
@@ -59,6 +59,13 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.hl_argmax.argtypes, lib.hl_argmax.restype = [p, i32, i64, i64, p], None
     lib.hl_gated_rmsnorm.argtypes = [p, p, i64, i32, p, i32, f32, i64, i32, p, i64, i64]
     lib.hl_mamba2_dt.argtypes = [p, i32, i64, p, i32, p, i32, f32, f32, i32, p, p, i64, i64]
+    lib.hl_gla_step.argtypes = [p, i32, p, p, i64, p, i64, p, i64, i32, p, i64, f32, p, i64, i64, i64, i64, i64]
+    lib.hl_gla_step.restype = i32
+    lib.hl_l2norm_heads.argtypes = [p, i64, i32, p, i64, i64, i64, i64, f32]
+    lib.hl_gdn_gates.argtypes = [p, i64, p, i64, i32, p, i32, p, i32, p, p, i64, i64]
+    lib.hl_gla_decay.argtypes = [p, i32, p, i64, f32, f32, i32]
+    for fn in (lib.hl_l2norm_heads, lib.hl_gdn_gates, lib.hl_gla_decay):
+        fn.restype = None
     for fn in (lib.hl_ssd_step, lib.hl_gdn_step, lib.hl_conv_step, lib.hl_paged_decode, lib.hl_gated_up,
                lib.hl_qkv_rope):
         fn.restype = i32

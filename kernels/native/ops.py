@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import DTYPE_CODES, library
+from . import DTYPE_CODES, MAX_ROWS, library
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -151,3 +151,103 @@ def paged_decode(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scal
 
 # the activations of decode.c's fused ops (the decode program, hybrid/layers/fused_decode.py, passes them)
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}
+
+
+def supports_gla_step(state, q, k, v, g, *, scale=None, slots=None) -> str | None:
+    """fp32/bf16 state, q/k/v rows contiguous within a sequence and of one dtype, g fp32, V <= 512"""
+    why = _common(state, (q, k, v), slots)
+    if why:
+        return why
+    n, H, K = q.shape
+    V = v.shape[2]
+    if V > 512 or state.shape[1:] != (H, K, V) or k.shape != q.shape or g.shape != q.shape or v.shape[1] != H:
+        return f"heads {H} or dims {K}x{V}"
+    if any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (q, k, v)) or not (q.dtype == k.dtype == v.dtype):
+        return "q/k/v layout"
+    if g.dtype != torch.float32 or g.stride(2) != 1 or g.stride(1) != K:
+        return "g not fp32"
+    return None
+
+
+def gla_step(state, q, k, v, g, *, scale=None, slots=None) -> torch.Tensor:
+    """kernels.gla.gla_step_ref's step in decode.c's GLA loop (linear_attention.c): one pass over the state."""
+    n, H, K = q.shape
+    V = v.shape[2]
+    y = torch.empty(n, H, V, dtype=v.dtype)
+    rc = library().hl_gla_step(state.data_ptr(), DTYPE_CODES[state.dtype], _ptr(slots), q.data_ptr(), q.stride(0),
+                               k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), DTYPE_CODES[v.dtype],
+                               g.data_ptr(), g.stride(0), K ** -0.5 if scale is None else float(scale), y.data_ptr(),
+                               n, H, H, K, V)
+    if rc:
+        raise RuntimeError(f"hl_gla_step refused H={H} K={K} V={V} (a bug: supports_gla_step passed it)")
+    return y
+
+
+def _elementwise(rows: int, *tensors) -> str | None:
+    """The linear-attention layers' gate / norm loops: single-threaded and scalar, for a decode step's few rows
+    (prefill keeps torch's vectorised, threaded ops)."""
+    if rows > MAX_ROWS:
+        return f"{rows} rows (a decode step's loop: at most {MAX_ROWS})"
+    if any(t.device.type != "cpu" for t in tensors):
+        return "not on the CPU"
+    if torch.compiler.is_compiling():
+        return "compiling"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "autograd"
+    if any(t.dtype not in _FLOATS for t in tensors):
+        return "input dtypes"
+    return None
+
+
+def supports_l2norm_heads(x, eps=1e-6) -> str | None:
+    """x [n, heads, K] fp32/bf16 (n <= 64), each row's heads contiguous"""
+    why = _elementwise(x.shape[0] if x.dim() == 3 else MAX_ROWS + 1, x)
+    if why:
+        return why
+    if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        return "layout"
+    return None
+
+
+def l2norm_heads(x, eps=1e-6) -> torch.Tensor:
+    n, heads, K = x.shape
+    y = torch.empty(n, heads, K, dtype=x.dtype)
+    library().hl_l2norm_heads(x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], y.data_ptr(), heads * K, n, heads, K,
+                              eps)
+    return y
+
+
+def supports_gdn_gates(b, a, A_log, dt_bias) -> str | None:
+    """b, a [n, H] (n <= 64) of one fp32/bf16 dtype, each row contiguous; A_log, dt_bias [H] contiguous"""
+    why = _elementwise(b.shape[0] if b.dim() == 2 else MAX_ROWS + 1, b, a, A_log, dt_bias)
+    if why:
+        return why
+    if b.dim() != 2 or a.shape != b.shape or b.stride(1) != 1 or a.stride(1) != 1 or a.dtype != b.dtype \
+            or not (A_log.is_contiguous() and dt_bias.is_contiguous()) or A_log.shape != b.shape[1:] \
+            or dt_bias.shape != b.shape[1:]:
+        return "layout"
+    return None
+
+
+def gdn_gates(b, a, A_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    n, H = b.shape
+    g, beta = torch.empty(n, H), torch.empty(n, H)
+    library().hl_gdn_gates(b.data_ptr(), b.stride(0), a.data_ptr(), a.stride(0), DTYPE_CODES[b.dtype], A_log.data_ptr(),
+                           DTYPE_CODES[A_log.dtype], dt_bias.data_ptr(), DTYPE_CODES[dt_bias.dtype], g.data_ptr(),
+                           beta.data_ptr(), n, H)
+    return g, beta
+
+
+def supports_gla_decay(x, normalizer, clamp_min=None) -> str | None:
+    """contiguous fp32/bf16 x [n, width] (n <= 64)"""
+    why = _elementwise(x.shape[0] if x.dim() == 2 else MAX_ROWS + 1, x)
+    if why:
+        return why
+    return None if x.is_contiguous() else "layout"
+
+
+def gla_decay(x, normalizer, clamp_min=None) -> torch.Tensor:
+    g = torch.empty(x.shape)
+    library().hl_gla_decay(x.data_ptr(), DTYPE_CODES[x.dtype], g.data_ptr(), x.numel(), float(normalizer),
+                           0.0 if clamp_min is None else float(clamp_min), int(clamp_min is not None))
+    return g

@@ -1,0 +1,204 @@
+/* The linear-attention mixers' decode ops (Gated DeltaNet, hybrid/layers/gated_deltanet.py; GLA,
+   hybrid/layers/gla.py) for the decode program (program.c's OP_GDN, OP_HEAD_NORM, OP_GLA): each mirrors the
+   rounding points of the eager layer's torch ops, so the program computes the eager layer's bits.
+
+   Compiled after decode.c, in its translation unit: the thread pool, the dtype helpers, hl_gdn_step and the
+   product kernel (gemv_act) are decode.c's. */
+
+/* ---- Gated DeltaNet: the one-token step after the conv --------------------------------------------------- */
+/* The pieces are also the eager layer's decode ops (kernels/gated_delta.py's l2norm_heads and gates dispatch
+   here on a CPU), so the program and the eager step compute the same bits: torch's exp / log1p (Sleef's) and
+   sums (its own order) differ from libm's in the last fp32 bit now and then, and a state carries that on. */
+
+/* x rows [B, heads, K] (row stride xs, heads K apart) L2-normalised per head in fp32 (kernels.gated_delta.l2norm:
+   x / sqrt(sum x^2 + eps)), rounded to the dtype into y (row stride ys). */
+void hl_l2norm_heads(const void *x, int64_t xs, int xdt, void *y, int64_t ys, int64_t B, int64_t heads, int64_t K,
+                     float eps) {
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t src = b * xs + h * K, dst = b * ys + h * K;
+            double ss = 0.0;
+            for (int64_t i = 0; i < K; ++i) {
+                const float v = load_as_f32(x, xdt, src + i);
+                ss += (double)v * v;
+            }
+            const float inv = 1.0f / sqrtf((float)ss + eps);
+            for (int64_t i = 0; i < K; ++i) store_as(y, xdt, dst + i, load_as_f32(x, xdt, src + i) * inv);
+        }
+}
+
+static inline float softplus1(float v) { return v > 20.0f ? v : log1pf(expf(v)); } /* torch's, threshold 20 */
+
+/* GatedDeltaNet.gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), fp32 [B, H], from b and a rows
+   (strides bs, as) of the model dtype. */
+void hl_gdn_gates(const void *bb, int64_t bs, const void *aa, int64_t as, int xdt, const void *A_log, int adt,
+                  const void *dt_bias, int bdt, float *g, float *beta, int64_t B, int64_t H) {
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h) {
+            const float bv = load_as_f32(bb, xdt, b * bs + h), av = load_as_f32(aa, xdt, b * as + h);
+            const float A = -expf(load_as_f32(A_log, adt, h));
+            g[b * H + h] = A * softplus1(av + load_as_f32(dt_bias, bdt, h));
+            beta[b * H + h] = 1.0f / (1.0f + expf(-bv));
+        }
+}
+
+/* The program's op: from the conv's output rows qkv [B, 2 Hk K + H V] (row stride qkv_s) and the in-projection's
+   b | a rows (stride ba_s): q and k normalised into qk [B, 2 Hk K], the gates into g / beta [B, H], then
+   hl_gdn_step on the rows' state slots -> y [B, H, V]. */
+int hl_gdn_decode(void *state, int sdt, const int64_t *slots, const void *qkv, int xdt, int64_t qkv_s,
+                  const void *ba, int64_t ba_s, const void *A_log, int adt, const void *dt_bias, int bdt, void *qk,
+                  float *g, float *beta, void *y, int64_t B, int64_t H, int64_t Hk, int64_t K, int64_t V, float eps,
+                  float scale) {
+    if (K > 512 || V > 512 || Hk < 1 || H % Hk) return -1;
+    const int64_t w = 2 * Hk * K, esz = xdt == DT_BF16 ? 2 : 4;
+    hl_l2norm_heads(qkv, qkv_s, xdt, qk, w, B, Hk, K, eps);
+    hl_l2norm_heads((const char *)qkv + Hk * K * esz, qkv_s, xdt, (char *)qk + Hk * K * esz, w, B, Hk, K, eps);
+    hl_gdn_gates(ba, ba_s, (const char *)ba + H * esz, ba_s, xdt, A_log, adt, dt_bias, bdt, g, beta, B, H);
+    return hl_gdn_step(state, sdt, slots, qk, (const char *)qk + Hk * K * esz, w, (const char *)qkv + w * esz, xdt,
+                       qkv_s, g, beta, H, scale, y, B, H, Hk, K, V);
+}
+
+/* ---- per-head output norm ----------------------------------------------------------------------------- */
+/* y [B, H V] (row stride ys) normalised per head over its V values with one [V] weight shared by the heads.
+   gated: GatedRMSNorm(V, norm_before_gate=True) with the gate z (row stride zs): y / rms(y) * w * silu(z) in
+   fp32, rounded once; else RMSNorm(V): y / rms(y) rounded to the dtype, then times w (rounded again). */
+void hl_head_rmsnorm(const void *y, int64_t ys, const void *z, int64_t zs, int dt, const void *w, int wdt, float eps,
+                     int gated, void *out, int64_t B, int64_t H, int64_t V) {
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h) {
+            const int64_t yo = b * ys + h * V, oo = (b * H + h) * V;
+            double ss = 0.0;
+            for (int64_t i = 0; i < V; ++i) {
+                const float v = load_as_f32(y, dt, yo + i);
+                ss += (double)v * v;
+            }
+            const float inv = 1.0f / sqrtf((float)(ss / V) + eps);
+            for (int64_t i = 0; i < V; ++i) {
+                const float yv = load_as_f32(y, dt, yo + i), wv = load_as_f32(w, wdt, i);
+                if (gated) {
+                    const float zv = load_as_f32(z, dt, b * zs + h * V + i);
+                    store_as(out, dt, oo + i, yv * inv * wv * (zv / (1.0f + expf(-zv))));
+                } else {
+                    store_as(out, dt, oo + i, round_to(yv * inv, dt) * wv);
+                }
+            }
+        }
+}
+
+/* ---- GLA step ----------------------------------------------------------------------------------------- */
+/* One token per sequence (kernels.gla.gla_step_ref's arithmetic): per (sequence b, head h; key/value/decay head
+   h / (H / Hkv)) the state S [K, V] (fp32 or bf16 storage, rows slots[b] of a pool) becomes diag(exp(g)) S +
+   k v^T and o = S'^T q scale, in one pass over the state; a bf16 state is rounded once, on the store. q at
+   b qs + h K, k at b ks + hk K, v at b vs + hk V (model dtype), g fp32 at b gs + hk K; y [B, H, V]. */
+typedef struct {
+    void *state;
+    const int64_t *slots;
+    const void *q, *k, *v;
+    const float *g;
+    void *y;
+    int64_t qs, ks, vs, gs, H, Hkv, K, V;
+    float scale;
+    int sdt, xdt;
+} GlaStep;
+
+#ifdef __AVX2__
+static inline __m256 bf16x8_load(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* nearest-even rounding of 8 floats to bf16 (f32_to_bf16's, NaN kept a NaN) */
+static inline void bf16x8_store(uint16_t *p, __m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, qnan, nan);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128((__m128i *)p, packed);
+}
+#endif
+
+static void gla_step_chunk(const void *job, int64_t item) {
+    const GlaStep *j = job;
+    const int64_t b = item / j->H, h = item % j->H, hk = h / (j->H / j->Hkv), K = j->K, V = j->V;
+    const int64_t row = j->slots ? j->slots[b] : b;
+    float vv[512], o[512];
+    for (int64_t c = 0; c < V; ++c) vv[c] = load_as_f32(j->v, j->xdt, b * j->vs + hk * V + c), o[c] = 0.0f;
+    const int64_t base = (row * j->H + h) * K * V;
+    for (int64_t i = 0; i < K; ++i) {
+        const float a = expf(j->g[b * j->gs + hk * K + i]);
+        const float ki = load_as_f32(j->k, j->xdt, b * j->ks + hk * K + i);
+        const float qi = load_as_f32(j->q, j->xdt, b * j->qs + h * K + i) * j->scale;
+        int64_t c = 0;
+        if (j->sdt == DT_F32) {
+            float *s = (float *)j->state + base + i * V;
+#ifdef __AVX2__
+            const __m256 av = _mm256_set1_ps(a), kv = _mm256_set1_ps(ki), qv = _mm256_set1_ps(qi);
+            for (; c + 8 <= V; c += 8) {
+                const __m256 n = _mm256_fmadd_ps(kv, _mm256_loadu_ps(vv + c), _mm256_mul_ps(_mm256_loadu_ps(s + c), av));
+                _mm256_storeu_ps(s + c, n);
+                _mm256_storeu_ps(o + c, _mm256_fmadd_ps(n, qv, _mm256_loadu_ps(o + c)));
+            }
+#endif
+            for (; c < V; ++c) {
+                const float n = s[c] * a + ki * vv[c];
+                s[c] = n;
+                o[c] += n * qi;
+            }
+        } else {
+            uint16_t *s = (uint16_t *)j->state + base + i * V;
+#ifdef __AVX2__
+            const __m256 av = _mm256_set1_ps(a), kv = _mm256_set1_ps(ki), qv = _mm256_set1_ps(qi);
+            for (; c + 8 <= V; c += 8) {
+                const __m256 n = _mm256_fmadd_ps(kv, _mm256_loadu_ps(vv + c), _mm256_mul_ps(bf16x8_load(s + c), av));
+                bf16x8_store(s + c, n);
+                _mm256_storeu_ps(o + c, _mm256_fmadd_ps(n, qv, _mm256_loadu_ps(o + c)));
+            }
+#endif
+            for (; c < V; ++c) {
+                const float n = bf16_to_f32(s[c]) * a + ki * vv[c];
+                s[c] = f32_to_bf16(n);
+                o[c] += n * qi;
+            }
+        }
+    }
+    const int64_t out = (b * j->H + h) * V;
+    for (int64_t c = 0; c < V; ++c) store_as(j->y, j->xdt, out + c, o[c]);
+}
+
+int hl_gla_step(void *state, int sdt, const int64_t *slots, const void *q, int64_t qs, const void *k, int64_t ks,
+                const void *v, int64_t vs, int xdt, const float *g, int64_t gs, float scale, void *y, int64_t B,
+                int64_t H, int64_t Hkv, int64_t K, int64_t V) {
+    if (V > 512 || Hkv < 1 || H % Hkv || K < 1) return -1;
+    GlaStep j = {state, slots, q, k, v, g, y, qs, ks, vs, gs, H, Hkv, K, V, scale, sdt, xdt};
+    pool_run(gla_step_chunk, &j, B * H);
+    return 0;
+}
+
+/* GLA's log decay (kernels.gla.decay, the eager layer's op on a CPU too): g = logsigmoid(x) / normalizer in fp32
+   (torch's min(x, 0) - log1p(exp(-|x|))), clamped from below at clamp_min when clamp; x [n] in the model dtype. */
+void hl_gla_decay(const void *x, int xdt, float *g, int64_t n, float normalizer, float clamp_min, int clamp) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = load_as_f32(x, xdt, i);
+        const float d = ((v < 0.0f ? v : 0.0f) - log1pf(expf(-fabsf(v)))) / normalizer;
+        g[i] = clamp && d < clamp_min ? clamp_min : d;
+    }
+}
+
+/* GLA's decode after the conv (or straight from the in-projection without one): the decay gate's up-projection
+   gk = low W^T + bias (low copied to contiguous rows first: the product kernel eager's Linear takes for them),
+   the log decay (hl_gla_decay), then hl_gla_step over q | k | v of qkv (row stride qkv_s) -> y [B, H, V]. */
+int hl_gla_decode(void *state, int sdt, const int64_t *slots, const void *qkv, int xdt, int64_t qkv_s, const void *low,
+                  int64_t low_s, void *low_buf, const void *w, const float *wscale, int wdt, const void *bias, int bdt,
+                  void *gk, float *g, void *y, int64_t B, int64_t R, int64_t H, int64_t Hkv, int64_t K, int64_t V,
+                  float normalizer, float clamp_min, int clamp) {
+    const int64_t esz = xdt == DT_BF16 ? 2 : 4, G = Hkv * K;
+    for (int64_t b = 0; b < B; ++b) memcpy((char *)low_buf + b * R * esz, (const char *)low + b * low_s * esz, R * esz);
+    if (gemv_act(w, wdt, wscale, bias, bdt, low_buf, xdt, NULL, gk, xdt, B, G, R, 0)) return -1;
+    hl_gla_decay(gk, xdt, g, B * G, normalizer, clamp_min, clamp);
+    const int64_t kq = H * K;
+    return hl_gla_step(state, sdt, slots, qkv, qkv_s, (const char *)qkv + kq * esz, qkv_s,
+                       (const char *)qkv + (kq + G) * esz, qkv_s, xdt, g, G, (float)(1.0 / sqrt((double)K)), y, B, H,
+                       Hkv, K, V); /* Python's K ** -0.5, as eager's gla_step takes it */
+}
