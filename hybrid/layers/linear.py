@@ -2,7 +2,9 @@
 forward goes through :func:`hybrid.kernels.linear`, so a decode step's few rows take the native matrix-vector
 product at the memory bandwidth; ``residual`` adds the sub-layer's input in the same pass. A torchao int8
 weight-only weight (:func:`hybrid.quantize`) is handed over as its codes and row scales, a torchao CPU int4 one
-as its int4pack codes and group scales/zeros (:func:`hybrid.kernels.projection.linear_int4`)."""
+as its int4pack codes and group scales/zeros (:func:`hybrid.kernels.projection.linear_int4`), a torchao int8dq or
+8da4w one (int8 activations) as its codes and scales (:func:`hybrid.kernels.projection.linear_q`). Many rows
+(prefill) keep torchao's own product."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weight
         if type(w) is not nn.Parameter and type(w) is not torch.Tensor and x.numel() <= 16 * x.shape[-1]:
-            from ..quantize import int4_blocks, int8_rows
+            from ..quantize import int4_blocks, int8_rows, q_operands
 
             rows = int8_rows(w)
             if rows is not None:
@@ -25,4 +27,8 @@ class Linear(nn.Linear):
             blocks = int4_blocks(w)
             if blocks is not None:
                 return kernels.projection.linear_int4(x, *blocks, self.bias, residual)
+            q = q_operands(w)
+            if q is not None:
+                kind, codes, ws, values = q
+                return kernels.projection.linear_q(x, kind, codes, ws, self.bias, residual, values)
         return kernels.linear(x, w, self.bias, residual)
