@@ -207,13 +207,32 @@ def quantize_rows_asym(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return q, scale, zp
 
 
+def int8_dot(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """The integer dot products q [M, K] . codes [N, K]^T (both int8) as fp32 [M, N], each the exact integer
+    rounded once to fp32 (as torch._int_mm's int32 converted to fp32), through fp32 GEMMs (oneDNN's; aten's int8
+    GEMM without VNNI took 34 s for a 2K llama-d512 prefill, fp32 7 s): a partial sum is at most K 128 128, exact
+    in fp32 up to K = 1024 in any order; past that codes = 16 hi + lo (lo 0..15, hi -8..7) makes two GEMMs
+    whose sums stay below 2^24 up to K = 8192, combined in fp64."""
+    K = q.shape[-1]
+    qf = q.float()
+    if K <= 1024:
+        return qf @ codes.float().T
+    if K > 8192:
+        return (q.double() @ codes.double().T).float()
+    c = codes.to(torch.int16)
+    hi, lo = (c >> 4).float(), (c & 15).float()
+    return ((qf @ hi.T).double() * 16 + (qf @ lo.T).double()).float()
+
+
 def linear_int8dq_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
     """torchao's int8dq product, op for op: x [..., K] quantised per row (:func:`quantize_rows_sym`), the integer
-    dot with the int8 codes [N, K] (exact: summed in fp64), then (dot * x_scale) in x's dtype, times the row
-    scales [N] (fp32) + bias, in x's dtype; + residual [..., N]."""
+    dot with the int8 codes [N, K] (exact, :func:`int8_dot`), then (dot * x_scale) in x's dtype, times the row
+    scales [N] (fp32) + bias, in x's dtype; + residual [..., N]. Also the int8dq prefill on a CPU (many rows:
+    the same numbers as torchao's, bit for bit, at fp32 GEMM speed)."""
     q, xs = quantize_rows_sym(x)
-    dot = (q.double() @ codes.double().T).float()  # integers below 2^53: exact, then rounded as int32 -> fp32
+    N, K = codes.shape
+    dot = int8_dot(q.reshape(-1, K), codes).reshape(*x.shape[:-1], N)
     y = (dot * xs).to(x.dtype) * scale.float()
     if bias is not None:
         y = y + bias

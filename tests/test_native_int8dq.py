@@ -302,3 +302,21 @@ def test_greedy_agrees_with_fp32(recipe, method, bound):
             total += 1
     print(f"{recipe} {method}: {agree}/{total} agree")
     assert agree / total >= bound, agree / total
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [256, 1536, 9000])
+def test_int8dq_prefill_equals_torchaos(K, dtype):
+    """Many rows of an int8dq layer (a prefill) on a CPU go through fp32 GEMMs (projection.int8_dot: one GEMM up
+    to K = 1024, the codes split in two past that, fp64 past 8192) and give torchao's integer-matmul numbers
+    bit for bit."""
+    from hybrid.layers.linear import Linear
+
+    torch.manual_seed(K)
+    layer = Linear(K, 48, bias=True).to(dtype)
+    hybrid.quantize(torch.nn.Sequential(layer), "int8dq")
+    x = _rows(40, K, dtype, torch.Generator().manual_seed(K)).reshape(2, 20, K)
+    with torch.inference_mode():
+        ours = layer(x)
+        theirs = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert ours.shape == theirs.shape == (2, 20, 48) and torch.equal(ours, theirs)
