@@ -56,6 +56,7 @@ from hybrid.engine import Engine
 from hybrid.layers.registry import cache_specs
 from hybrid.model import HybridLM
 from hybrid.pretrained import save_pretrained
+from hybrid.quantize import METHODS
 from hybrid.report import format_table
 from hybrid.sampling import SamplingParams
 from hybrid.specs import CacheDtypes
@@ -171,7 +172,7 @@ def decode_step_bytes(model: HybridLM, batch: int, context: int) -> int:
     """Bytes one decode step must move at least: every weight once (the embedding only for the looked-up
     rows unless it is also the LM head), each sequence's K/V for its context, each Mamba state read and
     written."""
-    from hybrid.quantize import int4_blocks, int8_rows
+    from hybrid.quantize import int4_blocks, int8_rows, q_operands
 
     def nbytes(p):  # a torchao int8/int4 weight reports its dtype's element size: count its codes and scales
         rows, blocks = int8_rows(p), int4_blocks(p)
@@ -179,6 +180,9 @@ def decode_step_bytes(model: HybridLM, batch: int, context: int) -> int:
             return rows[0].numel() + 4 * rows[1].numel()
         if blocks is not None:
             return sum(t.numel() * t.element_size() for t in blocks[:2])
+        q = q_operands(p)
+        if q is not None:  # what the decode product reads: int8 codes or packed nibbles, fp32 scales
+            return sum(t.numel() * t.element_size() for t in q[1:3])
         return p.numel() * p.element_size()
 
     weights = sum(nbytes(p) for p in model.parameters())
@@ -299,8 +303,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf-new-tokens", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--quantize", default=None, choices=["int8wo", "int4wo"],
-                    help="torchao weight-only quantisation of the decode models (hybrid.quantize)")
+    ap.add_argument("--quantize", default=None, choices=list(METHODS),
+                    help="torchao quantisation of the decode models (hybrid.quantize: weight-only int8wo / int4wo, "
+                         "int8-activation int8dq / 8da4w)")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench executable (with --llama-gguf)")
     ap.add_argument("--llama-cpp", default=None, metavar="DIR",
                     help="a built llama.cpp tree: convert each recipe's own seed-0 model to the GGUF type matching "

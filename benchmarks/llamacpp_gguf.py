@@ -3,8 +3,10 @@
 ``benchmarks.decode --llama-cpp DIR`` times llama.cpp on exactly the model it times ours on: the recipe's
 seed-0 model (the weights ``benchmarks.decode`` builds), exported in the format llama.cpp reads for that family
 (``save_pretrained(format=...)``) and converted by llama.cpp's own converter (``scripts/serving/gguf_convert.py``)
-at the type that matches what we run — fp32 -> ``f32``, bf16 -> ``bf16``, ``int8wo`` -> ``Q8_0``, ``int4wo`` ->
-``Q4_0`` (the f32 GGUF through llama.cpp's ``llama-quantize``, which the converter cannot write). Files are
+at the type that matches what we run — fp32 -> ``f32``, bf16 -> ``bf16``, ``int8wo`` and ``int8dq`` -> ``Q8_0``,
+``int4wo`` and ``8da4w`` -> ``Q4_0`` (llama.cpp's Q8_0 / Q4_0 products quantise the activations to int8 as well,
+so int8dq / 8da4w are the like-for-like arithmetic; Q4_0 is made from the f32 GGUF by llama.cpp's
+``llama-quantize``, which the converter cannot write). Files are
 cached under the work folder by recipe and type, so a second run converts nothing.
 
 Q8_0 keeps one scale per 32 weights and Q4_0 one per 32 as well, where torchao's int8 weight-only keeps one per
@@ -31,9 +33,9 @@ CONVERTER_TYPES = ("f32", "bf16", "q8_0")
 
 def gguf_type(dtype: str, quantize: str | None) -> str:
     """The llama.cpp type that matches our run: the quantisation's if any, else the dtype's."""
-    if quantize == "int8wo":
+    if quantize in ("int8wo", "int8dq"):
         return "q8_0"
-    if quantize == "int4wo":
+    if quantize in ("int4wo", "8da4w"):
         return "q4_0"
     return {"float32": "f32", "bfloat16": "bf16"}[dtype]
 

@@ -1,4 +1,4 @@
-"""Weight-only quantisation of a model's linear layers through torchao (the PyTorch library for it):
+"""Quantisation of a model's linear layers through torchao (the PyTorch library for it). Weight-only:
 ``hybrid.quantize(model, "int8wo")`` — int8 codes with one fp32 scale per output row (torchao's
 ``Int8WeightOnlyConfig``), ``"int4wo"`` — int4 in groups of 128 (torchao's ``Int4WeightOnlyConfig`` in its
 tinygemm layout on CUDA; on a CPU torchao's ``PrototypeInt4WeightOnlyConfig``, the ``Int4OpaqueTensor``
@@ -6,6 +6,15 @@ packed for aten's ``_weight_int4pack_mm_for_cpu``: torchao 0.18's stable int4 fo
 ``plain`` needs mslk, ``plain_int32`` refuses the device). The CPU kernel takes groups of 32, 64 or 128 only,
 so a layer whose input width no group divides (or whose output width is not a multiple of 16) keeps its dtype.
 Decode is the bytes of the weights: int8 reads a quarter of fp32's.
+
+With int8 *activations* too (another numerics, so other methods: each computes the same in prefill and decode):
+``"int8dq"`` — torchao's ``Int8DynamicActivationInt8WeightConfig`` (an ``Int8Tensor``: int8 codes per output row,
+symmetric, and each input row quantised to int8 symmetrically on the fly; the product is an integer matmul),
+``"8da4w"`` — torchao's ``Int8DynamicActivationIntxWeightConfig`` with int4 weights in symmetric groups of 32
+(an ``IntxUnpackedToInt8Tensor``: the int4 values unpacked in int8 [N, K], a scale per group) and each input row
+quantised to int8 asymmetrically per token. A layer whose input width 32 does not divide keeps its dtype
+(8da4w). The decode products of both are ours (integer dot products, kernels/native/decode.c, llama.cpp's
+Q8_0 / Q4_0 arithmetic on torchao's quantisation); prefill keeps torchao's computation.
 
 torchao's int8 tensor computes through its own ``__torch_dispatch__`` (tens of microseconds of Python per call at
 batch 1); :class:`hybrid.layers.linear.Linear` hands its codes and row scales to the native matrix-vector
@@ -17,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-METHODS = ("int8wo", "int4wo")
+METHODS = ("int8wo", "int4wo", "int8dq", "8da4w")
 
 
 def quantize(model: torch.nn.Module, method: str) -> torch.nn.Module:
@@ -36,6 +45,10 @@ def quantize(model: torch.nn.Module, method: str) -> torch.nn.Module:
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
     except ImportError as e:
         raise ImportError(f"quantize({method!r}) needs torchao: pip install torchao ({e})") from None
+    if method in ("int8dq", "8da4w"):
+        _dynamic_activation(model, method, quantize_)
+        model.quantization = method
+        return model
     if method == "int8wo":
         config = Int8WeightOnlyConfig()
     else:
@@ -74,9 +87,35 @@ def _int4_cpu(model: torch.nn.Module, quantize_) -> None:
                       filter_fn=fits(group))
 
 
+def _dynamic_activation(model: torch.nn.Module, method: str, quantize_) -> None:
+    """int8dq / 8da4w through torchao's configs (see the module's docstring). No Inductor settings are changed
+    (``set_inductor_config=False``: a library call must not reconfigure the process's compiler)."""
+    from torchao.quantization import (
+        Int8DynamicActivationInt8WeightConfig,
+        Int8DynamicActivationIntxWeightConfig,
+        MappingType,
+        PerGroup,
+    )
+
+    def plain_linear(module, _fqn, group=1):
+        w = getattr(module, "weight", None)
+        return (isinstance(module, torch.nn.Linear) and w is not None and w.dim() == 2
+                and type(w) in (torch.Tensor, torch.nn.Parameter) and w.shape[1] % group == 0)
+
+    with torch.no_grad():
+        if method == "int8dq":
+            quantize_(model, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False), filter_fn=plain_linear)
+        else:
+            quantize_(model, Int8DynamicActivationIntxWeightConfig(
+                weight_dtype=torch.int4, weight_granularity=PerGroup(32), weight_mapping_type=MappingType.SYMMETRIC),
+                filter_fn=lambda m, f: plain_linear(m, f, 32))
+
+
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(int8 codes [N, K], fp32 row scales [N]) of a torchao int8 weight-only tensor, or None for any other
-    weight."""
+    weight (an int8dq one among them: its activations are quantised too, :func:`int8dq_rows`)."""
+    if getattr(weight, "act_quant_kwargs", None) is not None or getattr(weight, "act_pre_scale", None) is not None:
+        return None
     qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
     if qdata is None or scale is None or qdata.dtype != torch.int8 or qdata.dim() != 2 \
             or scale.numel() != qdata.shape[0] or getattr(weight, "block_size", None) not in ([1, qdata.shape[1]],
@@ -103,3 +142,66 @@ def int4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] 
             or tuple(sz.shape) != (K // group, N, 2) or K % group:
         return None
     return qdata, sz, group
+
+
+def int8dq_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 codes [N, K], fp32 row scales [N]) of torchao's int8dq tensor (``Int8Tensor`` with per-row symmetric
+    weights and per-row symmetric dynamic int8 activations, no static activation scale, no pre-scale), or None
+    for any other weight."""
+    kw = getattr(weight, "act_quant_kwargs", None)
+    if type(weight).__name__ != "Int8Tensor" or kw is None or getattr(weight, "act_pre_scale", None) is not None \
+            or getattr(weight, "act_quant_scale", None) is not None or getattr(kw, "reduce_range", False) \
+            or getattr(weight, "reduce_range", False) or type(kw.granularity).__name__ != "PerRow" \
+            or getattr(kw.mapping_type, "name", None) != "SYMMETRIC":
+        return None
+    qdata, scale = weight.qdata, weight.scale
+    if qdata.dtype != torch.int8 or qdata.dim() != 2 or scale.numel() != qdata.shape[0] \
+            or list(weight.block_size) != [1, qdata.shape[1]] or scale.dtype != torch.float32:
+        return None
+    if weight.zero_point is not None and bool(weight.zero_point.any()):
+        return None
+    return qdata, scale.reshape(-1)
+
+
+GROUP_8DA4W = 32  # the group of 8da4w's int4 weights (the native kernel's nibble blocks)
+
+
+def w4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int4 values unpacked in int8 [N, K] in -8..7, per-group scales [N, K/32] fp32/bf16) of torchao's 8da4w
+    tensor (``IntxUnpackedToInt8Tensor``: int4, symmetric groups of 32, zero points 0, int8 asymmetric per-token
+    activations), or None for any other weight."""
+    if type(weight).__name__ != "IntxUnpackedToInt8Tensor" or weight.target_dtype != torch.int4 \
+            or str(getattr(weight.activation_quantization, "value", weight.activation_quantization)) \
+            != "int8_asym_per_token" or tuple(weight.block_size) != (1, GROUP_8DA4W):
+        return None
+    qdata, scale, zp = weight.qdata, weight.scale, weight.zero_point
+    N, K = weight.shape
+    if qdata.dtype != torch.int8 or tuple(qdata.shape) != (N, K) or tuple(scale.shape) != (N, K // GROUP_8DA4W) \
+            or scale.dtype not in (torch.float32, torch.bfloat16) or (zp is not None and bool(zp.any())):
+        return None
+    return qdata, scale
+
+
+def q_operands(weight: torch.Tensor) -> tuple | None:
+    """(kind, w, ws, values) for :func:`hybrid.kernels.projection.linear_q` of an int8dq or 8da4w weight,
+    or None for any other. Worked out once and kept on the weight (a decode step asks for every layer's; 8da4w's
+    nibbles are packed then), again when its codes or scales change."""
+    qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+    if qdata is None or scale is None:
+        return None
+    key = (qdata.data_ptr(), qdata._version, scale.data_ptr(), scale._version)
+    cached = weight.__dict__.get("_hybrid_q")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    from .kernels import projection
+
+    rows = int8dq_rows(weight)
+    groups = w4_groups(weight) if rows is None else None
+    if rows is not None:
+        ops = (projection.QK_I8DQ, rows[0].contiguous(), rows[1].float().contiguous(), None)
+    elif groups is not None:
+        ops = (projection.QK_8DA4W, *projection.pack_8da4w(*groups), groups[0])
+    else:
+        ops = None
+    weight._hybrid_q = (key, ops)
+    return ops

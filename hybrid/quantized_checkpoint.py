@@ -31,13 +31,14 @@ from safetensors.torch import load_file, save_file
 from .checkpoint import CONFIG_FILE, FORMAT_TAG, WEIGHTS_FILE, CheckpointError, empty_model, load_state_strict
 
 CONFIG_KEY = "quantization"
-METHODS = ("int8wo", "int4wo")  # as hybrid.quantize.METHODS; kept here so loading does not import torchao early
+METHODS = ("int8wo", "int4wo", "int8dq", "8da4w")  # as hybrid.quantize.METHODS (checked by a test)
 
 # torchao type name -> (module, device type the layout runs on, or None for any)
 TENSOR_TYPES = {
     "Int8Tensor": ("torchao.quantization", None),
     "Int4OpaqueTensor": ("torchao.prototype.quantization.int4", "cpu"),  # aten's CPU int4 kernel only
     "Int4TilePackedTo4dTensor": ("torchao.quantization", "cuda"),  # tinygemm, CUDA only
+    "IntxUnpackedToInt8Tensor": ("torchao.quantization", None),  # 8da4w
 }
 _FIX = "re-save the model with save_pretrained, or load the unquantised checkpoint and quantise it again"
 
@@ -51,8 +52,18 @@ def _names(t, field: str) -> list[str]:
 
 
 def _encode(value, where: str):
-    """A torchao tensor attribute as JSON: None, bools, numbers, strings, int lists (block sizes, shapes) and
-    dtypes; anything else (an activation-quantisation config, an enum) is refused, never pickled."""
+    """A torchao tensor attribute as JSON: None, bools, numbers, strings, int lists (block sizes, shapes),
+    dtypes, and the two activation quantisations :func:`hybrid.quantize` makes (int8dq's per-row int8 kwargs,
+    8da4w's per-token enum) as named records; anything else is refused, never pickled."""
+    kind = type(value).__name__
+    if kind == "IntxUnpackedToInt8TensorActivationQuantization":  # (a str enum: before the str case)
+        return {"intx_activation": value.value}
+    if kind == "QuantizeTensorToInt8Kwargs":
+        if type(value.granularity).__name__ != "PerRow":
+            raise CheckpointError(f"cannot save {where}: int8 activations per {type(value.granularity).__name__}; "
+                                  "our checkpoints hold hybrid.quantize's int8dq (per-row activations)")
+        return {"int8_activation": {"granularity": "PerRow", "dim": int(value.granularity.dim),
+                                    "mapping_type": value.mapping_type.name, "reduce_range": bool(value.reduce_range)}}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.dtype):
@@ -60,10 +71,34 @@ def _encode(value, where: str):
     if isinstance(value, (list, tuple, torch.Size)) and all(type(v) is int for v in value):
         return list(value)
     raise CheckpointError(f"cannot save {where}: a {type(value).__name__} attribute; our checkpoints hold the "
-                          "weight-only formats of hybrid.quantize (int8wo, int4wo)")
+                          f"formats of hybrid.quantize ({', '.join(METHODS)})")
+
+
+def _decode_activation(value: dict, where: str):
+    """An activation-quantisation record of :func:`_encode` as torchao's object."""
+    try:
+        if "intx_activation" in value and len(value) == 1:
+            from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+                IntxUnpackedToInt8TensorActivationQuantization,
+            )
+
+            return IntxUnpackedToInt8TensorActivationQuantization(value["intx_activation"])
+        spec = value["int8_activation"]
+        if len(value) != 1 or spec.get("granularity") != "PerRow":
+            raise ValueError(f"granularity {spec.get('granularity')!r}")
+        from torchao.quantization import MappingType, PerRow
+        from torchao.quantization.quantize_.workflows.int8.int8_tensor import QuantizeTensorToInt8Kwargs
+
+        return QuantizeTensorToInt8Kwargs(granularity=PerRow(dim=int(spec["dim"])),
+                                          mapping_type=MappingType[spec["mapping_type"]],
+                                          reduce_range=bool(spec["reduce_range"]))
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{where}: unreadable activation quantisation {value!r} ({e}); {_FIX}") from None
 
 
 def _decode(value, where: str):
+    if isinstance(value, dict) and ("intx_activation" in value or "int8_activation" in value):
+        return _decode_activation(value, where)
     if isinstance(value, dict):
         name = value.get("dtype")
         dtype = getattr(torch, name, None) if isinstance(name, str) and len(value) == 1 else None

@@ -181,3 +181,159 @@ def linear_int4(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tens
 
 dispatch.register("linear_int4", "torch", _linear_int4_torch)
 dispatch.register("linear_int4", "native", _linear_int4_native, native.available, _int4_native_supports)
+
+
+# ---- int8 activations: torchao's int8dq and 8da4w (hybrid.quantize; decode.c's "int8-activation products") ----
+
+def quantize_rows_sym(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's per-row symmetric int8 quantisation of activations (``Int8Tensor.from_hp``: choose_qparams_affine
+    SYMMETRIC with eps = fp32's eps, quantize_affine): codes int8 [..., K] and fp32 scales [..., 1]. The scale is
+    computed in x's dtype (max|x| / 127.5) and kept as fp32; codes = clamp(round(x * (1 / scale)), -128, 127)."""
+    amax = torch.maximum(-torch.clamp(x.amin(-1, keepdim=True), max=0), torch.clamp(x.amax(-1, keepdim=True), min=0))
+    scale = torch.clamp(amax / 127.5, min=torch.finfo(torch.float32).eps).float()
+    q = torch.clamp(torch.round(x * (1.0 / scale)), -128, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_rows_asym(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchao's per-token asymmetric int8 quantisation of activations (IntxUnpackedToInt8Tensor's
+    ``_apply_int8_act_asym_per_token_quant_dequant`` before its dequantisation): codes int8 [..., K], scales
+    [..., 1] in x's dtype, zero points int8 [..., 1]; every op in x's dtype, as torchao computes them."""
+    lo = torch.clamp(x.amin(-1, keepdim=True), max=0)
+    hi = torch.clamp(x.amax(-1, keepdim=True), min=0)
+    scale = torch.clamp((hi - lo) / 255.0, min=torch.finfo(x.dtype).smallest_normal)
+    zp = torch.clamp(-128 - torch.round(lo / scale), -128, 127).to(torch.int8)
+    q = torch.clamp(torch.round(x * (1.0 / scale)) + zp, -128, 127).to(torch.int8)
+    return q, scale, zp
+
+
+def int8_dot(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """The integer dot products q [M, K] . codes [N, K]^T (both int8) as fp32 [M, N], each the exact integer
+    rounded once to fp32 (as torch._int_mm's int32 converted to fp32), through fp32 GEMMs (oneDNN's; aten's int8
+    GEMM without VNNI took 34 s for a 2K llama-d512 prefill, fp32 7 s): a partial sum is at most K 128 128, exact
+    in fp32 up to K = 1024 in any order; past that codes = 16 hi + lo (lo 0..15, hi -8..7) makes two GEMMs
+    whose sums stay below 2^24 up to K = 8192, combined in fp64."""
+    K = q.shape[-1]
+    qf = q.float()
+    if K <= 1024:
+        return qf @ codes.float().T
+    if K > 8192:
+        return (q.double() @ codes.double().T).float()
+    c = codes.to(torch.int16)
+    hi, lo = (c >> 4).float(), (c & 15).float()
+    return ((qf @ hi.T).double() * 16 + (qf @ lo.T).double()).float()
+
+
+def linear_int8dq_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """torchao's int8dq product, op for op: x [..., K] quantised per row (:func:`quantize_rows_sym`), the integer
+    dot with the int8 codes [N, K] (exact, :func:`int8_dot`), then (dot * x_scale) in x's dtype, times the row
+    scales [N] (fp32) + bias, in x's dtype; + residual [..., N]. Also the int8dq prefill on a CPU (many rows:
+    the same numbers as torchao's, bit for bit, at fp32 GEMM speed)."""
+    q, xs = quantize_rows_sym(x)
+    N, K = codes.shape
+    dot = int8_dot(q.reshape(-1, K), codes).reshape(*x.shape[:-1], N)
+    y = (dot * xs).to(x.dtype) * scale.float()
+    if bias is not None:
+        y = y + bias
+    y = y.to(x.dtype)
+    return y if residual is None else y + residual
+
+
+def linear_8da4w_ref(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The 8da4w product in integers: x [..., K] quantised per token as torchao does (:func:`quantize_rows_asym`),
+    each group of 32's integer dot of (codes - zero point) with the int4 values [N, K] (-8..7), then
+    x_scale * sum_g scale[n, g] * dot_g in fp32 + bias, in x's dtype; + residual. torchao computes F.linear of the
+    dequantised activations and weights: the same sum in another order (and, in bf16, with each dequantised value
+    rounded to bf16)."""
+    N, K = values.shape
+    q, xs, zp = quantize_rows_asym(x)
+    d = (q.float() - zp.float()).reshape(-1, K // 32, 32)
+    dots = torch.einsum("bgk,ngk->bng", d, values.float().reshape(N, K // 32, 32))  # integers < 2^24: exact
+    y = (dots * scale.float()).sum(-1).reshape(*x.shape[:-1], N) * xs.float()
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    return y if residual is None else y + residual
+
+
+def pack_8da4w(values: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native 8da4w product's operands from the int4 values (int8 [N, K], -8..7, K a multiple of 32) and group
+    scales [N, K/32]: (nibbles uint8 [N, K/2]: group g of row n at bytes (n K/32 + g) 16, byte j = value k=j + 8
+    in the low nibble and k=j+16 (+ 8) in the high one; fp32 [N K/32 + N]: the group scales, then per row
+    sum_g scale_g * sum of the group's values, summed in fp64)."""
+    N, K = values.shape
+    if K % 32 or values.dtype != torch.int8 or tuple(scale.shape) != (N, K // 32):
+        raise ValueError(f"8da4w operands: int8 values [N, K] with K a multiple of 32 and scales [N, K/32]; got "
+                         f"{values.dtype} {tuple(values.shape)} and {tuple(scale.shape)}")
+    g = (values.to(torch.int16) + 8).to(torch.uint8).reshape(N, K // 32, 32)
+    nibbles = (g[..., :16] | (g[..., 16:] << 4)).reshape(N, K // 2).contiguous()
+    ws = scale.float()
+    wsum = (ws.double() * g.to(torch.float64).sub(8).sum(-1)).sum(-1).float()
+    return nibbles, torch.cat([ws.reshape(-1), wsum])
+
+
+QK_I8DQ, QK_8DA4W = 0, 1  # decode.c's kinds
+
+
+def _q_native_supports(x, kind, w, ws, bias=None, residual=None, values=None) -> str | None:
+    """a few contiguous fp32/bf16 rows, contiguous operands, no autograd"""
+    if x.device.type != "cpu":
+        return "not on the CPU"
+    if torch.compiler.is_compiling():
+        return "compiling"
+    if torch.is_grad_enabled() and x.requires_grad:
+        return "autograd"
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if not 0 < rows <= native.MAX_ROWS:
+        return f"{rows} rows (the native product takes 1..{native.MAX_ROWS})"
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {x.dtype}"
+    N = w.shape[0]
+    if kind == QK_I8DQ and not (w.dtype == torch.int8 and w.shape == (N, K) and ws.dtype == torch.float32
+                                and ws.shape == (N,)):
+        return f"int8dq codes {tuple(w.shape)} / scales {tuple(ws.shape)} for K={K}"
+    if kind == QK_8DA4W and not (K % 32 == 0 and w.dtype == torch.uint8 and w.shape == (N, K // 2)
+                                 and ws.dtype == torch.float32 and ws.shape == (N * (K // 32) + N,)):
+        return f"8da4w nibbles {tuple(w.shape)} / scales {tuple(ws.shape)} for K={K}"
+    if not (x.is_contiguous() and w.is_contiguous() and ws.is_contiguous()):
+        return "not contiguous"
+    return _epilogue_refusal(x, bias, residual)
+
+
+def _linear_q_native(x, kind, w, ws, bias=None, residual=None, values=None):
+    N, K = w.shape[0], x.shape[-1]
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
+    codes = native.DTYPE_CODES
+    rc = native.library().hl_gemv_q(
+        kind, w.data_ptr(), ws.data_ptr(), bias.data_ptr() if bias is not None else None,
+        codes[bias.dtype] if bias is not None else -1, x.data_ptr(), codes[x.dtype],
+        residual.data_ptr() if residual is not None else None, y.data_ptr(), codes[x.dtype], x.numel() // K, N, K)
+    if rc:
+        raise RuntimeError(f"hl_gemv_q refused kind {kind} N={N} K={K} (a bug: _q_native_supports passed it)")
+    return y
+
+
+def _linear_q_torch(x, kind, w, ws, bias=None, residual=None, values=None):
+    if kind == QK_I8DQ:
+        return linear_int8dq_ref(x, w, ws, bias, residual)
+    if values is None:
+        raise ValueError("the torch 8da4w product needs the unpacked int4 values (values=)")
+    N, K = values.shape
+    return linear_8da4w_ref(x, values, ws[:N * (K // 32)].reshape(N, K // 32), bias, residual)
+
+
+def linear_q(x: torch.Tensor, kind: int, w: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, values: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T + bias [N] + residual [..., N] -> [..., N] in x's dtype, the activations quantised to int8
+    per row. ``kind`` QK_I8DQ: w int8 codes [N, K], ws fp32 row scales [N] (:func:`linear_int8dq_ref`'s
+    arithmetic, exactly); QK_8DA4W: w, ws from :func:`pack_8da4w` and ``values`` the int4 values the torch
+    backend computes from (:func:`linear_8da4w_ref`; the native kernel equals it to fp32 summation order)."""
+    _, fn = dispatch.choose("linear_q", x.device.type)
+    return fn(x, kind, w, ws, bias, residual, values)
+
+
+dispatch.register("linear_q", "torch", _linear_q_torch)
+dispatch.register("linear_q", "native", _linear_q_native, native.available, _q_native_supports)

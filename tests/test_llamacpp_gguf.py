@@ -10,7 +10,8 @@ from hybrid.model import HybridLM
 
 
 @pytest.mark.parametrize("dtype, quantize, want", [("float32", None, "f32"), ("bfloat16", None, "bf16"),
-                                                   ("float32", "int8wo", "q8_0"), ("bfloat16", "int4wo", "q4_0")])
+                                                   ("float32", "int8wo", "q8_0"), ("bfloat16", "int4wo", "q4_0"),
+                                                   ("float32", "int8dq", "q8_0"), ("float32", "8da4w", "q4_0")])
 def test_type_matches_the_run(dtype, quantize, want):
     assert g.gguf_type(dtype, quantize) == want
 

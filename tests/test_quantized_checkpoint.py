@@ -53,7 +53,9 @@ def _quantised(model):
     ("llama-tiny", "int4wo"),
     # int4 on a CPU takes groups of 32/64/128 and output widths in 16s: Mamba-2's in_proj (296 rows) stays fp32
     # and the MLP's down projection (input 128) gets group 128 where the rest get 64
-    ("hybrid-1to7-tiny", "int4wo")])
+    ("hybrid-1to7-tiny", "int4wo"),
+    # int8 activations: their torchao tensors carry the activation quantisation (int8dq's kwargs, 8da4w's enum)
+    ("llama-tiny", "int8dq"), ("hybrid-1to7-tiny", "int8dq"), ("llama-tiny", "8da4w"), ("hybrid-1to7-tiny", "8da4w")])
 def test_round_trip_is_exact(tmp_path, recipe, method):
     model = _model(recipe, method)
     q = _quantised(model)
@@ -94,6 +96,9 @@ def test_round_trip_is_exact(tmp_path, recipe, method):
                     assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), f"{name}.{n}"
                 assert list(got[name].block_size) == list(ref.block_size) and got[name].shape == ref.shape
                 assert got[name].dtype == ref.dtype
+                for attr in ("act_quant_kwargs", "activation_quantization"):  # int8dq / 8da4w's activations
+                    assert getattr(got[name], attr, None) == getattr(ref, attr, None), f"{name}.{attr}"
+                    assert type(getattr(got[name], attr, None)) is type(getattr(ref, attr, None)), f"{name}.{attr}"
                 assert not other.get_parameter(name).requires_grad  # as torchao.quantize_ leaves it
             else:
                 assert got[name].dtype == ref.dtype and torch.equal(got[name], ref), name
@@ -257,3 +262,13 @@ def test_cli_quantize_still_quantises_an_unquantised_folder(tmp_path, capsys, mo
     _, used, _ = _cli_generate(capsys, monkeypatch, ["--model", str(folder), "--prompt", "ab",
                                                      "--quantize", "int4wo"])
     assert used.quantization == "int4wo" and type(used.layers[0].mixer.q_proj.weight).__name__ == "Int4OpaqueTensor"
+
+
+def test_methods_are_hybrid_quantizes():
+    """The loader's list of methods (kept in this module so loading imports no torchao early) is
+    hybrid.quantize's."""
+    import importlib
+
+    from hybrid import quantized_checkpoint
+
+    assert quantized_checkpoint.METHODS == importlib.import_module("hybrid.quantize").METHODS

@@ -40,9 +40,11 @@ def positive_int(text: str) -> int:
 def add_dtype_device(p: argparse.ArgumentParser, *, device_help: str = "where the model runs (cpu, cuda, cuda:N)"):
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
     p.add_argument("--device", default="cpu", type=device_arg, help=device_help)
-    p.add_argument("--quantize", choices=["int8wo", "int4wo"], default=None,
-                   help="torchao weight-only quantisation of the linear layers (hybrid.quantize; int4wo on a "
-                        "CPU: torchao's prototype int4 format)")
+    from ..quantize import METHODS
+
+    p.add_argument("--quantize", choices=list(METHODS), default=None,
+                   help="torchao quantisation of the linear layers (hybrid.quantize): weight-only int8wo / int4wo "
+                        "(int4wo on a CPU: torchao's prototype int4 format), int8 activations too int8dq / 8da4w")
 
 
 def quantized(model, args, where: str = "the model"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..quantize import METHODS
 from .common import DTYPES, device_arg
 from .errors import CLIError
 
@@ -23,8 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", type=device_arg, help="where the model runs (cpu, cuda, cuda:N)")
     p.add_argument("--backend", choices=["torch", "triton", "cuda"],
                    help="force a kernel backend (default: the best available, see `hybrid doctor`)")
-    p.add_argument("--quantize", choices=["int8wo", "int4wo"], default=None,
-                   help="torchao weight-only quantisation of the linear layers (hybrid.quantize)")
+    p.add_argument("--quantize", choices=list(METHODS), default=None,
+                   help="torchao quantisation of the linear layers (hybrid.quantize: int8wo, int4wo, int8dq, 8da4w)")
     p.add_argument("--output", default="out/eval", help="folder for lm-eval's results JSON")
     p.set_defaults(func=run)
 

@@ -20,7 +20,8 @@ bf16, and to the full forward).
 Covered: attention over fp32/bf16 K/V pools (no int8/fp8 pages, no StreamingLLM/SnapKV pruning), gated or
 plain MLPs, Mamba-2, Gated DeltaNet (head dims up to 512) and GLA (value heads up to 512, no int4 decay-gate
 projection) with fp32/bf16 state pools (no int8 or stochastic-rounded state); fp32, bf16, torchao
-int8 weight-only or torchao CPU int4 weight-only linear layers (int4 attention: head_dim a multiple of 16); up
+int8 weight-only, torchao CPU int4 weight-only or torchao int8dq / 8da4w (int8 activations, quantised once per
+op) linear layers (int4 attention: head_dim a multiple of 16); up
 to 64 decoding sequences (from 4 on, the products are blocked 4 weight rows x 3 input rows: a batched step is
 compute-bound; past 64 torch's GEMMs take them). A layer outside that runs
 its eager forward (the others keep their programs; the step is then one call per covered sub-layer).
@@ -37,7 +38,7 @@ import torch
 from ..kernels import dispatch, native
 from ..kernels.native import DTYPE_CODES
 from ..kernels.native.ops import ACTIVATIONS
-from ..quantize import int4_blocks, int8_rows
+from ..quantize import int4_blocks, int8_rows, q_operands
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
 from .gla import GLA
@@ -48,6 +49,7 @@ from .norm import GatedRMSNorm, RMSNorm
 _FLOATS = (torch.float32, torch.bfloat16)
 (OP_RMSNORM, OP_GEMV, OP_GATED_UP, OP_QKV_ROPE, OP_PAGED, OP_CONV, OP_DT, OP_SSD, OP_GATED_RMSNORM, OP_GEMV_INT4,
  OP_GATED_UP_INT4, OP_QKV_ROPE_INT4) = range(12)
+OP_GEMV_Q, OP_QKV_ROPE_Q, OP_GATED_UP_Q = 12, 13, 14  # int8 activations: int8dq / 8da4w weights
 OP_GDN, OP_HEAD_NORM, OP_GLA = range(16, 19)  # the linear-attention mixers' ops (kernels/native/linear_attention.c)
 X = object()  # an op argument standing for the step's residual stream (program.c's HL_STEP_X)
 
@@ -106,6 +108,13 @@ class _Builder:
             raise _Unsupported("int4 codes not contiguous")
         return blocks
 
+    @staticmethod
+    def q(linear) -> tuple | None:
+        """(kind, codes or nibbles, scales) of a torchao int8dq / 8da4w layer (:func:`hybrid.quantize.q_operands`),
+        else None."""
+        ops = q_operands(linear.weight)
+        return None if ops is None else ops[:3]
+
     def op(self, kind: int, ptrs=(), ints=(), floats=()) -> None:
         o = HlOp(kind=kind)
         for k, t in enumerate(ptrs):
@@ -132,6 +141,14 @@ class _Builder:
     def gemv(self, linear, x, y, *, residual=None, act: str | None = None) -> None:
         if not _plain(linear.bias):
             raise _Unsupported("a bias of another dtype")
+        act1 = 0 if act is None else ACTIVATIONS[act] + 1
+        qops = self.q(linear)
+        if qops is not None:
+            kind, w, ws = qops
+            dt = DTYPE_CODES[self.dtype]
+            self.op(OP_GEMV_Q, (w, ws, linear.bias, x, residual, y),
+                    (kind, _code(linear.bias), dt, dt, w.shape[0], linear.in_features, act1))
+            return
         blocks = self.int4(linear)
         if blocks is not None:
             q, sz, group = blocks
@@ -161,6 +178,10 @@ def _attention(b: _Builder, block, view) -> None:
     if rot % 2 or rot > attn.head_dim:
         raise _Unsupported(f"rotary_dim {rot}")
     q_, k_, v_, o_ = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    qops = [b.q(m) for m in (q_, k_, v_)]
+    if any(t is not None for t in qops):
+        _attention_q(b, block, view, qops)
+        return
     int4 = [b.int4(m) for m in (q_, k_, v_)]
     if any(t is not None for t in int4):
         _attention_int4(b, block, view, int4)
@@ -203,6 +224,29 @@ def _attention_int4(b: _Builder, block, view, int4) -> None:
     b.gemv(o_, o, X, residual=X)
 
 
+def _attention_q(b: _Builder, block, view, qops) -> None:
+    """_attention's ops for int8dq / 8da4w q/k/v weights (all three of one kind): the input row quantised once for
+    the three products, RoPE and the K/V write as for float weights."""
+    attn = block.mixer
+    q_, k_, v_, o_ = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    if any(t is None for t in qops) or len({t[0] for t in qops}) != 1:
+        raise _Unsupported("q/k/v not all int8dq or all 8da4w")
+    biases = (q_.bias, k_.bias, v_.bias)
+    if not _plain(*biases) or len({t.dtype for t in biases if t is not None}) > 1:
+        raise _Unsupported("q/k/v biases of different dtypes")
+    (kind, wq, sq), (_, wk, sk), (_, wv, sv) = qops
+    k_pool, v_pool = view.k_pool, view.v_pool
+    d_model, Hq, Hkv, D = q_.in_features, attn.n_heads, attn.n_kv_heads, attn.head_dim
+    dt = DTYPE_CODES[b.dtype]
+    h, q, o = b.buffer(d_model), b.buffer(Hq * D), b.buffer(Hq * D)
+    b.rmsnorm(block.norm, X, h)
+    b.op(OP_QKV_ROPE_Q, (wq, sq, q_.bias, wk, sk, k_.bias, wv, sv, v_.bias, h, q, k_pool, v_pool),
+         (kind, _code(q_.bias), dt, _code(k_pool), attn.rope.rotary_dim, Hq, Hkv, D, d_model))
+    b.op(OP_PAGED, (q, k_pool, v_pool, o), (dt, _code(k_pool), Hq, Hkv, D, k_pool.shape[1], view.window or 0),
+         (D ** -0.5,))
+    b.gemv(o_, o, X, residual=X)
+
+
 def _mlp(b: _Builder, block, view) -> None:
     m = block.mixer
     d_model, d_ff = m.up_proj.weight.shape[1], m.up_proj.weight.shape[0]
@@ -210,6 +254,12 @@ def _mlp(b: _Builder, block, view) -> None:
     b.rmsnorm(block.norm, X, h)
     if m.gate_proj is None:
         b.gemv(m.up_proj, h, a, act=m.activation)
+    elif b.q(m.gate_proj) is not None or b.q(m.up_proj) is not None:
+        gq, uq = b.q(m.gate_proj), b.q(m.up_proj)
+        if gq is None or uq is None or gq[0] != uq[0] or not _plain(m.gate_proj.bias, m.up_proj.bias):
+            raise _Unsupported("gate/up weights not both int8dq or both 8da4w")
+        b.op(OP_GATED_UP_Q, (gq[1], gq[2], m.gate_proj.bias, uq[1], uq[2], m.up_proj.bias, h, a),
+             (gq[0], _code(m.up_proj.bias), DTYPE_CODES[b.dtype], ACTIVATIONS[m.activation], d_ff, d_model))
     elif b.int4(m.gate_proj) is not None or b.int4(m.up_proj) is not None:
         g4, u4 = b.int4(m.gate_proj), b.int4(m.up_proj)
         if g4 is None or u4 is None or (g4[1].dtype, g4[2]) != (u4[1].dtype, u4[2]) \

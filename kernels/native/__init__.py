@@ -45,6 +45,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.hl_gemv.restype = i32
     lib.hl_gemv_int4.argtypes = [p, p, i32, i64, p, i32, p, i32, p, p, i32, i64, i64, i64]
     lib.hl_gemv_int4.restype = i32
+    lib.hl_gemv_q.argtypes, lib.hl_gemv_q.restype = [i32, p, p, p, i32, p, i32, p, p, i32, i64, i64, i64], i32
     lib.hl_ssd_step.argtypes = [p, i32, p, p, i32, i64, p, i64, p, p, i64, p, i64, p, i32, p, i64, i64, i64, i64, i64]
     lib.hl_conv_step.argtypes = [p, i32, p, p, i32, i64, p, i32, p, i32, i32, p, i64, i64, i64]
     lib.hl_paged_decode.argtypes = [p, i32, p, p, i32, p, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float]

@@ -22,6 +22,10 @@ enum {
     OP_GEMV_INT4 = 9,
     OP_GATED_UP_INT4 = 10,
     OP_QKV_ROPE_INT4 = 11,
+    /* int8 activations (int8dq / 8da4w weights, decode.c's int8-activation products); 15 is free */
+    OP_GEMV_Q = 12,
+    OP_QKV_ROPE_Q = 13,
+    OP_GATED_UP_Q = 14,
     /* linear-attention mixers (linear_attention.c) */
     OP_GDN = 16,
     OP_HEAD_NORM = 17,
@@ -99,6 +103,16 @@ static int run_op(const HlOp *o, const HlStep *st) {
         return hl_qkv_rope_int4(P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), P(8), (int)I(0), I(1), (int)I(2),
                                 P(9), (int)I(3), P(10), P(11), P(12), (int)I(4), st->kv_slots, st->cos, st->sin,
                                 I(5), n, I(6), I(7), I(8), I(9));
+    case OP_GEMV_Q:
+        return gemv_q_act((int)I(0), P(0), P(1), P(2), (int)I(1), P(3), (int)I(2), P(4), P(5), (int)I(3), n, I(4),
+                          I(5), (int)I(6));
+    case OP_QKV_ROPE_Q:
+        return hl_qkv_rope_q((int)I(0), P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), P(8), (int)I(1), P(9),
+                             (int)I(2), P(10), P(11), P(12), (int)I(3), st->kv_slots, st->cos, st->sin, I(4), n, I(5),
+                             I(6), I(7), I(8));
+    case OP_GATED_UP_Q:
+        return hl_gated_up_q((int)I(0), P(0), P(1), P(2), P(3), P(4), P(5), (int)I(1), P(6), (int)I(2), P(7),
+                             (int)I(3), n, I(4), I(5));
     case OP_GDN:
         return hl_gdn_decode(P(0), (int)I(0), st->state_slots, P(1), (int)I(1), I(2), P(2), I(3), P(3), (int)I(4),
                              P(4), (int)I(5), P(5), P(6), P(7), P(8), n, I(6), I(7), I(8), I(9), (float)o->f[0],
