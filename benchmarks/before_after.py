@@ -76,12 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     pythons = args.python or [str(t / ".venv" / "bin" / "python") for t in args.trees]
     if len(pythons) != len(args.trees):
         raise SystemExit(f"--python names {len(pythons)} interpreters for {len(args.trees)} trees")
-    for t, py in zip(args.trees, pythons):
+    for t, py in zip(args.trees, pythons, strict=True):
         if not Path(py).is_file():
             raise SystemExit(f"{t}: no interpreter at {py} (set the tree up, or pass --python)")
     rates = {(str(t), r): [] for t in args.trees for r in args.recipes}
     for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
-        for t, py in zip(args.trees, pythons):
+        for t, py in zip(args.trees, pythons, strict=True):
             for r, xs in run_tree(py, t, args).items():
                 rates[(str(t), r)] += xs
     rows = []
