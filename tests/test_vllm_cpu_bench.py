@@ -15,7 +15,10 @@ from hybrid.model import HybridLM
 FAKE = """#!/bin/sh
 # a stand-in for a vLLM venv's python: `-c "import vllm"` succeeds (or fails when FAIL is set), and
 # `run_vllm.py bench EXPORT OUT ...` writes run_vllm.py's result JSON to OUT and records its arguments
-if [ "$1" = "-c" ]; then [ -z "$FAIL" ] || { echo "ModuleNotFoundError: No module named 'vllm'" >&2; exit 1; }; exit 0; fi
+if [ "$1" = "-c" ]; then
+  [ -z "$FAIL" ] || { echo "ModuleNotFoundError: No module named 'vllm'" >&2; exit 1; }
+  exit 0
+fi
 echo "$@" >> "$(dirname "$0")/calls.txt"
 echo "$VLLM_CPU_OMP_THREADS_BIND" >> "$(dirname "$0")/bind.txt"
 echo '{"prefill_tok_s": [5.0], "decode_tok_s": [30.0, 10.0, 20.0]}' > "$4"
