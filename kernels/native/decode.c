@@ -1470,6 +1470,8 @@ static inline int32_t i8dq_dot(const int8_t *w, const int8_t *q, int64_t K) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
     for (; k + 64 <= K; k += 64) {
+        /* non-temporal prefetch 1 KB ahead, as the float products do: the codes stream past the caches */
+        _mm_prefetch((const char *)(w + k) + 1024, _MM_HINT_NTA);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + k)),
                       w1 = _mm256_loadu_si256((const __m256i *)(w + k + 32));
         const __m256i q0 = _mm256_loadu_si256((const __m256i *)(q + k)),
@@ -1498,6 +1500,7 @@ static inline float w4_dot(const uint8_t *p, const float *ws, const uint8_t *u, 
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 2 <= ng; g += 2) { /* two groups a step: two FMA chains */
+        _mm_prefetch((const char *)(p + g * 16) + 1024, _MM_HINT_NTA);
         const __m256i d0 = _mm256_madd_epi16(
             _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(u + g * 32)), nib_group(p + g * 16)), ones);
         const __m256i d1 = _mm256_madd_epi16(
