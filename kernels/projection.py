@@ -133,8 +133,9 @@ def _linear_int4_torch(x, qdata, scale_and_zero, group, bias=None, residual=None
     return y if residual is None else y + residual
 
 
-def _int4_native_supports(x, qdata, scale_and_zero, group, bias=None, residual=None) -> str | None:
-    """a few contiguous fp32/bf16 rows, int4pack codes with fp32/bf16 scales, no autograd"""
+def _quantized_input_refusal(x) -> str | None:
+    """Why the native int4 / int8-activation products cannot take input x (None: they can): on the CPU, not
+    compiling, no autograd, 1..MAX_ROWS rows."""
     if x.device.type != "cpu":
         return "not on the CPU"
     if torch.compiler.is_compiling():
@@ -145,6 +146,15 @@ def _int4_native_supports(x, qdata, scale_and_zero, group, bias=None, residual=N
     rows = x.numel() // K if K else 0
     if not 0 < rows <= native.MAX_ROWS:
         return f"{rows} rows (the native product takes 1..{native.MAX_ROWS})"
+    return None
+
+
+def _int4_native_supports(x, qdata, scale_and_zero, group, bias=None, residual=None) -> str | None:
+    """a few contiguous fp32/bf16 rows, int4pack codes with fp32/bf16 scales, no autograd"""
+    why = _quantized_input_refusal(x)
+    if why is not None:
+        return why
+    K = x.shape[-1]
     N = qdata.shape[0]
     if x.dtype not in (torch.float32, torch.bfloat16) or scale_and_zero.dtype not in (torch.float32, torch.bfloat16):
         return f"dtypes {x.dtype} x int4 with {scale_and_zero.dtype} scales"
@@ -279,16 +289,10 @@ QK_I8DQ, QK_8DA4W = 0, 1  # decode.c's kinds
 
 def _q_native_supports(x, kind, w, ws, bias=None, residual=None, values=None) -> str | None:
     """a few contiguous fp32/bf16 rows, contiguous operands, no autograd"""
-    if x.device.type != "cpu":
-        return "not on the CPU"
-    if torch.compiler.is_compiling():
-        return "compiling"
-    if torch.is_grad_enabled() and x.requires_grad:
-        return "autograd"
+    why = _quantized_input_refusal(x)
+    if why is not None:
+        return why
     K = x.shape[-1]
-    rows = x.numel() // K if K else 0
-    if not 0 < rows <= native.MAX_ROWS:
-        return f"{rows} rows (the native product takes 1..{native.MAX_ROWS})"
     if x.dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {x.dtype}"
     N = w.shape[0]

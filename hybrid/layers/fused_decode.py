@@ -177,7 +177,7 @@ def _attention(b: _Builder, block, view) -> None:
     rot = attn.rope.rotary_dim
     if rot % 2 or rot > attn.head_dim:
         raise _Unsupported(f"rotary_dim {rot}")
-    q_, k_, v_, o_ = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    q_, k_, v_ = attn.q_proj, attn.k_proj, attn.v_proj
     qops = [b.q(m) for m in (q_, k_, v_)]
     if any(t is not None for t in qops):
         _attention_q(b, block, view, qops)
@@ -190,61 +190,55 @@ def _attention(b: _Builder, block, view) -> None:
     if len({wq.dtype, wk.dtype, wv.dtype}) != 1 or not _plain(q_.bias, k_.bias, v_.bias) \
             or len({t.dtype for t in (q_.bias, k_.bias, v_.bias) if t is not None}) > 1:
         raise _Unsupported("q/k/v weights of different dtypes")
-    d_model, Hq, Hkv, D = wq.shape[1], attn.n_heads, attn.n_kv_heads, attn.head_dim
+    _attention_ops(b, block, view, OP_QKV_ROPE, (wq, q_.bias, wk, k_.bias, wv, v_.bias, sq, sk, sv), (_code(wq),))
+
+
+def _attention_ops(b: _Builder, block, view, qkv_kind: int, weights: tuple, lead: tuple) -> None:
+    """An attention sub-layer's ops once its q/k/v weights are vetted: the norm, the q/k/v product of
+    ``qkv_kind`` (its first nine pointers ``weights``, its first ints ``lead``: each weight format's own) with
+    RoPE and the K/V write, paged attention, the out-projection with the residual."""
+    attn = block.mixer
+    k_pool, v_pool = view.k_pool, view.v_pool
+    d_model, Hq, Hkv, D = attn.q_proj.in_features, attn.n_heads, attn.n_kv_heads, attn.head_dim
     dt = DTYPE_CODES[b.dtype]
     h, q, o = b.buffer(d_model), b.buffer(Hq * D), b.buffer(Hq * D)
     b.rmsnorm(block.norm, X, h)
-    b.op(OP_QKV_ROPE, (wq, q_.bias, wk, k_.bias, wv, v_.bias, sq, sk, sv, h, q, k_pool, v_pool),
-         (_code(wq), _code(q_.bias), dt, _code(k_pool), rot, Hq, Hkv, D, d_model))
+    b.op(qkv_kind, (*weights, h, q, k_pool, v_pool),
+         (*lead, _code(attn.q_proj.bias), dt, _code(k_pool), attn.rope.rotary_dim, Hq, Hkv, D, d_model))
     b.op(OP_PAGED, (q, k_pool, v_pool, o), (dt, _code(k_pool), Hq, Hkv, D, k_pool.shape[1], view.window or 0),
          (D ** -0.5,))
-    b.gemv(o_, o, X, residual=X)
+    b.gemv(attn.o_proj, o, X, residual=X)
+
+
+def _same_biases(attn) -> None:
+    biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
+    if not _plain(*biases) or len({t.dtype for t in biases if t is not None}) > 1:
+        raise _Unsupported("q/k/v biases of different dtypes")
 
 
 def _attention_int4(b: _Builder, block, view, int4) -> None:
     """_attention's ops for int4 q/k/v weights (all three int4, one group and scale dtype, head_dim a multiple of
     16: the int4pack layout's granularity)."""
     attn = block.mixer
-    q_, k_, v_, o_ = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     if any(t is None for t in int4) or len({(t[1].dtype, t[2]) for t in int4}) != 1 or attn.head_dim % 16:
         raise _Unsupported("q/k/v not all int4 of one group, or a head_dim not a multiple of 16")
-    biases = (q_.bias, k_.bias, v_.bias)
-    if not _plain(*biases) or len({t.dtype for t in biases if t is not None}) > 1:
-        raise _Unsupported("q/k/v biases of different dtypes")
+    _same_biases(attn)
     (qq, szq, group), (qk, szk, _), (qv, szv, _) = int4
-    k_pool, v_pool = view.k_pool, view.v_pool
-    d_model, Hq, Hkv, D = q_.in_features, attn.n_heads, attn.n_kv_heads, attn.head_dim
-    dt = DTYPE_CODES[b.dtype]
-    h, q, o = b.buffer(d_model), b.buffer(Hq * D), b.buffer(Hq * D)
-    b.rmsnorm(block.norm, X, h)
-    b.op(OP_QKV_ROPE_INT4, (qq, szq, q_.bias, qk, szk, k_.bias, qv, szv, v_.bias, h, q, k_pool, v_pool),
-         (_code(szq), group, _code(q_.bias), dt, _code(k_pool), attn.rope.rotary_dim, Hq, Hkv, D, d_model))
-    b.op(OP_PAGED, (q, k_pool, v_pool, o), (dt, _code(k_pool), Hq, Hkv, D, k_pool.shape[1], view.window or 0),
-         (D ** -0.5,))
-    b.gemv(o_, o, X, residual=X)
+    _attention_ops(b, block, view, OP_QKV_ROPE_INT4,
+                   (qq, szq, attn.q_proj.bias, qk, szk, attn.k_proj.bias, qv, szv, attn.v_proj.bias),
+                   (_code(szq), group))
 
 
 def _attention_q(b: _Builder, block, view, qops) -> None:
     """_attention's ops for int8dq / 8da4w q/k/v weights (all three of one kind): the input row quantised once for
     the three products, RoPE and the K/V write as for float weights."""
     attn = block.mixer
-    q_, k_, v_, o_ = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     if any(t is None for t in qops) or len({t[0] for t in qops}) != 1:
         raise _Unsupported("q/k/v not all int8dq or all 8da4w")
-    biases = (q_.bias, k_.bias, v_.bias)
-    if not _plain(*biases) or len({t.dtype for t in biases if t is not None}) > 1:
-        raise _Unsupported("q/k/v biases of different dtypes")
+    _same_biases(attn)
     (kind, wq, sq), (_, wk, sk), (_, wv, sv) = qops
-    k_pool, v_pool = view.k_pool, view.v_pool
-    d_model, Hq, Hkv, D = q_.in_features, attn.n_heads, attn.n_kv_heads, attn.head_dim
-    dt = DTYPE_CODES[b.dtype]
-    h, q, o = b.buffer(d_model), b.buffer(Hq * D), b.buffer(Hq * D)
-    b.rmsnorm(block.norm, X, h)
-    b.op(OP_QKV_ROPE_Q, (wq, sq, q_.bias, wk, sk, k_.bias, wv, sv, v_.bias, h, q, k_pool, v_pool),
-         (kind, _code(q_.bias), dt, _code(k_pool), attn.rope.rotary_dim, Hq, Hkv, D, d_model))
-    b.op(OP_PAGED, (q, k_pool, v_pool, o), (dt, _code(k_pool), Hq, Hkv, D, k_pool.shape[1], view.window or 0),
-         (D ** -0.5,))
-    b.gemv(o_, o, X, residual=X)
+    _attention_ops(b, block, view, OP_QKV_ROPE_Q,
+                   (wq, sq, attn.q_proj.bias, wk, sk, attn.k_proj.bias, wv, sv, attn.v_proj.bias), (kind,))
 
 
 def _mlp(b: _Builder, block, view) -> None:
