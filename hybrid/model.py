@@ -126,15 +126,17 @@ class HybridLM(nn.Module):
             x = layer(x)
         return self.logits(x[:, keep])
 
-    def forward_packed(self, batch, cache, *, all_logits: bool = False) -> torch.Tensor:
+    def forward_packed(self, batch, cache, *, all_logits: bool = False, borrow_logits: bool = False) -> torch.Tensor:
         """Inference over a packed batch of many sequences (a :class:`hybrid.packed_batch.PackedBatch`)
         with their K/V and Mamba states in ``cache`` (a :class:`hybrid.cache.HybridCache`), updated
         in place. Returns each sequence's last-token logits [B, vocab] (every new token's, [T, vocab], with
-        ``all_logits``)."""
+        ``all_logits``). ``borrow_logits``: a decode step run by the native program may return a view of the
+        program's own logits buffer, which the next decode step on ``cache`` overwrites (the engine reads them
+        within its step; a fresh copy of 128 KB a row cost ~80 us of a 4 ms step)."""
         if batch.rope is None and self.rope is not None:
             batch = batch.with_rope(self.rope.cos_sin(batch.positions, self.embed.weight.dtype))
         if not all_logits:  # a decode-only step: one native program where it covers the model
-            logits = fused_decode.step(self, batch, cache)
+            logits = fused_decode.step(self, batch, cache, borrow=borrow_logits)
             if logits is not None:
                 return logits
         x = self.embed(batch.tokens)

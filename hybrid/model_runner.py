@@ -132,8 +132,9 @@ class ModelRunner:
         if self.device.type == "cpu" and all(len(c.tokens) == 1 for c in chunks):
             # a decode step: its work is the native program (hybrid/layers/fused_decode.py), which takes the
             # intra-op threads while torch's small ops run on one (the engine holds them for its whole step)
-            with native.owns_threads():
-                return self.model.forward_packed(build_batch(self.manager, chunks), self.cache), False
+            with native.owns_threads():  # (the engine samples these logits before its next step: borrowed)
+                return self.model.forward_packed(build_batch(self.manager, chunks), self.cache,
+                                                 borrow_logits=True), False
         return self.model.forward_packed(build_batch(self.manager, chunks), self.cache), False
 
     def _decode_forward(self, tokens, positions, slot_mapping, seq_lens, block_tables, state_slots):

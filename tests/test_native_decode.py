@@ -173,7 +173,7 @@ def test_fused_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
 
     monkeypatch.setattr(model_mod.Block, "forward", both)
     # the blocks one by one (their programs built), not the whole step
-    monkeypatch.setattr(fused_decode, "step", lambda m, b, c: fused_decode.program(m, c) and None)
+    monkeypatch.setattr(fused_decode, "step", lambda m, b, c, **kw: fused_decode.program(m, c) and None)
     _greedy(model, [list(range(1, 12)), [7] * 20], 4)
     assert "mlp" in checked and ("attention" in checked or recipe != "llama-tiny")
 
@@ -185,9 +185,9 @@ def _step_logits(model, prompts, whole: bool, monkeypatch):
 
     got, real, decoding = [], fused_decode.step, [False]
 
-    def record(m, batch, cache):
+    def record(m, batch, cache, **kw):
         decoding[0] = batch.prefill is None
-        out = real(m, batch, cache) if whole else fused_decode.program(m, cache) and None
+        out = real(m, batch, cache, **kw) if whole else fused_decode.program(m, cache) and None
         if whole and batch.prefill is None:
             assert out is not None, fused_decode.coverage(m, cache)
             got.append(out.clone())

@@ -118,7 +118,7 @@ def test_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
 
     monkeypatch.setattr(model_mod.Block, "forward", both)
     # the blocks one by one (their programs built), not the whole step
-    monkeypatch.setattr(fused_decode, "step", lambda m, b, c: fused_decode.program(m, c) and None)
+    monkeypatch.setattr(fused_decode, "step", lambda m, b, c, **kw: fused_decode.program(m, c) and None)
     for state_dtype in (None, torch.bfloat16):
         _greedy(model, [list(range(1, 12)), [7] * 20, [9, 4]], 5, state_dtype=state_dtype)
     assert len(checked) >= 2 * 4 * 2
@@ -132,9 +132,9 @@ def _logits(model, prompts, native_step: bool, monkeypatch):
 
     got, real, decoding = [], fused_decode.step, [False]
 
-    def record(m, batch, cache):
+    def record(m, batch, cache, **kw):
         decoding[0] = batch.prefill is None
-        out = real(m, batch, cache) if native_step else None
+        out = real(m, batch, cache, **kw) if native_step else None
         if native_step and decoding[0]:
             assert out is not None, fused_decode.coverage(m, cache)
             got.append(out.clone())

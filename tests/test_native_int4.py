@@ -173,11 +173,11 @@ def _decode_logits(model, prompts, monkeypatch, *, program: bool):
     got, decoding = [], [False]
     real_step = fused_decode.step
 
-    def step(m, batch, cache):
+    def step(m, batch, cache, **kw):
         decoding[0] = batch.prefill is None
         if not program:
             return None
-        out = real_step(m, batch, cache)
+        out = real_step(m, batch, cache, **kw)
         if decoding[0]:
             assert out is not None, fused_decode.coverage(m, cache)
             got.append(out.clone())
@@ -185,7 +185,7 @@ def _decode_logits(model, prompts, monkeypatch, *, program: bool):
 
     monkeypatch.setattr(fused_decode, "step", step)
     if not program:
-        monkeypatch.setattr(fused_decode, "sublayer", lambda *a: None)
+        monkeypatch.setattr(fused_decode, "sublayer", lambda *a, **kw: None)
         plain = model_mod.HybridLM.logits
 
         def logits(self, h):

@@ -200,8 +200,8 @@ def test_engine_decodes_through_the_q_products_and_equals_full_forward(recipe, m
         calls[0] += 1
         return projection._linear_q_native(*args)
 
-    monkeypatch.setattr(fused_decode, "step", lambda *a: None)
-    monkeypatch.setattr(fused_decode, "sublayer", lambda *a: None)
+    monkeypatch.setattr(fused_decode, "step", lambda *a, **kw: None)
+    monkeypatch.setattr(fused_decode, "sublayer", lambda *a, **kw: None)
     dispatch.register("linear_q", "native", counted, native.available, projection._q_native_supports)
     try:
         prompts = [list(range(1, 12)), list(range(5, 30)), [3] * 7]
@@ -230,11 +230,11 @@ def _decode_logits(model, prompts, monkeypatch, *, program: bool):
     got, decoding = [], [False]
     real_step = fused_decode.step
 
-    def step(m, batch, cache):
+    def step(m, batch, cache, **kw):
         decoding[0] = batch.prefill is None
         if not program:
             return None
-        out = real_step(m, batch, cache)
+        out = real_step(m, batch, cache, **kw)
         if decoding[0]:
             assert out is not None, fused_decode.coverage(m, cache)
             got.append(out.clone())
@@ -242,7 +242,7 @@ def _decode_logits(model, prompts, monkeypatch, *, program: bool):
 
     monkeypatch.setattr(fused_decode, "step", step)
     if not program:
-        monkeypatch.setattr(fused_decode, "sublayer", lambda *a: None)
+        monkeypatch.setattr(fused_decode, "sublayer", lambda *a, **kw: None)
         plain = model_mod.HybridLM.logits
 
         def logits(self, h):

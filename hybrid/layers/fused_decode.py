@@ -452,7 +452,7 @@ class DecodeProgram:
             except _Unsupported as e:
                 self.blocks.append(None)
                 self.why.append(str(e))
-        self.whole = self.logits = None
+        self.whole = self.logits = self._x = None
         if all(w is None for w in self.why):
             # the whole step: every block's own ops (and buffers; blocks run one after another), then the head
             whole = _Builder(self.dtype)
@@ -473,6 +473,21 @@ class DecodeProgram:
                 self.whole = _Ops(*built, whole)
             except _Unsupported as e:
                 self.why.append(f"LM head: {e}")
+
+    def embed(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        """The step's input rows: ``model.embed(tokens)``, for a plain ``nn.Embedding`` gathered into a buffer
+        kept here (the program adds every block's output to it in place; a new one each step is an allocation
+        and a cold module call)."""
+        emb, n = model.embed, tokens.shape[0]
+        if type(emb) is not torch.nn.Embedding or emb.max_norm is not None or emb._forward_hooks \
+                or emb._forward_pre_hooks or torch.nn.modules.module._global_forward_hooks \
+                or torch.nn.modules.module._global_forward_pre_hooks or n > native.MAX_ROWS:
+            return emb(tokens)
+        w = emb.weight
+        if self._x is None or self._x.dtype != w.dtype:
+            with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
+                self._x = torch.empty(native.MAX_ROWS, w.shape[1], dtype=w.dtype)
+        return torch.index_select(w, 0, tokens, out=self._x[:n])
 
     def valid(self, cache) -> bool:
         """The cache still hands out the views it was built on (a pruning policy set since rebuilds them)."""
@@ -534,10 +549,11 @@ def _none(*args):
     return None
 
 
-def step(model, batch, cache) -> torch.Tensor | None:
+def step(model, batch, cache, *, borrow: bool = False) -> torch.Tensor | None:
     """The logits [n, vocab] of a decode-only step's rows (``batch.rope`` computed) as one native program, or
     None when the program does not cover this model, cache or batch: the caller then runs the blocks, and those
-    the program covers run their own ops (:func:`sublayer`)."""
+    the program covers run their own ops (:func:`sublayer`). ``borrow``: the logits are a view of the
+    program's buffer (the next step overwrites it), not a copy."""
     if batch.prefill is not None or batch.decode is None or torch.compiler.is_compiling():
         return None  # (a compiled decode graph runs the layers: Inductor's code, not ours)
     _, fn = dispatch.choose("decode_sublayer", batch.tokens.device.type)
@@ -546,11 +562,12 @@ def step(model, batch, cache) -> torch.Tensor | None:
     prog = program(model, cache)  # built here, so that the per-block path finds it too
     if prog.whole is None:
         return None
-    x = model.embed(batch.tokens)
+    x = prog.embed(model, batch.tokens)
     if not _batch_ok(batch, x) or x.dtype != prog.dtype:
         return None
     prog.whole.run(prog.step_args(batch, x))
-    return prog.logits[:x.shape[0]].clone()
+    logits = prog.logits[:x.shape[0]]
+    return logits if borrow else logits.clone()
 
 
 def sublayer(block, x: torch.Tensor, batch, cache) -> torch.Tensor | None:
