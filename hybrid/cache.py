@@ -293,6 +293,17 @@ class StatePool:
     __getitem__ = read
     __setitem__ = write
 
+    @property
+    def rounding(self):
+        """What a write then a read does to rows (``fn(rows) -> rows``, int8 storage), or None where it leaves
+        them as they are (float storage, stepped in its own dtype) or cannot be repeated (stochastic rounding).
+        A speculative verify steps a working copy of the rows position by position and rounds it with this
+        after each, as this pool's step rounds the rows it writes back: the same states as decoding one token at
+        a time, by construction."""
+        if not self.quantized or self.stochastic:
+            return None
+        return lambda rows: kv_quant.dequantize_rows(*kv_quant.quantize_rows(rows, self.groups)).to(rows.dtype)
+
     def step(self, op, *args, slots: torch.Tensor, **kw) -> torch.Tensor:
         if not self.quantized and not self.stochastic:
             return op(self.data, *args, slots=slots, **kw)

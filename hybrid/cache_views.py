@@ -93,8 +93,9 @@ class StateRows:
     """A state tensor held as plain rows, with no storage format of its own (a working copy: speculative
     verify steps the copies, not the cache). The same methods as :class:`hybrid.cache.StatePool`."""
 
-    def __init__(self, data: torch.Tensor):
+    def __init__(self, data: torch.Tensor, rounding=None):
         self.data = data
+        self.rounding = rounding  # (the source store's: rows -> rows as its write then read leaves them; None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -107,7 +108,10 @@ class StateRows:
         self.data[slots] = value
 
     def step(self, op, *args, slots: torch.Tensor | None = None, **kw) -> torch.Tensor:
-        return op(self.data, *args, slots=slots, **kw)
+        y = op(self.data, *args, slots=slots, **kw)
+        if self.rounding is not None:  # what the source's step would have stored and read back
+            self.data.copy_(self.rounding(self.data))
+        return y
 
 
 class StateCacheView:
@@ -149,4 +153,5 @@ class StateCacheView:
             store.write(slots, value)
 
     def working_copy(self, slots) -> StateCacheView:
-        return StateCacheView(self.names, tuple(StateRows(s.read(slots)) for s in self.stores))
+        return StateCacheView(self.names, tuple(StateRows(s.read(slots), getattr(s, "rounding", None)) for s in self.stores))
+

@@ -224,3 +224,19 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one_and_the_state():
     with pytest.raises(ValueError, match="fewer than"):
         m.admit(2, 4)
         m.fork(2, 3, 9)
+
+
+def test_state_pool_rounding_is_its_write_then_read():
+    """StatePool.rounding (what a speculative verify applies to its working copy after each position) gives
+    rows exactly as a write then a read of the pool leaves them; float storage and stochastic rounding: none."""
+    from hybrid.cache import StatePool
+
+    torch.manual_seed(0)
+    rows = torch.randn(3, 4, 8, 16)
+    pool = StatePool((4, 8, 16), torch.int8, 5, 4 * 8)
+    slots = torch.tensor([0, 2, 4])
+    pool.write(slots, rows)
+    assert torch.equal(pool.rounding(rows), pool.read(slots))
+    assert not torch.equal(pool.rounding(rows), rows)
+    assert StatePool((4, 8, 16), torch.float32, 5, 1).rounding is None
+    assert StatePool((4, 8, 16), torch.int8, 5, 32, stochastic=True).rounding is None
