@@ -153,5 +153,7 @@ class StateCacheView:
             store.write(slots, value)
 
     def working_copy(self, slots) -> StateCacheView:
-        return StateCacheView(self.names, tuple(StateRows(s.read(slots), getattr(s, "rounding", None)) for s in self.stores))
+        # each copy rounds as its store writes back (a speculative verify steps it: hybrid.cache.StatePool.rounding)
+        copies = tuple(StateRows(s.read(slots), getattr(s, "rounding", None)) for s in self.stores)
+        return StateCacheView(self.names, copies)
 
