@@ -9,6 +9,10 @@ positions at once in closed form (:meth:`VerifyStates.run_chunk`,
 :mod:`hybrid.kernels.mamba2_verify`). Once the engine knows how many drafts were accepted,
 :meth:`hybrid.cache_manager.CacheManager.commit_verified` writes the state at the last accepted position into each slot.
 
+A working copy of an int8 state is rounded after every position as its pool's write-back rounds
+(:attr:`hybrid.cache.StatePool.rounding`), so a verify stepped position by position leaves the states one-token
+decoding leaves (Mamba-2's closed form rounds once, at commit).
+
 Extra memory per verify step: (k + 1) x (conv + SSM state bytes of one sequence) x verified sequences,
 freed when the step ends. Extra time: one state copy per position (what the step ops write anyway) and
 one gather per layer at commit.
