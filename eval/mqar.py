@@ -84,7 +84,7 @@ class TrainConfig:
     batch_size: int | None = None  # sequences per step; None: tokens_per_step // sequence length
     vocab_size: int = 256  # MQAR tokens = the accuracy models' vocabulary: keys 1..127, values 128..254
     lr: float = 3e-3
-    # lr of the Mamba-2 mixers' parameters relative to ``lr``. Their out_proj reads the gated RMSNorm's
+    # lr of the Mamba mixers' parameters relative to ``lr``. Their out_proj reads the gated RMSNorm's
     # unit-RMS output (attention's o_proj reads averaged values, 0.19 RMS at init, of half the width), so under
     # Adam a Mamba-2 branch grows several times faster than an attention branch: at the full lr it added 0.25 RMS to
     # a 0.07-RMS embedding by step 150 and every hybrid stayed on the copy plateau (M*** 0.12 at 8 pairs
@@ -92,6 +92,11 @@ class TrainConfig:
     # Only in models that have attention: a pure Mamba-2 stack has no branch to balance against and
     # trains at the full lr (it learned less at 0.1: 0.02 against 0.05 in the same 150 steps)
     mamba_lr_scale: float = 0.1
+    # the same for the other constant-state mixers (Gated DeltaNet, GLA: layers whose spec is a plain StateSpec).
+    # Not Mamba's 0.1: beside one attention mixer the delta rule trains at the full lr (GGG* 0.97 / 0.90 at 64
+    # pairs, seeds 0 / 1, in the default 300 steps) and stays on the copy plateau at 0.1 (0.02 / 0.03) or learns
+    # half of it at 0.3 (0.20 / 0.26); docs/results/tradeoff.md, "Mamba-2 against Gated DeltaNet"
+    state_lr_scale: float = 1.0
     weight_decay: float = 0.1
     warmup: int = 20
     init_std: float = 0.06  # weight init of the accuracy models (the library's 0.02 leaves attention flat for long)
@@ -114,9 +119,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (or None), got {self.batch_size}")
-        if not self.lr > 0 or not self.init_std > 0 or not self.mamba_lr_scale > 0:
-            raise ValueError(f"lr, init_std and mamba_lr_scale must be > 0, got {self.lr}, {self.init_std}, "
-                             f"{self.mamba_lr_scale}")
+        for name in ("lr", "init_std", "mamba_lr_scale", "state_lr_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 <= self.curriculum <= 1.0:
             raise ValueError(f"curriculum must be in [0, 1] (share of the steps over which the pair counts "
                              f"grow; 0 is off), got {self.curriculum}")
@@ -188,29 +193,30 @@ def evaluate(model: HybridLM, cfg: TrainConfig) -> dict[int, float]:
 
 
 def param_groups(model: HybridLM, cfg: TrainConfig) -> list[dict]:
-    """AdamW groups: weight decay on matrices only (never on A_log, dt_bias, D, norms, biases), and the
-    constant-state mixers' parameters (Mamba-2, Gated DeltaNet, ...: every layer whose class declares a
-    constant-state cache) at ``cfg.mamba_lr_scale`` times the lr if the model also has a mixer with a
-    KV cache (attention; see ``TrainConfig``). The kinds are told apart by what their layer classes declare
-    (``hybrid.layers.registry``), not by name, so a new mixer kind needs no edit here."""
+    """AdamW groups: weight decay on matrices only (never on A_log, dt_bias, D, norms, biases), and, if the model
+    also has a mixer with a KV cache (attention; see ``TrainConfig``), the constant-state mixers' parameters at their
+    own lr: ``cfg.mamba_lr_scale`` times the lr for the layers whose class declares a Mamba state (conv + SSM:
+    Mamba-1/2), ``cfg.state_lr_scale`` times it for every other constant-state layer (Gated DeltaNet, GLA, ...).
+    The kinds are told apart by what their layer classes declare (``hybrid.layers.registry``), not by name, so a
+    new mixer kind needs no edit here."""
     from ..layers.registry import layer_class
-    from ..specs import AttentionSpec, CacheDtypes, ConstantStateSpec
+    from ..specs import AttentionSpec, CacheDtypes, ConstantStateSpec, MambaStateSpec
 
     dtypes = CacheDtypes(torch.float32, torch.float32, torch.float32)
-
-    def caches(block, spec_cls) -> bool:
-        return isinstance(layer_class(block.kind).cache_spec(model.config, dtypes), spec_cls)
-
-    mamba = {id(p) for block in model.layers if caches(block, ConstantStateSpec) for p in block.mixer.parameters()}
-    if not any(caches(block, AttentionSpec) for block in model.layers):
-        mamba = set()  # nothing to balance the constant-state branches against: all at the full lr
+    specs = [layer_class(block.kind).cache_spec(model.config, dtypes) for block in model.layers]
+    scale = {}  # id(parameter) -> lr scale, for the constant-state mixers of a model with attention
+    if any(isinstance(spec, AttentionSpec) for spec in specs):
+        for block, spec in zip(model.layers, specs, strict=True):
+            if isinstance(spec, ConstantStateSpec):
+                s = cfg.mamba_lr_scale if isinstance(spec, MambaStateSpec) else cfg.state_lr_scale
+                scale.update({id(p): s for p in block.mixer.parameters()})
     groups = []
-    for is_mamba in (False, True):
+    for s in [1.0, *sorted(set(scale.values()) - {1.0})]:  # the full-lr groups first, as AdamW's groups always were
         for decays in (True, False):
-            params = [p for p in model.parameters() if (id(p) in mamba) == is_mamba and (p.dim() >= 2) == decays]
+            params = [p for p in model.parameters() if scale.get(id(p), 1.0) == s and (p.dim() >= 2) == decays]
             if params:
                 groups.append({"params": params, "weight_decay": cfg.weight_decay if decays else 0.0,
-                               "lr": cfg.lr * (cfg.mamba_lr_scale if is_mamba else 1.0)})
+                               "lr": cfg.lr * s})
     return groups
 
 

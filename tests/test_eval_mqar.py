@@ -147,14 +147,25 @@ def test_hybrid_member_learns_the_lookup_past_the_copy_plateau():
 
 @pytest.mark.parametrize("mixer,sym", [("gdn", "G"), ("gla", "L")])
 def test_linear_attention_families_group_by_what_the_layer_classes_declare(mixer, sym):
-    """--mixer gdn / gla: the Gated DeltaNet / GLA mixers of a hybrid get the constant-state lr (no kind named in
-    mqar.py), a pure stack trains at the full lr, and the family's patterns use G / L where the default uses M."""
-    cfg = mqar.TrainConfig(lr=1e-3, mamba_lr_scale=0.25)
+    """--mixer gdn / gla: the Gated DeltaNet / GLA mixers of a hybrid get ``state_lr_scale`` (their class declares a
+    plain StateSpec, not Mamba's state; no kind named in mqar.py) and a Mamba-2 mixer beside them keeps
+    ``mamba_lr_scale``; a pure stack trains at the full lr; the family's patterns use G / L where the default uses M."""
+    cfg = mqar.TrainConfig(lr=1e-3, mamba_lr_scale=0.25, state_lr_scale=0.5)
     hybrid = mqar.build_model("tiny", 0.5, 2, cfg, mixer)
     assert hybrid.config.pattern == sym + "*"
-    scaled = {id(p) for g in mqar.param_groups(hybrid, cfg) if g["lr"] == 0.25e-3 for p in g["params"]}
-    assert scaled == {id(p) for p in hybrid.layers[0].mixer.parameters()}
+    by_lr = {}
+    for g in mqar.param_groups(hybrid, cfg):
+        by_lr.setdefault(g["lr"], set()).update(id(p) for p in g["params"])
+    assert set(by_lr) == {1e-3, 0.5e-3}
+    assert by_lr[0.5e-3] == {id(p) for p in hybrid.layers[0].mixer.parameters()}
+    mixed = HybridLM(dataclasses.replace(hybrid.config, pattern="M" + sym + "*"))
+    lrs = {id(p): g["lr"] for g in mqar.param_groups(mixed, cfg) for p in g["params"]}
+    assert {lrs[id(p)] for p in mixed.layers[0].mixer.parameters()} == {0.25e-3}
+    assert {lrs[id(p)] for p in mixed.layers[1].mixer.parameters()} == {0.5e-3}
+    assert {lrs[id(p)] for p in mixed.layers[2].mixer.parameters()} == {1e-3}
     pure = mqar.build_model("tiny", 0.0, 2, cfg, mixer)
     assert pure.config.pattern == sym * 2 and {g["lr"] for g in mqar.param_groups(pure, cfg)} == {1e-3}
+    with pytest.raises(ValueError, match="state_lr_scale"):
+        mqar.TrainConfig(state_lr_scale=-1.0)
     with pytest.raises(ValueError, match="unknown family mixer"):
         mqar.family_config("tiny", 0.0, 2, 256, mixer="rwkv7")

@@ -36,6 +36,11 @@ def add_parser(sub) -> None:
     p.add_argument("--train-batch", type=int, help="fixed MQAR sequences per step instead of --train-tokens")
     p.add_argument("--init-std", type=float, help="weight init std of the MQAR models (default: TrainConfig's)")
     p.add_argument("--lr", type=float, help="MQAR peak learning rate (default: TrainConfig's)")
+    p.add_argument("--mamba-lr-scale", type=float,
+                   help="lr of the Mamba mixers relative to --lr in models with attention (default: TrainConfig's)")
+    p.add_argument("--state-lr-scale", type=float,
+                   help="lr of the other constant-state mixers (Gated DeltaNet, GLA) relative to --lr in models with "
+                        "attention (default: TrainConfig's)")
     p.add_argument("--mqar-vocab", type=int, help="MQAR tokens = the MQAR models' vocabulary (default: TrainConfig's)")
     p.add_argument("--train-kv-pairs", type=int, nargs="+",
                    help="key-value pair counts to train on (default: TrainConfig's)")
@@ -83,6 +88,7 @@ def run(args) -> None:
 
         check_mmlu_dir(args.tasks, args.mmlu_dir)
     given = {"steps": args.steps, "tokens_per_step": args.train_tokens, "batch_size": args.train_batch, "lr": args.lr,
+             "mamba_lr_scale": args.mamba_lr_scale, "state_lr_scale": args.state_lr_scale,
              "vocab_size": args.mqar_vocab, "init_std": args.init_std,
              "train_kv_pairs": tuple(args.train_kv_pairs) if args.train_kv_pairs else None,
              "eval_kv_pairs": tuple(args.kv_pairs) if args.kv_pairs else None, "eval_sequences": args.eval_sequences,
