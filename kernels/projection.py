@@ -11,6 +11,8 @@ oneDNN's GEMM is compute-bound and fast), other devices, quantized weight subcla
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -95,20 +97,32 @@ dispatch.register("linear", "native", _linear_native, native.available, _native_
 
 # ---- int4 weight-only (torchao's CPU Int4OpaqueTensor: aten's int4pack layout, docs/notes/int4-cpu-layout.md) ----
 
+@functools.cache
+def int4pack_block() -> int:
+    """Rows per block of aten's CPU int4pack layout on this machine: aten packs for the CPU capability it was
+    dispatched to, 32-row blocks on AVX2 and 64-row blocks on AVX512 (measured: docs/notes/int4-cpu-layout.md).
+    Found by packing a one-hot matrix: row 32's code lands in byte 0's high nibble only with 64-row blocks."""
+    w = torch.zeros(64, 2, dtype=torch.int32)
+    w[32, 0] = 1
+    q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w, 1).contiguous().view(-1)
+    return 64 if int(q[0]) == 16 else 32
+
+
 def int4_dequantize(qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int) -> torch.Tensor:
-    """The fp32 weight [N, K] that int4pack codes ``qdata`` (uint8 [N, K/2]: blocks of 32 rows, K-major; the
-    16 bytes of block nb at input k hold rows nb*32 + i in the low nibble and nb*32 + 16 + i in the high one; a
-    last block of 16 rows holds 8 bytes per k, rows 2j low and 2j + 1 high) and ``scale_and_zero``
-    ([K/group, N, 2]) stand for: (q - 8) * scale + zero."""
+    """The fp32 weight [N, K] that int4pack codes ``qdata`` (uint8 [N, K/2] in aten's layout on this machine:
+    blocks of BN = :func:`int4pack_block` rows (32 or 64), K-major; the BN/2 bytes of block nb at input k hold rows
+    nb*BN + i in the low nibble and nb*BN + BN/2 + i in the high one; the last N % BN rows hold (N % BN)/2 bytes
+    per k, rows 2j low and 2j + 1 high) and ``scale_and_zero`` ([K/group, N, 2]) stand for: (q - 8) * scale + zero."""
     N, K = qdata.shape[0], qdata.shape[1] * 2
+    BN = int4pack_block()
     flat = qdata.contiguous().view(-1).to(torch.int32)
-    full = N // 32
+    full, tail_rows = N // BN, N % BN
     q = torch.empty(N, K, dtype=torch.int32)
-    body = flat[:full * 16 * K].view(full, K, 16)
-    q[:full * 32] = torch.cat([body & 15, body >> 4], 2).permute(0, 2, 1).reshape(full * 32, K)
-    if N % 32:
-        tail = flat[full * 16 * K:].view(K, 8)
-        q[full * 32:] = torch.stack([tail & 15, tail >> 4], 2).reshape(K, 16).t()
+    body = flat[:full * BN // 2 * K].view(full, K, BN // 2)
+    q[:full * BN] = torch.cat([body & 15, body >> 4], 2).permute(0, 2, 1).reshape(full * BN, K)
+    if tail_rows:
+        tail = flat[full * BN // 2 * K:].view(K, tail_rows // 2)
+        q[full * BN:] = torch.stack([tail & 15, tail >> 4], 2).reshape(K, tail_rows).t()
     scale = scale_and_zero[..., 0].float().t().repeat_interleave(group, 1)
     zero = scale_and_zero[..., 1].float().t().repeat_interleave(group, 1)
     return (q.float() - 8.0) * scale + zero
@@ -163,7 +177,14 @@ def _int4_native_supports(x, qdata, scale_and_zero, group, bias=None, residual=N
         return f"int4 codes {tuple(qdata.shape)} / scales {tuple(scale_and_zero.shape)} for K={K}, group {group}"
     if not (x.is_contiguous() and qdata.is_contiguous() and scale_and_zero.is_contiguous()):
         return "not contiguous"
+    if int4pack_block() != 32:
+        return int4_layout_refusal()
     return _epilogue_refusal(x, bias, residual)
+
+
+def int4_layout_refusal() -> str:
+    return (f"aten packs int4 in {int4pack_block()}-row blocks on this CPU (its AVX512 kernels); the native int4 "
+            f"product reads 32-row blocks (AVX2's layout), so aten's own kernel runs")
 
 
 def _linear_int4_native(x, qdata, scale_and_zero, group, bias=None, residual=None):

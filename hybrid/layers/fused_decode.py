@@ -36,6 +36,7 @@ import weakref
 import torch
 
 from ..kernels import dispatch, native
+from ..kernels.projection import int4_layout_refusal, int4pack_block
 from ..kernels.native import DTYPE_CODES
 from ..kernels.native.ops import ACTIVATIONS
 from ..quantize import int4_blocks, int8_rows, q_operands
@@ -106,6 +107,8 @@ class _Builder:
         blocks = int4_blocks(linear.weight)
         if blocks is not None and not (blocks[0].is_contiguous() and blocks[1].is_contiguous()):
             raise _Unsupported("int4 codes not contiguous")
+        if blocks is not None and int4pack_block() != 32:
+            raise _Unsupported(int4_layout_refusal())
         return blocks
 
     @staticmethod
