@@ -279,3 +279,29 @@ def test_batched_program_equals_eager(recipe):
     together = _greedy(model, prompts, 10, max_seqs=8)
     assert together == _greedy(model, prompts, 10, backend="torch", max_seqs=8)
     assert together[5] == _greedy(model, [prompts[5]], 10)[0]
+
+
+def test_stream_prefetch_follows_the_weights_and_the_cache_and_changes_no_bits(monkeypatch):
+    """The decode program prefetches its weights past the caches only when they do not fit in half the last-level
+    cache (they are then read from memory every step); on or off, the products and the tokens are the same."""
+    from hybrid.layers import fused_decode
+
+    assert native.l3_bytes() >= 0
+    monkeypatch.setattr(native, "l3_bytes", lambda: 64 * 2**20)
+    assert native.streams_from_memory(33 * 2**20) and not native.streams_from_memory(32 * 2**20)
+    monkeypatch.setattr(native, "l3_bytes", lambda: 0)  # unknown: from memory, the kernels' default
+    assert native.streams_from_memory(1)
+    torch.manual_seed(0)
+    model = HybridLM(recipes.get("hybrid-1to7-tiny")).to(torch.bfloat16).eval()
+    expected = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert fused_decode._decode_weight_bytes(model) == expected + (0 if model.lm_head is not None
+                                                                   else model.embed.weight.numel() * 2)
+    w, x = torch.randn(300, 512).bfloat16(), torch.randn(2, 512).bfloat16()
+    outs, tokens = [], []
+    for on in (True, False):
+        monkeypatch.setattr(native, "streams_from_memory", lambda n, on=on: on)
+        native.set_stream_prefetch(on)
+        outs.append(projection.linear(x, w))
+        tokens.append(_greedy(model, [list(range(1, 12)), [5] * 9], 6))
+    native.set_stream_prefetch(True)
+    assert torch.equal(outs[0], outs[1]) and tokens[0] == tokens[1]

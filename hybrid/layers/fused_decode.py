@@ -456,6 +456,10 @@ class DecodeProgram:
                 self.blocks.append(None)
                 self.why.append(str(e))
         self.whole = self.logits = self._x = None
+        # weights that fit in the last-level cache stay there between steps unless a non-temporal prefetch
+        # pushes them out: the products prefetch only what streams from memory (kernels/native/decode.c P_stream)
+        self.weight_bytes = _decode_weight_bytes(model)
+        self.stream = native.streams_from_memory(self.weight_bytes)
         if all(w is None for w in self.why):
             # the whole step: every block's own ops (and buffers; blocks run one after another), then the head
             whole = _Builder(self.dtype)
@@ -535,6 +539,27 @@ def program(model, cache) -> DecodeProgram:
     return prog
 
 
+def _decode_weight_bytes(model) -> int:
+    """Bytes of the weights a decode step reads: every linear layer's (its int8 / int4 codes and scales where
+    quantised) and the LM head (the tied embedding's matrix); not the embedding's other rows."""
+    from .linear import Linear
+
+    def nbytes(*ts) -> int:
+        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+    total = 0
+    for mod in model.modules():
+        if not isinstance(mod, (Linear, torch.nn.Linear)):
+            continue
+        w = mod.weight
+        ops = q_operands(w) if not _plain(w) else None
+        parts = (w,) if _plain(w) else (ops[1:3] if ops is not None else int8_rows(w) or int4_blocks(w) or ())
+        total += nbytes(*parts[:2]) if parts else w.numel() * w.element_size()
+    if model.lm_head is None:
+        total += nbytes(model.embed.weight)
+    return total
+
+
 def _fused_sublayer(block, x, batch, cache):
     entry = _programs.get(cache) if cache is not None else None  # (never reached under Dynamo: Block.forward)
     if entry is None or not _batch_ok(batch, x):
@@ -544,6 +569,7 @@ def _fused_sublayer(block, x, batch, cache):
     if ops is None or not ops.valid() or (block.caches and cache.view(block.index) is not prog.views[block.index]):
         return None
     y = x.clone()
+    native.set_stream_prefetch(prog.stream)
     ops.run(DecodeProgram.step_args(batch, y))
     return y
 
@@ -568,6 +594,7 @@ def step(model, batch, cache, *, borrow: bool = False) -> torch.Tensor | None:
     x = prog.embed(model, batch.tokens)
     if not _batch_ok(batch, x) or x.dtype != prog.dtype:
         return None
+    native.set_stream_prefetch(prog.stream)
     prog.whole.run(prog.step_args(batch, x))
     logits = prog.logits[:x.shape[0]]
     return logits if borrow else logits.clone()

@@ -41,6 +41,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, why
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.hl_set_threads.argtypes, lib.hl_set_threads.restype = [i32, i64], i32
+    lib.hl_set_stream_prefetch.argtypes, lib.hl_set_stream_prefetch.restype = [i32], i32
     lib.hl_gemv.argtypes = [p, i32, p, p, i32, p, i32, p, p, i32, i64, i64, i64]
     lib.hl_gemv.restype = i32
     lib.hl_gemv_int4.argtypes = [p, p, i32, i64, p, i32, p, i32, p, p, i32, i64, i64, i64]
@@ -73,6 +74,40 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     for fn in (lib.hl_rmsnorm, lib.hl_gated_rmsnorm, lib.hl_mamba2_dt):
         fn.restype = None
     return lib, None
+
+
+@functools.cache
+def l3_bytes() -> int:
+    """The last-level cache of CPU 0 in bytes (Linux sysfs), 0 where unknown."""
+    sizes = {}
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, kind, size = ((d / f).read_text().strip() for f in ("level", "type", "size"))
+        except OSError:
+            continue
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        if kind in ("Unified", "Data") and size.rstrip("KMG").isdigit():
+            sizes[int(level)] = int(size.rstrip("KMG")) * mult
+    return sizes[max(sizes)] if sizes else 0
+
+
+def streams_from_memory(weight_bytes: int) -> bool:
+    """Whether a decode step's weights (``weight_bytes`` read every step) come from DRAM each step, so the
+    products should prefetch them past the caches, rather than staying in the last-level cache between steps
+    (up to half of it: the K/V, states and everything else share it). Unknown cache size: from memory."""
+    l3 = l3_bytes()
+    return l3 == 0 or weight_bytes > l3 // 2
+
+
+_stream = [None]
+
+
+def set_stream_prefetch(on: bool) -> None:
+    """The products' non-temporal weight prefetch on or off (decode.c's P_stream; process-wide, so the decode
+    program sets it for its model before each step; a call only when it changes)."""
+    if _stream[0] is not on:
+        library().hl_set_stream_prefetch(int(on))
+        _stream[0] = on
 
 
 def available() -> str | None:
