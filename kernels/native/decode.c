@@ -415,6 +415,33 @@ static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t
         return;
     }
 #endif
+#ifdef __AVX512F__
+    /* fp32 weights, 64 a step in four 512-bit accumulators (the AVX2 loop below reached 17-33 GB/s on a Xeon whose
+       L3 holds the weights, torch's oneDNN GEMV 33-59): every input row against the row, re-read from L1 */
+    if (wdt == DT_F32) {
+        const float *w = (const float *)g->w + off;
+        const int64_t K64 = K & ~(int64_t)63, K16 = K & ~(int64_t)15;
+        for (int64_t b = 0; b < B; ++b) {
+            const float *x = g->x + b * K;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
+                   a3 = _mm512_setzero_ps();
+            int64_t k = 0;
+            for (; k < K64; k += 64) {
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+            }
+            for (; k < K16; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+            if (k < K) {
+                const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
+                a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + k), _mm512_maskz_loadu_ps(m, x + k), a1);
+            }
+            out[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        }
+        return;
+    }
+#endif
     if (B == 1) {
         const float *x = g->x;
         v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
