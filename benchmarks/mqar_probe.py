@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 import torch
+from hybrid.eval import mqar
+from hybrid.recipes import FAMILY_MIXERS
 from tqdm import tqdm
 
 from benchmarks.common import add_threads
-from hybrid.eval import mqar
 from hybrid.model import HybridLM
-from hybrid.recipes import FAMILY_MIXERS
 
 
 def probe_config(mixer: str, share: float, n_mixers: int, cfg: mqar.TrainConfig, gdn_heads: int | None):

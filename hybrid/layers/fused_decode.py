@@ -36,9 +36,9 @@ import weakref
 import torch
 
 from ..kernels import dispatch, native
-from ..kernels.projection import int4_layout_refusal, int4pack_block
 from ..kernels.native import DTYPE_CODES
 from ..kernels.native.ops import ACTIVATIONS
+from ..kernels.projection import int4_layout_refusal, int4pack_block
 from ..quantize import int4_blocks, int8_rows, q_operands
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
