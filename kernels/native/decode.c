@@ -1567,7 +1567,7 @@ static inline int32_t i8dq_dot(const int8_t *w, const int8_t *q, int64_t K) {
         acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + k)), flip), wv);
         sum = _mm512_dpbusd_epi32(sum, ones, wv);
     }
-    dot = _mm512_reduce_add_epi32(acc) - 128 * _mm512_reduce_add_epi32(sum);
+    dot = _mm512_reduce_add_epi32(_mm512_sub_epi32(acc, _mm512_slli_epi32(sum, 7))); /* one reduction, not two */
 #elif defined(__AVX2__)
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
