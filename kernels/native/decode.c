@@ -541,9 +541,65 @@ static inline __attribute__((always_inline)) void block_4xNB(const float *const 
         }
 }
 
+#ifdef __AVX512BF16__
+/* dot_row's vdpbf16ps loop for 4 rows against one bf16 input row: the input read once for the four, and the four
+   horizontal sums done together. Each row's sums run in dot_row's order (its two accumulators, then
+   _mm512_reduce_add_ps's tree: 256-bit halves, 128-bit halves, (0 + 2) + (1 + 3)), so a row's bits do not depend
+   on whether it fell in a block of four. */
+static inline void dot4_bf16(const Gemv *g, int64_t n0, float out[4][MAXB]) {
+    const int64_t K = g->K, K64 = K & ~(int64_t)63;
+    const uint16_t *x = g->xb, *w[4];
+    for (int r = 0; r < 4; ++r) w[r] = (const uint16_t *)g->w + (n0 + r) * K;
+    __m512 a[4][2];
+    for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < K64; k += 64) {
+        const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(x + k)),
+                       x1 = (__m512bh)_mm512_loadu_si512((const void *)(x + k + 32));
+        for (int r = 0; r < 4; ++r) {
+            STREAM_PREFETCH((const char *)(w[r] + k) + 1024);
+            a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)_mm512_loadu_si512((const void *)(w[r] + k)), x0);
+            a[r][1] = _mm512_dpbf16_ps(a[r][1], (__m512bh)_mm512_loadu_si512((const void *)(w[r] + k + 32)), x1);
+        }
+    }
+    if (k < K) {
+        const int64_t rem = K - k;
+        const __mmask32 m0 = rem >= 32 ? 0xFFFFFFFFu : (__mmask32)((1ull << rem) - 1);
+        const __mmask32 m1 = rem <= 32 ? 0 : (__mmask32)((1ull << (rem - 32)) - 1);
+        const __m512bh x0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, x + k),
+                       x1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, x + k + 32);
+        for (int r = 0; r < 4; ++r) {
+            a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)_mm512_maskz_loadu_epi16(m0, w[r] + k), x0);
+            a[r][1] = _mm512_dpbf16_ps(a[r][1], (__m512bh)_mm512_maskz_loadu_epi16(m1, w[r] + k + 32), x1);
+        }
+    }
+    __m128 t[4];
+    for (int r = 0; r < 4; ++r) {
+        const __m512 v = _mm512_add_ps(a[r][0], a[r][1]);
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        t[r] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    }
+    const __m128 s01 = _mm_add_ps(_mm_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m128 s23 = _mm_add_ps(_mm_shuffle_ps(t[2], t[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm_shuffle_ps(t[2], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    float res[4];
+    _mm_storeu_ps(res, _mm_add_ps(_mm_shuffle_ps(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 1, 3, 1))));
+    for (int r = 0; r < 4; ++r) out[r][0] = res[r];
+}
+#endif
+
 /* out[r][b] = row n0 + r (r < nr <= 4) of W against input row b, for all B input rows */
 static inline __attribute__((always_inline)) void dot_rows(const Gemv *g, int64_t n0, int nr, float out[4][MAXB],
                                                            const int wdt) {
+#ifdef __AVX512BF16__
+    if (wdt == DT_BF16 && g->xb && g->B == 1 && nr == 4) {
+        dot4_bf16(g, n0, out);
+        return;
+    }
+#endif
     if (g->B < MULTI_ROWS) {
         for (int r = 0; r < nr; ++r) dot_row(g, n0 + r, out[r], wdt);
         return;
