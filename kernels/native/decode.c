@@ -541,6 +541,27 @@ static inline __attribute__((always_inline)) void block_4xNB(const float *const 
         }
 }
 
+#ifdef __AVX512F__
+/* out[r][0] = the sum of v[r]'s 16 lanes, for 4 rows at once, each in _mm512_reduce_add_ps's order (256-bit halves,
+   128-bit halves, then (0 + 2) + (1 + 3)): a row's bits as dot_row's */
+static inline void hsum4_ps(const __m512 v[4], float out[4][MAXB]) {
+    __m128 t[4];
+    for (int r = 0; r < 4; ++r) {
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v[r]),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[r]), 1)));
+        t[r] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    }
+    const __m128 s01 = _mm_add_ps(_mm_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m128 s23 = _mm_add_ps(_mm_shuffle_ps(t[2], t[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm_shuffle_ps(t[2], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    float res[4];
+    _mm_storeu_ps(res, _mm_add_ps(_mm_shuffle_ps(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 1, 3, 1))));
+    for (int r = 0; r < 4; ++r) out[r][0] = res[r];
+}
+#endif
+
 #ifdef __AVX512BF16__
 /* dot_row's vdpbf16ps loop for 4 rows against one bf16 input row: the input read once for the four, and the four
    horizontal sums done together. Each row's sums run in dot_row's order (its two accumulators, then
@@ -573,21 +594,39 @@ static inline void dot4_bf16(const Gemv *g, int64_t n0, float out[4][MAXB]) {
             a[r][1] = _mm512_dpbf16_ps(a[r][1], (__m512bh)_mm512_maskz_loadu_epi16(m1, w[r] + k + 32), x1);
         }
     }
-    __m128 t[4];
-    for (int r = 0; r < 4; ++r) {
-        const __m512 v = _mm512_add_ps(a[r][0], a[r][1]);
-        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-        t[r] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m512 v[4] = {_mm512_add_ps(a[0][0], a[0][1]), _mm512_add_ps(a[1][0], a[1][1]),
+                         _mm512_add_ps(a[2][0], a[2][1]), _mm512_add_ps(a[3][0], a[3][1])};
+    hsum4_ps(v, out);
+}
+#endif
+
+#ifdef __AVX512F__
+/* dot_row's fp32 AVX-512 loop for 4 rows against one input row (its four accumulators per row and their order) */
+static inline void dot4_f32(const Gemv *g, int64_t n0, float out[4][MAXB]) {
+    const int64_t K = g->K, K64 = K & ~(int64_t)63, K16 = K & ~(int64_t)15;
+    const float *x = g->x, *w[4];
+    for (int r = 0; r < 4; ++r) w[r] = (const float *)g->w + (n0 + r) * K;
+    __m512 a[4][4];
+    for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < K64; k += 64) {
+        for (int j = 0; j < 4; ++j) {
+            const __m512 xv = _mm512_loadu_ps(x + k + 16 * j);
+            for (int r = 0; r < 4; ++r) a[r][j] = _mm512_fmadd_ps(_mm512_loadu_ps(w[r] + k + 16 * j), xv, a[r][j]);
+        }
     }
-    const __m128 s01 = _mm_add_ps(_mm_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m128 s23 = _mm_add_ps(_mm_shuffle_ps(t[2], t[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm_shuffle_ps(t[2], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    float res[4];
-    _mm_storeu_ps(res, _mm_add_ps(_mm_shuffle_ps(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 1, 3, 1))));
-    for (int r = 0; r < 4; ++r) out[r][0] = res[r];
+    for (; k < K16; k += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + k);
+        for (int r = 0; r < 4; ++r) a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(w[r] + k), xv, a[r][0]);
+    }
+    if (k < K) {
+        const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
+        for (int r = 0; r < 4; ++r) a[r][1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w[r] + k), xv, a[r][1]);
+    }
+    __m512 v[4];
+    for (int r = 0; r < 4; ++r) v[r] = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3]));
+    hsum4_ps(v, out);
 }
 #endif
 
@@ -597,6 +636,12 @@ static inline __attribute__((always_inline)) void dot_rows(const Gemv *g, int64_
 #ifdef __AVX512BF16__
     if (wdt == DT_BF16 && g->xb && g->B == 1 && nr == 4) {
         dot4_bf16(g, n0, out);
+        return;
+    }
+#endif
+#ifdef __AVX512F__
+    if (wdt == DT_F32 && g->B == 1 && nr == 4) {
+        dot4_f32(g, n0, out);
         return;
     }
 #endif
@@ -1708,6 +1753,39 @@ static void q_row(const QMat *m, const QAct *a, int64_t n, int ydt, float *out) 
     }
 }
 
+/* Four rows n..n+3 of W against the input rows: out[r][b]. int8dq with one input row takes them in one pass (the
+   input's codes loaded and flipped once for the four, i8dq_dot's exact integer arithmetic); otherwise q_row each. */
+static void q_rows4(const QMat *m, const QAct *a, int64_t n, int ydt, float out[4][MAXB]) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (m->kind == QK_I8DQ && a->B == 1) {
+        const int64_t K = m->K;
+        const int8_t *w = m->w + n * K, *q = a->q;
+        const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+        __m512i acc[4], sum[4];
+        for (int r = 0; r < 4; ++r) acc[r] = sum[r] = _mm512_setzero_si512();
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) {
+            const __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + k)), flip);
+            for (int r = 0; r < 4; ++r) {
+                STREAM_PREFETCH((const char *)(w + r * K + k) + 1024);
+                const __m512i wv = _mm512_loadu_si512((const void *)(w + r * K + k));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], u, wv);
+                sum[r] = _mm512_dpbusd_epi32(sum[r], ones, wv);
+            }
+        }
+        for (int r = 0; r < 4; ++r) {
+            const int8_t *wr = w + r * K;
+            int32_t dot = _mm512_reduce_add_epi32(_mm512_sub_epi32(acc[r], _mm512_slli_epi32(sum[r], 7)));
+            for (int64_t t = k; t < K; ++t) dot += (int32_t)wr[t] * q[t];
+            for (int64_t i = 0; i < a->nfix[0]; ++i) dot -= wr[a->fix[i]];
+            out[r][0] = exact(round_to(exact((float)dot * a->s[0]), ydt) * m->ws[n + r]);
+        }
+        return;
+    }
+#endif
+    for (int r = 0; r < 4; ++r) q_row(m, a, n + r, ydt, out[r]);
+}
+
 typedef struct {
     QMat m;
     QAct a;
@@ -1720,9 +1798,13 @@ typedef struct {
 static void q_gemv_chunk(const void *job, int64_t chunk) {
     const QGemv *g = job;
     const int64_t N = g->m.N, lo = chunk * g->rows, hi = lo + g->rows < N ? lo + g->rows : N;
-    float out[MAXB];
+    float outs[4][MAXB];
     for (int64_t n = lo; n < hi; ++n) {
-        q_row(&g->m, &g->a, n, g->ydt, out);
+        if ((n - lo) % 4 == 0) { /* rows four at a time while four are left, then one by one */
+            if (hi - n >= 4) q_rows4(&g->m, &g->a, n, g->ydt, outs);
+            else for (int64_t r = 0; r < hi - n; ++r) q_row(&g->m, &g->a, n + r, g->ydt, outs[r]);
+        }
+        const float *out = outs[(n - lo) % 4];
         const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
         for (int64_t b = 0; b < g->a.B; ++b) {
             float v = exact(out[b] + bias);
@@ -1822,10 +1904,20 @@ typedef struct {
 static void gated_up_q_chunk(const void *job, int64_t chunk) {
     const GatedUpQ *j = job;
     const int64_t N = j->g.N, lo = chunk * j->rows, hi = lo + j->rows < N ? lo + j->rows : N;
-    float og[MAXB], ou[MAXB];
+    float OG[4][MAXB], OU[4][MAXB];
     for (int64_t n = lo; n < hi; ++n) {
-        q_row(&j->g, &j->a, n, j->ydt, og);
-        q_row(&j->u, &j->a, n, j->ydt, ou);
+        if ((n - lo) % 4 == 0) { /* rows four at a time while four are left, then one by one */
+            if (hi - n >= 4) {
+                q_rows4(&j->g, &j->a, n, j->ydt, OG);
+                q_rows4(&j->u, &j->a, n, j->ydt, OU);
+            } else {
+                for (int64_t r = 0; r < hi - n; ++r) {
+                    q_row(&j->g, &j->a, n + r, j->ydt, OG[r]);
+                    q_row(&j->u, &j->a, n + r, j->ydt, OU[r]);
+                }
+            }
+        }
+        const float *og = OG[(n - lo) % 4], *ou = OU[(n - lo) % 4];
         const float bg = j->bg ? load_as_f32(j->bg, j->bdt, n) : 0.0f;
         const float bu = j->bu ? load_as_f32(j->bu, j->bdt, n) : 0.0f;
         for (int64_t b = 0; b < j->a.B; ++b) {
