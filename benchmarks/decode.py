@@ -172,20 +172,9 @@ def decode_step_bytes(model: HybridLM, batch: int, context: int) -> int:
     """Bytes one decode step must move at least: every weight once (the embedding only for the looked-up
     rows unless it is also the LM head), each sequence's K/V for its context, each Mamba state read and
     written."""
-    from hybrid.quantize import int4_blocks, int8_rows, q_operands
+    from hybrid.quantize import decode_bytes
 
-    def nbytes(p):  # a torchao int8/int4 weight reports its dtype's element size: count its codes and scales
-        rows, blocks = int8_rows(p), int4_blocks(p)
-        if rows is not None:
-            return rows[0].numel() + 4 * rows[1].numel()
-        if blocks is not None:
-            return sum(t.numel() * t.element_size() for t in blocks[:2])
-        q = q_operands(p)
-        if q is not None:  # what the decode product reads: int8 codes or packed nibbles, fp32 scales
-            return sum(t.numel() * t.element_size() for t in q[1:3])
-        return p.numel() * p.element_size()
-
-    weights = sum(nbytes(p) for p in model.parameters())
+    weights = sum(decode_bytes(p) for p in model.parameters())
     if model.lm_head is not None:
         emb = model.embed.weight
         weights -= emb.numel() * emb.element_size() - batch * emb.shape[1] * emb.element_size()

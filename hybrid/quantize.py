@@ -182,6 +182,17 @@ def w4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return qdata, scale
 
 
+def decode_bytes(weight: torch.Tensor) -> int:
+    """Bytes a decode product reads of ``weight``: a torchao int8 / int4 / int8-activation weight's codes and scales
+    (such a tensor reports its dtype's element size, not theirs), else the tensor's own bytes."""
+    rows = int8_rows(weight)
+    parts = rows if rows is not None else (int4_blocks(weight) or (None, None))[:2]
+    if parts[0] is None:
+        q = q_operands(weight)
+        parts = q[1:3] if q is not None else (weight,)
+    return sum(t.numel() * t.element_size() for t in parts)
+
+
 def q_operands(weight: torch.Tensor) -> tuple | None:
     """(kind, w, ws, values) for :func:`hybrid.kernels.projection.linear_q` of an int8dq or 8da4w weight,
     or None for any other. Worked out once and kept on the weight (a decode step asks for every layer's; 8da4w's

@@ -39,7 +39,7 @@ from ..kernels import dispatch, native
 from ..kernels.native import DTYPE_CODES
 from ..kernels.native.ops import ACTIVATIONS
 from ..kernels.projection import int4_layout_refusal, int4pack_block
-from ..quantize import int4_blocks, int8_rows, q_operands
+from ..quantize import decode_bytes, int4_blocks, int8_rows, q_operands
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
 from .gla import GLA
@@ -542,22 +542,8 @@ def program(model, cache) -> DecodeProgram:
 def _decode_weight_bytes(model) -> int:
     """Bytes of the weights a decode step reads: every linear layer's (its int8 / int4 codes and scales where
     quantised) and the LM head (the tied embedding's matrix); not the embedding's other rows."""
-    from .linear import Linear
-
-    def nbytes(*ts) -> int:
-        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
-
-    total = 0
-    for mod in model.modules():
-        if not isinstance(mod, (Linear, torch.nn.Linear)):
-            continue
-        w = mod.weight
-        ops = q_operands(w) if not _plain(w) else None
-        parts = (w,) if _plain(w) else (ops[1:3] if ops is not None else int8_rows(w) or int4_blocks(w) or ())
-        total += nbytes(*parts[:2]) if parts else w.numel() * w.element_size()
-    if model.lm_head is None:
-        total += nbytes(model.embed.weight)
-    return total
+    total = sum(decode_bytes(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return total + (decode_bytes(model.embed.weight) if model.lm_head is None else 0)
 
 
 def _fused_sublayer(block, x, batch, cache):

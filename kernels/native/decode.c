@@ -343,6 +343,14 @@ static float *load_x(const void *x, int xdt, int64_t B, int64_t K, int wdt) {
     return xf;
 }
 
+#ifdef __AVX512BF16__
+/* the masks of a bf16 row's last 1-63 values over two 32-lane loads (masked-off lanes read nothing and are zero) */
+static inline void tail_masks32(int64_t rem, __mmask32 *m0, __mmask32 *m1) {
+    *m0 = rem >= 32 ? 0xFFFFFFFFu : (__mmask32)((1ull << rem) - 1);
+    *m1 = rem <= 32 ? 0 : (__mmask32)((1ull << (rem - 32)) - 1);
+}
+#endif
+
 /* One row against B input rows: 4 independent accumulators per input row over 32 weights, so the loads of
    the row stream without waiting on the adds; every weight read from memory once. */
 static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t n, float *out, const int wdt) {
@@ -369,10 +377,9 @@ static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t
                 a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512((const void *)(w + k + 32)),
                                       (__m512bh)_mm512_loadu_si512((const void *)(x + k + 32)));
             }
-            if (k < K) { /* the last 1-63: masked loads read nothing past the row (masked-off lanes are zero) */
-                const int64_t r = K - k;
-                const __mmask32 m0 = r >= 32 ? 0xFFFFFFFFu : (__mmask32)((1ull << r) - 1);
-                const __mmask32 m1 = r <= 32 ? 0 : (__mmask32)((1ull << (r - 32)) - 1);
+            if (k < K) { /* the last 1-63 */
+                __mmask32 m0, m1;
+                tail_masks32(K - k, &m0, &m1);
                 a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m0, w + k),
                                       (__m512bh)_mm512_maskz_loadu_epi16(m0, x + k));
                 a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(m1, w + k + 32),
@@ -584,9 +591,8 @@ static inline void dot4_bf16(const Gemv *g, int64_t n0, float out[4][MAXB]) {
         }
     }
     if (k < K) {
-        const int64_t rem = K - k;
-        const __mmask32 m0 = rem >= 32 ? 0xFFFFFFFFu : (__mmask32)((1ull << rem) - 1);
-        const __mmask32 m1 = rem <= 32 ? 0 : (__mmask32)((1ull << (rem - 32)) - 1);
+        __mmask32 m0, m1;
+        tail_masks32(K - k, &m0, &m1);
         const __m512bh x0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, x + k),
                        x1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, x + k + 32);
         for (int r = 0; r < 4; ++r) {
@@ -1734,16 +1740,19 @@ static inline float w4_dot(const uint8_t *p, const float *ws, const uint8_t *u, 
 
 /* out[b] = row n of W against input row b before the bias: int8dq torchao's bf16?(dot * s_b) * ws[n] (ydt: the
    output's dtype, where torchao rounds the first product), 8da4w s_b * (sum_g ... - (128 + zp_b) C[n]) */
+/* int8dq row n's output for input row b from its integer dot over the entered codes: the -128 codes' weights taken
+   off (they went in as -127), then torchao's scaling */
+static inline float i8dq_out(const QMat *m, const QAct *a, int64_t n, int64_t b, int32_t dot, int ydt) {
+    const int8_t *w = m->w + n * m->K;
+    const int32_t *fx = a->fix + b * m->K;
+    for (int64_t i = 0; i < a->nfix[b]; ++i) dot -= w[fx[i]];
+    return exact(round_to(exact((float)dot * a->s[b]), ydt) * m->ws[n]);
+}
+
 static void q_row(const QMat *m, const QAct *a, int64_t n, int ydt, float *out) {
     const int64_t K = m->K;
     if (m->kind == QK_I8DQ) {
-        const int8_t *w = m->w + n * K;
-        for (int64_t b = 0; b < a->B; ++b) {
-            int32_t dot = i8dq_dot(w, a->q + b * K, K);
-            const int32_t *fx = a->fix + b * K;
-            for (int64_t i = 0; i < a->nfix[b]; ++i) dot -= w[fx[i]];
-            out[b] = exact(round_to(exact((float)dot * a->s[b]), ydt) * m->ws[n]);
-        }
+        for (int64_t b = 0; b < a->B; ++b) out[b] = i8dq_out(m, a, n, b, i8dq_dot(m->w + n * K, a->q + b * K, K), ydt);
         return;
     }
     const int64_t ng = K / 32;
@@ -1753,11 +1762,12 @@ static void q_row(const QMat *m, const QAct *a, int64_t n, int ydt, float *out) 
     }
 }
 
-/* Four rows n..n+3 of W against the input rows: out[r][b]. int8dq with one input row takes them in one pass (the
-   input's codes loaded and flipped once for the four, i8dq_dot's exact integer arithmetic); otherwise q_row each. */
-static void q_rows4(const QMat *m, const QAct *a, int64_t n, int ydt, float out[4][MAXB]) {
+/* Rows n..n+nr-1 (nr <= 4) of W against the input rows: out[r][b]. Four int8dq rows against one input row take one
+   pass (the input's codes loaded and flipped once for the four, i8dq_dot's exact integer arithmetic); otherwise
+   q_row each. */
+static void q_rows(const QMat *m, const QAct *a, int64_t n, int64_t nr, int ydt, float out[4][MAXB]) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (m->kind == QK_I8DQ && a->B == 1) {
+    if (m->kind == QK_I8DQ && a->B == 1 && nr == 4) {
         const int64_t K = m->K;
         const int8_t *w = m->w + n * K, *q = a->q;
         const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
@@ -1777,13 +1787,12 @@ static void q_rows4(const QMat *m, const QAct *a, int64_t n, int ydt, float out[
             const int8_t *wr = w + r * K;
             int32_t dot = _mm512_reduce_add_epi32(_mm512_sub_epi32(acc[r], _mm512_slli_epi32(sum[r], 7)));
             for (int64_t t = k; t < K; ++t) dot += (int32_t)wr[t] * q[t];
-            for (int64_t i = 0; i < a->nfix[0]; ++i) dot -= wr[a->fix[i]];
-            out[r][0] = exact(round_to(exact((float)dot * a->s[0]), ydt) * m->ws[n + r]);
+            out[r][0] = i8dq_out(m, a, n + r, 0, dot, ydt);
         }
         return;
     }
 #endif
-    for (int r = 0; r < 4; ++r) q_row(m, a, n + r, ydt, out[r]);
+    for (int64_t r = 0; r < nr; ++r) q_row(m, a, n + r, ydt, out[r]);
 }
 
 typedef struct {
@@ -1800,10 +1809,7 @@ static void q_gemv_chunk(const void *job, int64_t chunk) {
     const int64_t N = g->m.N, lo = chunk * g->rows, hi = lo + g->rows < N ? lo + g->rows : N;
     float outs[4][MAXB];
     for (int64_t n = lo; n < hi; ++n) {
-        if ((n - lo) % 4 == 0) { /* rows four at a time while four are left, then one by one */
-            if (hi - n >= 4) q_rows4(&g->m, &g->a, n, g->ydt, outs);
-            else for (int64_t r = 0; r < hi - n; ++r) q_row(&g->m, &g->a, n + r, g->ydt, outs[r]);
-        }
+        if ((n - lo) % 4 == 0) q_rows(&g->m, &g->a, n, hi - n < 4 ? hi - n : 4, g->ydt, outs); /* 4 at a time */
         const float *out = outs[(n - lo) % 4];
         const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
         for (int64_t b = 0; b < g->a.B; ++b) {
@@ -1906,16 +1912,10 @@ static void gated_up_q_chunk(const void *job, int64_t chunk) {
     const int64_t N = j->g.N, lo = chunk * j->rows, hi = lo + j->rows < N ? lo + j->rows : N;
     float OG[4][MAXB], OU[4][MAXB];
     for (int64_t n = lo; n < hi; ++n) {
-        if ((n - lo) % 4 == 0) { /* rows four at a time while four are left, then one by one */
-            if (hi - n >= 4) {
-                q_rows4(&j->g, &j->a, n, j->ydt, OG);
-                q_rows4(&j->u, &j->a, n, j->ydt, OU);
-            } else {
-                for (int64_t r = 0; r < hi - n; ++r) {
-                    q_row(&j->g, &j->a, n + r, j->ydt, OG[r]);
-                    q_row(&j->u, &j->a, n + r, j->ydt, OU[r]);
-                }
-            }
+        if ((n - lo) % 4 == 0) { /* rows four at a time */
+            const int64_t nr = hi - n < 4 ? hi - n : 4;
+            q_rows(&j->g, &j->a, n, nr, j->ydt, OG);
+            q_rows(&j->u, &j->a, n, nr, j->ydt, OU);
         }
         const float *og = OG[(n - lo) % 4], *ou = OU[(n - lo) % 4];
         const float bg = j->bg ? load_as_f32(j->bg, j->bdt, n) : 0.0f;
