@@ -1583,8 +1583,34 @@ typedef struct {
     const int32_t *zp;   /* [B] (8da4w) */
     const int32_t *fix;  /* [B, K]: int8dq's positions of -128 codes, nfix[b] of them per row */
     const int64_t *nfix;
+    const uint8_t *up;   /* 8da4w on AVX512-VNNI: u in blocks of four groups (w4_block_input), K/128 blocks a row */
+    const int32_t *c8;   /* and each block's 16 lane corrections, [B, K/128, 16] */
     int64_t B, K;
 } QAct;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define W4_VNNI 1
+/* 8da4w with vpdpbusd takes four groups (128 k, 64 bytes of nibbles) a step. A 64-byte load of the nibbles
+   masked (& 15) gives the four groups' first 16 values in k order, shifted (>> 4 & 15) their last 16, so the
+   input is laid out to match: per block the four groups' codes k 0..15 (64 bytes), then their codes k 16..31.
+   Lane l of a dpbusd then sums group l/4's products, and the nibbles' +8 comes off exactly by starting each lane
+   at -8 times the sum of the codes it meets (c8): (u . n) - 8 sum u = u . (n - 8), no subtraction per weight. */
+static void w4_block_input(const uint8_t *u, int64_t K, uint8_t *up, int32_t *c8) {
+    for (int64_t blk = 0; blk < K / 128; ++blk) {
+        const uint8_t *s = u + blk * 128;
+        uint8_t *d = up + blk * 128;
+        for (int j = 0; j < 4; ++j) {
+            memcpy(d + j * 16, s + j * 32, 16);
+            memcpy(d + 64 + j * 16, s + j * 32 + 16, 16);
+        }
+        for (int l = 0; l < 16; ++l) {
+            int32_t t = 0;
+            for (int i = 0; i < 4; ++i) t += d[l * 4 + i] + d[64 + l * 4 + i];
+            c8[blk * 16 + l] = -8 * t;
+        }
+    }
+}
+#endif
 
 /* the scratch an op's quantised rows live in (the calling thread's; its workers read it) */
 static int q_load_x(const void *x, int xdt, int64_t B, int64_t K, int kind, QAct *a) {
@@ -1639,6 +1665,16 @@ static int q_load_x(const void *x, int xdt, int64_t B, int64_t K, int kind, QAct
         }
     }
     a->q = q, a->s = s, a->zp = zp, a->fix = fix, a->nfix = nfix, a->B = B, a->K = K;
+    a->up = NULL, a->c8 = NULL;
+#ifdef W4_VNNI
+    if (kind != QK_I8DQ) { /* fix's B K int32 are free here: the blocked codes (B K bytes), then c8 (B K / 2 bytes) */
+        uint8_t *up = (uint8_t *)fix;
+        int32_t *c8 = (int32_t *)(up + B * K);
+        for (int64_t b = 0; b < B; ++b)
+            w4_block_input((const uint8_t *)q + b * K, K, up + b * K, c8 + b * (K / 128) * 16);
+        a->up = up, a->c8 = c8;
+    }
+#endif
     return 1;
 }
 
@@ -1738,6 +1774,48 @@ static inline float w4_dot(const uint8_t *p, const float *ws, const uint8_t *u, 
 #endif
 }
 
+#ifdef W4_VNNI
+/* nr (1..4) 8da4w rows at p (row stride K/2 bytes; scales ws, stride ng) against input row b of a: the group-
+   scaled dots sum_g ws_g (u . w)_g into d[r]; whole blocks of four groups by vpdpbusd (see w4_block_input), the
+   groups after the last whole block by w4_dot */
+static inline __attribute__((always_inline)) void w4_dots_vnni(const uint8_t *p, const float *ws, const QAct *a,
+                                                               int64_t b, const int nr, float d[4]) {
+    const int64_t K = a->K, ng = K / 32, nblk = K / 128;
+    const uint8_t *up = a->up + b * K;
+    const int32_t *c8 = a->c8 + b * nblk * 16;
+    const __m512i m15 = _mm512_set1_epi8(15);
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[4];
+    for (int r = 0; r < nr; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+        const __m512i lo_u = _mm512_loadu_si512((const void *)(up + blk * 128)),
+                      hi_u = _mm512_loadu_si512((const void *)(up + blk * 128 + 64)),
+                      c = _mm512_loadu_si512((const void *)(c8 + blk * 16));
+        for (int r = 0; r < nr; ++r) {
+            const uint8_t *pr = p + r * (K / 2) + blk * 64;
+            STREAM_PREFETCH(pr + 1024);
+            const __m512i t = _mm512_loadu_si512((const void *)pr);
+            const __m512i lo = _mm512_and_si512(t, m15), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), m15);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, lo_u, lo), hi_u, hi);
+            const __m512 sc = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(ws + r * ng + blk * 4)));
+            acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(dot), acc[r]);
+        }
+    }
+    const int64_t g0 = nblk * 4;
+    for (int r = 0; r < nr; ++r) {
+        d[r] = _mm512_reduce_add_ps(acc[r]);
+        if (g0 < ng)
+            d[r] += w4_dot(p + r * (K / 2) + g0 * 16, ws + r * ng + g0, (const uint8_t *)a->q + b * K + g0 * 32,
+                           ng - g0);
+    }
+}
+#endif
+
+/* 8da4w row n's output for input row b from its group-scaled dot d */
+static inline float w4_out(const QMat *m, const QAct *a, int64_t n, int64_t b, float d) {
+    return exact(a->s[b] * exact(d - (float)(128 + a->zp[b]) * m->wsum[n]));
+}
+
 /* out[b] = row n of W against input row b before the bias: int8dq torchao's bf16?(dot * s_b) * ws[n] (ydt: the
    output's dtype, where torchao rounds the first product), 8da4w s_b * (sum_g ... - (128 + zp_b) C[n]) */
 /* int8dq row n's output for input row b from its integer dot over the entered codes: the -128 codes' weights taken
@@ -1757,8 +1835,13 @@ static void q_row(const QMat *m, const QAct *a, int64_t n, int ydt, float *out) 
     }
     const int64_t ng = K / 32;
     for (int64_t b = 0; b < a->B; ++b) { /* (a batch re-reads the row's 16 KB or less from L1) */
-        const float d = w4_dot(m->w4 + n * (K / 2), m->ws + n * ng, (const uint8_t *)a->q + b * K, ng);
-        out[b] = exact(a->s[b] * exact(d - (float)(128 + a->zp[b]) * m->wsum[n]));
+#ifdef W4_VNNI
+        float d[4];
+        w4_dots_vnni(m->w4 + n * (K / 2), m->ws + n * ng, a, b, 1, d);
+        out[b] = w4_out(m, a, n, b, d[0]);
+#else
+        out[b] = w4_out(m, a, n, b, w4_dot(m->w4 + n * (K / 2), m->ws + n * ng, (const uint8_t *)a->q + b * K, ng));
+#endif
     }
 }
 
@@ -1788,6 +1871,17 @@ static void q_rows(const QMat *m, const QAct *a, int64_t n, int64_t nr, int ydt,
             int32_t dot = _mm512_reduce_add_epi32(_mm512_sub_epi32(acc[r], _mm512_slli_epi32(sum[r], 7)));
             for (int64_t t = k; t < K; ++t) dot += (int32_t)wr[t] * q[t];
             out[r][0] = i8dq_out(m, a, n + r, 0, dot, ydt);
+        }
+        return;
+    }
+#endif
+#ifdef W4_VNNI
+    if (m->kind == QK_8DA4W && nr == 4) { /* four rows a pass for each input row (the rows re-read from L1) */
+        const int64_t ng = m->K / 32;
+        for (int64_t b = 0; b < a->B; ++b) {
+            float d[4];
+            w4_dots_vnni(m->w4 + n * (m->K / 2), m->ws + n * ng, a, b, 4, d);
+            for (int r = 0; r < 4; ++r) out[r][b] = w4_out(m, a, n + r, b, d[r]);
         }
         return;
     }
@@ -1867,10 +1961,11 @@ static void qkv_rope_q_chunk(const void *job, int64_t head) {
     const int which = head < r->Hq ? 0 : head < r->Hq + r->Hkv ? 1 : 2;
     const int64_t h = which == 0 ? head : which == 1 ? head - r->Hq : head - r->Hq - r->Hkv;
     const Gemv *g = &r->m[which];
-    float acc[MAXB][512], out[MAXB];
+    float acc[MAXB][512], outs[4][MAXB];
     for (int64_t d = 0; d < r->D; ++d) {
         const int64_t n = h * r->D + d;
-        q_row(&j->qm[which], &j->a, n, g->ydt, out);
+        if (d % 4 == 0) q_rows(&j->qm[which], &j->a, n, r->D - d < 4 ? r->D - d : 4, g->ydt, outs); /* 4 at a time */
+        const float *out = outs[d % 4];
         const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
         for (int64_t b = 0; b < g->B; ++b) acc[b][d] = round_to(exact(out[b] + bias), g->ydt);
     }
