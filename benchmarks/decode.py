@@ -24,6 +24,9 @@ from an empty context). ``--llama-cpp DIR`` (a built llama.cpp tree) makes those
         --decode-contexts 16 --batches 1 --decode-steps 64 --warmup 8 --modes eager --threads 2 \\
         --quantize int4wo --llama-cpp /path/to/llama.cpp
 
+``--rounds R`` then times ours and llama-bench alternately, R rounds per recipe (batch 1), and reports each round's
+ratio: on a host whose speed drifts, a ratio within a round is the one to read.
+
 ``--vllm-python PY`` (a venv with vLLM's CPU build: ``scripts/check_serving.sh`` makes one) times vLLM decoding
 the same seed-0 models (benchmarks/vllm_cpu.py: B requests of ``--decode-contexts`` prompt ids, their decode
 rate) and adds ours over vLLM's rate (``x_vllm``, our per-step rate) to each decode row of the same batch and
@@ -200,6 +203,30 @@ def prefill_speed(model: HybridLM, context: int, repeats: int) -> dict:
 
 
 # ---- transformers -----------------------------------------------------------------------------------
+def interleaved_rounds(args, llama_rows: list[dict], models: dict, threads: int) -> list[dict]:
+    """Per recipe with a llama.cpp row: ``args.rounds`` rounds of llama-bench's tg64 then our batch-1 decode at the
+    first ``--decode-contexts`` length (a fresh engine each round); each round's ratio of the two rates, and their
+    median, min and max."""
+    rows = []
+    todo = [(lr, r) for lr in llama_rows if lr["model"] in models for r in range(args.rounds)]
+    per: dict[str, list[tuple[float, float]]] = {}
+    for lr, _ in tqdm(todo, desc="interleaved rounds", unit="round"):
+        theirs = llama_bench_decode(args.llama_bench, lr["gguf"], threads)["tok/s"]
+        engine = decode_engine(models[lr["model"]], 1, args.decode_contexts[0], steps=args.decode_steps,
+                               compile=False, warmup=args.warmup)
+        ours = decode_speed(engine, args.decode_steps)[0]["decode_tok/s"]
+        del engine
+        per.setdefault(lr["model"], []).append((ours, theirs))
+    for name, pairs in per.items():
+        ratios = sorted(o / t for o, t in pairs)
+        rows.append({"model": name, "rounds": len(pairs),
+                     "ours tok/s": " ".join(f"{o:.1f}" for o, _ in pairs),
+                     "llama.cpp tok/s": " ".join(f"{t:.0f}" for _, t in pairs),
+                     "ratio_med": round(statistics.median(ratios), 3), "ratio_min": round(ratios[0], 3),
+                     "ratio_max": round(ratios[-1], 3)})
+    return rows
+
+
 def hf_pair(cfg, dtype: torch.dtype) -> tuple[torch.nn.Module, HybridLM]:
     """A random HybridLM and the ``transformers`` model loaded from its export (``format="hf"``: the first
     Hugging Face format that represents it exactly): the same weights on both sides."""
@@ -302,6 +329,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize (Q4_0; default DIR/build/bin)")
     ap.add_argument("--gguf-dir", default=None, help="where --llama-cpp keeps its exports and GGUFs "
                                                      "(default: a folder in the temp dir, reused across runs)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with llama.cpp rows: also time ours and llama-bench alternately this many times per recipe "
+                         "(batch 1, the first decode context) and report each round's ratio (a host whose speed "
+                         "drifts moves both sides of a round alike, not one side of the whole run)")
     ap.add_argument("--llama-gguf", action="append", default=[], metavar="RECIPE=FILE",
                     help="a GGUF of RECIPE's seed-0 weights for llama-bench -n 64 (repeatable)")
     ap.add_argument("--vllm-python", default=None, metavar="PY",
@@ -400,6 +431,11 @@ def main(argv: list[str] | None = None) -> None:
     if compile_rows:
         print("\n## compile time (not in any tokens/s above)\n" + format_table(compile_rows), flush=True)
 
+    interleaved = interleaved_rounds(args, llama_rows, models, threads) if args.rounds > 1 else []
+    if interleaved:
+        print(f"\n## batch-1 decode, ours and llama-bench alternately ({args.rounds} rounds; ratio = ours / "
+              "llama.cpp tokens/s within a round)\n" + format_table(interleaved), flush=True)
+
     prefill = []
     for name in tqdm(args.recipes if args.contexts else [], desc="prefill", unit="model"):
         model = models.get(name) or HybridLM(recipes.get(name)).to(dtype).eval()
@@ -414,7 +450,8 @@ def main(argv: list[str] | None = None) -> None:
             json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
                        "cpu_flags": flags, "llama.cpp": llama_rows, "vllm": vllm_rows,
                        "threads": threads, "dtype": args.dtype, "read_GB/s": round(bandwidth / 1e9, 3),
-                       "decode": decode, "split": splits, "compile": compile_rows, "transformers": hf_rows,
+                       "decode": decode, "interleaved": interleaved, "split": splits, "compile": compile_rows,
+                       "transformers": hf_rows,
                        "prefill": prefill, "memory": memory}, f, indent=2)
     if args.plot:
         _plot(decode, hf_rows, args.plot, f"{threads} CPU threads, {args.dtype}")

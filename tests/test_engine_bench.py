@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from benchmarks.decode import copy_bandwidth, decode_step_bytes, main
@@ -47,3 +48,31 @@ def test_decode_floor_counts_weights_kv_and_state():
     per_seq = 100 * spec.kv_bytes_per_token + 2 * spec.state_bytes_per_sequence + model.config.d_model * 4
     assert two - one == per_seq
     assert copy_bandwidth(mib=8, repeats=2) > 1e8
+
+
+def test_interleaved_rounds_pair_each_llama_bench_run_with_one_of_ours(monkeypatch):
+    """--rounds: llama-bench and our decode alternate per recipe; each round's ratio is ours over that round's
+    llama.cpp rate (a stand-in llama-bench whose rate doubles each call: the ratios must follow it)."""
+    import argparse
+
+    import benchmarks.decode as bench
+
+    calls = []
+
+    def fake_bench(path, gguf, threads):
+        calls.append(gguf)
+        return {"tok/s": 100.0 * 2 ** (len(calls) - 1)}
+
+    monkeypatch.setattr(bench, "llama_bench_decode", fake_bench)
+    torch.manual_seed(0)
+    models = {"llama-tiny": HybridLM(recipes.get("llama-tiny")).eval()}
+    args = argparse.Namespace(rounds=3, llama_bench="llama-bench", decode_contexts=[8], decode_steps=2, warmup=1)
+    rows = bench.interleaved_rounds(args, [{"model": "llama-tiny", "gguf": "a.gguf"},
+                                           {"model": "not-timed", "gguf": "b.gguf"}], models, 1)
+    assert calls == ["a.gguf"] * 3 and len(rows) == 1
+    row = rows[0]
+    ours = [float(v) for v in row["ours tok/s"].split()]
+    assert row["rounds"] == 3 and row["llama.cpp tok/s"] == "100 200 400" and min(ours) > 0
+    ratios = sorted(o / t for o, t in zip(ours, (100.0, 200.0, 400.0), strict=True))
+    got = (row["ratio_min"], row["ratio_med"], row["ratio_max"])
+    assert got == pytest.approx(tuple(ratios), rel=2e-3)  # (the printed rates are rounded to 0.1 tok/s)
