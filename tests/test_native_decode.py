@@ -34,7 +34,13 @@ def test_linear_matches_reference(dtype, rows, threads):
 
 def _check_linear(dtype, rows):
     g = torch.Generator().manual_seed(rows)
-    K, N = 515, 1027  # odd sizes: the vector tails and the last chunk
+    # odd sizes: the vector tails and the last chunk; K 512, N 1030: bf16 batches on an AMX CPU take the tile unit
+    # (16-row blocks, their tail rows the vdpbf16ps path)
+    for K, N in ((515, 1027), (512, 1030)):
+        _check_linear_shape(dtype, rows, K, N, g)
+
+
+def _check_linear_shape(dtype, rows, K, N, g):
     x = torch.randn(rows, K, generator=g).to(dtype)
     w = torch.randn(N, K, generator=g).to(dtype)
     b, r = torch.randn(N, generator=g).to(dtype), torch.randn(rows, N, generator=g).to(dtype)
@@ -267,12 +273,14 @@ def test_argmax_equals_torch(dtype):
     assert native.argmax(x[:1]) == x[:1].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recipe", ["llama-tiny", "hybrid-1to7-tiny"])
-def test_batched_program_equals_eager(recipe):
-    """Seven sequences decoding together (the blocked 4x3 products of a batched step, and its row tails) give
-    the eager layers' tokens, and each sequence its tokens alone."""
+def test_batched_program_equals_eager(recipe, dtype):
+    """Seven sequences decoding together (the blocked products of a batched step: 4x3 fp32, bf16 by vdpbf16ps or,
+    on an AMX CPU, the tile unit; and their row tails) give the eager layers' tokens, and each sequence its tokens
+    alone."""
     torch.manual_seed(0)
-    model = HybridLM(recipes.get(recipe)).eval()
+    model = HybridLM(recipes.get(recipe)).to(dtype).eval()
     with torch.no_grad():
         (model.lm_head.weight if model.lm_head is not None else model.embed.weight).mul_(20)
     prompts = [list(range(1 + i, 9 + 3 * i)) for i in range(7)]

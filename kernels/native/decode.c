@@ -252,6 +252,7 @@ typedef struct {
     int wdt, bdt, ydt;
     int act1; /* 0: none, else an ACT_* + 1 applied to x W^T (* scale) + bias (a plain MLP's up projection) */
     const uint16_t *xb; /* [B, K] the caller's bf16 x where dot_row takes it as bf16 (bf16_x), else NULL */
+    const uint32_t *xt; /* x as AMX B tiles (amx_pack_x) where the batch takes the AMX path, else NULL */
 } Gemv;
 
 static inline float load_as_f32(const void *p, int dt, int64_t i) {
@@ -486,11 +487,11 @@ static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t
    this thread's scratch, for bf16 / int8) meet 3 input rows at a time: 12 accumulators, 7 loads per 12 FMAs. */
 #define MULTI_ROWS 4 /* from this many input rows on */
 
-/* The caller's x for dot_row's vdpbf16ps loop, or NULL: only on a CPU with AVX512-BF16, only bf16 weights against
-   bf16 inputs (fp32 ones would be rounded), only below MULTI_ROWS (the block path widens the weight rows once) */
+/* The caller's x for the vdpbf16ps loops (dot_row, dot4_bf16, block4_bf16: every batch size), or NULL: only on a
+   CPU with AVX512-BF16, only bf16 weights against bf16 inputs (fp32 ones would be rounded) */
 static inline const uint16_t *bf16_x(const void *x, int xdt, int wdt, int64_t B, int64_t K) {
 #ifdef __AVX512BF16__
-    if (wdt == DT_BF16 && xdt == DT_BF16 && B < MULTI_ROWS && K >= 64) return (const uint16_t *)x;
+    if (wdt == DT_BF16 && xdt == DT_BF16 && K >= 64) return (const uint16_t *)x;
 #endif
     (void)x, (void)xdt, (void)wdt, (void)B, (void)K;
     return NULL;
@@ -549,9 +550,9 @@ static inline __attribute__((always_inline)) void block_4xNB(const float *const 
 }
 
 #ifdef __AVX512F__
-/* out[r][0] = the sum of v[r]'s 16 lanes, for 4 rows at once, each in _mm512_reduce_add_ps's order (256-bit halves,
+/* out[r][b] = the sum of v[r]'s 16 lanes, for 4 rows at once, each in _mm512_reduce_add_ps's order (256-bit halves,
    128-bit halves, then (0 + 2) + (1 + 3)): a row's bits as dot_row's */
-static inline void hsum4_ps(const __m512 v[4], float out[4][MAXB]) {
+static inline void hsum4_ps(const __m512 v[4], float out[4][MAXB], int64_t b) {
     __m128 t[4];
     for (int r = 0; r < 4; ++r) {
         const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v[r]),
@@ -565,7 +566,7 @@ static inline void hsum4_ps(const __m512 v[4], float out[4][MAXB]) {
     float res[4];
     _mm_storeu_ps(res, _mm_add_ps(_mm_shuffle_ps(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
                                   _mm_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 1, 3, 1))));
-    for (int r = 0; r < 4; ++r) out[r][0] = res[r];
+    for (int r = 0; r < 4; ++r) out[r][b] = res[r];
 }
 #endif
 
@@ -602,7 +603,63 @@ static inline void dot4_bf16(const Gemv *g, int64_t n0, float out[4][MAXB]) {
     }
     const __m512 v[4] = {_mm512_add_ps(a[0][0], a[0][1]), _mm512_add_ps(a[1][0], a[1][1]),
                          _mm512_add_ps(a[2][0], a[2][1]), _mm512_add_ps(a[3][0], a[3][1])};
-    hsum4_ps(v, out);
+    hsum4_ps(v, out, 0);
+}
+
+/* 4 bf16 weight rows against NB (1 or 2, a constant: the accumulators stay in registers) bf16 input rows from b:
+   each (row, input row) pair keeps dot_row's two accumulators and its order, so a row's bits are dot_row's
+   whatever the batch, and the weight vectors load once per NB input rows */
+static inline __attribute__((always_inline)) void block4_bf16_nb(const Gemv *g, const uint16_t *const *w,
+                                                                 int64_t b, float out[4][MAXB], const int NB) {
+    const int64_t K = g->K, K64 = K & ~(int64_t)63;
+    __m512 a[4][2][2];
+    for (int r = 0; r < 4; ++r)
+        for (int j = 0; j < NB; ++j) a[r][j][0] = a[r][j][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K64; k += 64) {
+        __m512bh x[2][2];
+        for (int j = 0; j < NB; ++j) {
+            x[j][0] = (__m512bh)_mm512_loadu_si512((const void *)(g->xb + (b + j) * K + k));
+            x[j][1] = (__m512bh)_mm512_loadu_si512((const void *)(g->xb + (b + j) * K + k + 32));
+        }
+        for (int r = 0; r < 4; ++r) {
+            if (b == 0) STREAM_PREFETCH((const char *)(w[r] + k) + 1024);
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w[r] + k)),
+                           w1 = (__m512bh)_mm512_loadu_si512((const void *)(w[r] + k + 32));
+            for (int j = 0; j < NB; ++j) {
+                a[r][j][0] = _mm512_dpbf16_ps(a[r][j][0], w0, x[j][0]);
+                a[r][j][1] = _mm512_dpbf16_ps(a[r][j][1], w1, x[j][1]);
+            }
+        }
+    }
+    if (K64 < K) {
+        __mmask32 m0, m1;
+        tail_masks32(K - K64, &m0, &m1);
+        for (int r = 0; r < 4; ++r) {
+            const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, w[r] + K64),
+                           w1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, w[r] + K64 + 32);
+            for (int j = 0; j < NB; ++j) {
+                const uint16_t *xj = g->xb + (b + j) * K + K64;
+                a[r][j][0] = _mm512_dpbf16_ps(a[r][j][0], w0, (__m512bh)_mm512_maskz_loadu_epi16(m0, xj));
+                a[r][j][1] = _mm512_dpbf16_ps(a[r][j][1], w1, (__m512bh)_mm512_maskz_loadu_epi16(m1, xj + 32));
+            }
+        }
+    }
+    for (int j = 0; j < NB; ++j) {
+        __m512 v[4];
+        for (int r = 0; r < 4; ++r) v[r] = _mm512_add_ps(a[r][j][0], a[r][j][1]);
+        hsum4_ps(v, out, b + j);
+    }
+}
+
+/* 4 bf16 weight rows against every bf16 input row, two at a time (16 accumulators, 6 loads per 16 vdpbf16ps).
+   The batched decode step was compute-bound in the widening block path below: bf16 llama-d512 at 32 sequences,
+   43 ms a step. */
+static inline void block4_bf16(const Gemv *g, int64_t n0, float out[4][MAXB]) {
+    const uint16_t *w[4];
+    for (int r = 0; r < 4; ++r) w[r] = (const uint16_t *)g->w + (n0 + r) * g->K;
+    int64_t b = 0;
+    for (; b + 2 <= g->B; b += 2) block4_bf16_nb(g, w, b, out, 2);
+    if (b < g->B) block4_bf16_nb(g, w, b, out, 1);
 }
 #endif
 
@@ -632,7 +689,112 @@ static inline void dot4_f32(const Gemv *g, int64_t n0, float out[4][MAXB]) {
     }
     __m512 v[4];
     for (int r = 0; r < 4; ++r) v[r] = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3]));
-    hsum4_ps(v, out);
+    hsum4_ps(v, out, 0);
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__x86_64__)
+/* ---- AMX (a batched bf16 step) ---------------------------------------------------------------------------------
+   Past one input row a bf16 product is compute-bound, and vdpbf16ps reached ~100 GFLOP/s on the 2-vCPU Xeon while
+   oneDNN's AMX GEMM ran 4-5x faster (bf16 llama-d512 at 32 sequences: 29 of a 34 ms program in products). The
+   tile unit multiplies a [16, 32] block of weight rows (A: straight from the row-major weight, no repacking) by a
+   [32, 16] block of the batch (B: the input rows in the tile unit's pair layout, packed once per op by
+   amx_pack_x), into a [16, 16] fp32 tile per 16 input rows. fp32 accumulation, in the tile unit's order (the
+   bits differ from the one-row path's by fp32 rounding), denormals flushed as vdpbf16ps does. Linux hands out the
+   tile state on request (arch_prctl); where it refuses, or HYBRID_NO_AMX is set, the vdpbf16ps path runs. */
+#define AMX_PATH 1
+#include <sys/syscall.h>
+#define AMX_MIN_ROWS 2 /* input rows from which a bf16 product takes the tile unit */
+
+static int amx_usable(void) {
+    static _Atomic int state = -1; /* -1 unknown, 0 no, 1 yes */
+    int s = atomic_load(&state);
+    if (s < 0) {
+        const char *off = getenv("HYBRID_NO_AMX");
+        s = (off && *off && *off != '0') ? 0 : syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                                         18 /* XFEATURE_XTILEDATA */) == 0;
+        atomic_store(&state, s);
+    }
+    return s;
+}
+
+/* this thread's tile configuration: tmm0 A [16 rows, 64 B], tmm1 / tmm6 B [16, 64 B], tmm2..5 C [16, 64 B]. Loaded
+   at the start of every chunk that uses the tiles: torch's own AMX kernels configure (and release) the tiles of
+   the thread they run on between our calls. */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed)) cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64; /* (a tile not used must be all zero) */
+    for (int t = 0; t < 7; ++t) cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* x [B, K] bf16 as B tiles: tile (kb, mb) is 16 rows (k pairs kb*32 + 2i, +1) of 16 dwords (input rows mb*16 + m,
+   zero past B), 1 KB each, kb-major. NULL unless the AMX path takes this product (bf16 x and weights, K % 32 == 0,
+   AMX_MIN_ROWS..64 rows, the tiles granted). The calling thread's scratch, read by its workers during the op. */
+static const uint32_t *amx_pack_x(const void *x, int xdt, int wdt, int64_t B, int64_t K) {
+    if (wdt != DT_BF16 || xdt != DT_BF16 || K % 32 || B < AMX_MIN_ROWS || B > MAXB || !amx_usable()) return NULL;
+    static _Thread_local float *buf = NULL;
+    static _Thread_local int64_t cap = 0;
+    const int64_t nkb = K / 32, nmb = (B + 15) / 16;
+    uint32_t *t = (uint32_t *)grow_scratch(&buf, &cap, nkb * nmb * 256);
+    if (!t) return NULL;
+    const uint32_t *xr = (const uint32_t *)x; /* a row's k pairs as dwords: K / 2 of them */
+    for (int64_t kb = 0; kb < nkb; ++kb)
+        for (int64_t mb = 0; mb < nmb; ++mb) {
+            uint32_t *tile = t + (kb * nmb + mb) * 256;
+            for (int64_t i = 0; i < 16; ++i)
+                for (int64_t m = 0; m < 16; ++m) {
+                    const int64_t b = mb * 16 + m;
+                    tile[i * 16 + m] = b < B ? xr[b * (K / 2) + kb * 16 + i] : 0u;
+                }
+        }
+    return t;
+}
+
+/* out[r][b] = row n0 + r (r < 16) of a bf16 W against every input row b, by the tile unit */
+static inline void amx_rows16(const Gemv *g, int64_t n0, float out[16][MAXB]) {
+    const int64_t K = g->K, nkb = K / 32, nmb = (g->B + 15) / 16;
+    const uint16_t *w = (const uint16_t *)g->w + n0 * K;
+    const uint32_t *xt = g->xt;
+    _tile_zero(2);
+    if (nmb > 1) _tile_zero(3);
+    if (nmb > 2) _tile_zero(4);
+    if (nmb > 3) _tile_zero(5);
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+        _tile_loadd(0, w + kb * 32, K * 2);
+        const uint32_t *t = xt + kb * nmb * 256;
+        _tile_loadd(1, t, 64);
+        _tile_dpbf16ps(2, 0, 1);
+        if (nmb > 1) {
+            _tile_loadd(6, t + 256, 64);
+            _tile_dpbf16ps(3, 0, 6);
+        }
+        if (nmb > 2) {
+            _tile_loadd(1, t + 512, 64);
+            _tile_dpbf16ps(4, 0, 1);
+        }
+        if (nmb > 3) {
+            _tile_loadd(6, t + 768, 64);
+            _tile_dpbf16ps(5, 0, 6);
+        }
+    }
+    _tile_stored(2, &out[0][0], MAXB * 4);
+    if (nmb > 1) _tile_stored(3, &out[0][16], MAXB * 4);
+    if (nmb > 2) _tile_stored(4, &out[0][32], MAXB * 4);
+    if (nmb > 3) _tile_stored(5, &out[0][48], MAXB * 4);
+}
+#define AMX_BEGIN(g) do { if ((g)->xt) amx_configure(); } while (0)
+#else
+#define AMX_BEGIN(g) do { } while (0)
+static inline const uint32_t *amx_pack_x(const void *x, int xdt, int wdt, int64_t B, int64_t K) {
+    (void)x, (void)xdt, (void)wdt, (void)B, (void)K;
+    return NULL;
 }
 #endif
 
@@ -640,8 +802,11 @@ static inline void dot4_f32(const Gemv *g, int64_t n0, float out[4][MAXB]) {
 static inline __attribute__((always_inline)) void dot_rows(const Gemv *g, int64_t n0, int nr, float out[4][MAXB],
                                                            const int wdt) {
 #ifdef __AVX512BF16__
-    if (wdt == DT_BF16 && g->xb && g->B == 1 && nr == 4) {
-        dot4_bf16(g, n0, out);
+    if (wdt == DT_BF16 && g->xb) { /* every batch: dot_row's bits for each row */
+        if (nr == 4 && g->B == 1) dot4_bf16(g, n0, out);
+        else if (nr == 4) block4_bf16(g, n0, out);
+        else
+            for (int r = 0; r < nr; ++r) dot_row(g, n0 + r, out[r], wdt);
         return;
     }
 #endif
@@ -670,11 +835,24 @@ static inline __attribute__((always_inline)) void dot_rows(const Gemv *g, int64_
     else if (g->B - b == 1) block_4xNB(w, g->x, K, out, b, 1);
 }
 
+/* rows n0..n0+nr-1 (nr <= 16) against every input row: 16 at a time by the tile unit where it takes the op,
+   else dot_rows four at a time */
+static inline __attribute__((always_inline)) void dot_rows16(const Gemv *g, int64_t n0, int nr, float out[16][MAXB],
+                                                             const int wdt) {
+#ifdef AMX_PATH
+    if (wdt == DT_BF16 && g->xt && nr == 16) {
+        amx_rows16(g, n0, out);
+        return;
+    }
+#endif
+    for (int r = 0; r < nr; r += 4) dot_rows(g, n0 + r, nr - r < 4 ? nr - r : 4, (float(*)[MAXB])out[r], wdt);
+}
+
 static inline __attribute__((always_inline)) void gemv_rows(const Gemv *g, int64_t lo, int64_t hi, const int wdt) {
-    float outs[4][MAXB];
-    for (int64_t n0 = lo; n0 < hi; n0 += 4)
-    for (int64_t n = n0, nr = hi - n0 < 4 ? hi - n0 : 4; n < n0 + nr; ++n) {
-        if (n == n0) dot_rows(g, n0, (int)nr, outs, wdt);
+    float outs[16][MAXB];
+    for (int64_t n0 = lo; n0 < hi; n0 += 16)
+    for (int64_t n = n0, nr = hi - n0 < 16 ? hi - n0 : 16; n < n0 + nr; ++n) {
+        if (n == n0) dot_rows16(g, n0, (int)nr, outs, wdt);
         const float *out = outs[n - n0];
         const float sc = wdt == DT_I8 ? g->scale[n] : 1.0f;
         const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
@@ -690,6 +868,7 @@ static inline __attribute__((always_inline)) void gemv_rows(const Gemv *g, int64
 
 static void gemv_chunk(const void *job, int64_t chunk) {
     const Gemv *g = job;
+    AMX_BEGIN(g);
     const int64_t lo = chunk * g->rows, hi = lo + g->rows < g->N ? lo + g->rows : g->N;
     if (g->wdt == DT_F32) gemv_rows(g, lo, hi, DT_F32);
     else if (g->wdt == DT_BF16) gemv_rows(g, lo, hi, DT_BF16);
@@ -705,7 +884,7 @@ static int64_t chunk_rows(int64_t N, int64_t row_bytes) {
     int64_t bytes = N * row_bytes / 64;
     if (bytes < 32768) bytes = 32768;
     int64_t rows = bytes / row_bytes;
-    return rows < 1 ? 1 : rows;
+    return (rows + 15) & ~(int64_t)15; /* whole 16-row blocks (the tile unit's) */
 }
 
 /* y[B, N] = act(x[B, K] W[N, K]^T (* scale[N]) + bias[N]) + res[B, N] (act1: 0 none, else ACT_* + 1). */
@@ -716,7 +895,8 @@ static int gemv_act(const void *w, int wdt, const float *scale, const void *bias
     if (!xf) return -1;
     const int64_t wsize = wdt == DT_F32 ? 4 : wdt == DT_BF16 ? 2 : 1;
     const int64_t rows = chunk_rows(N, K * wsize);
-    Gemv g = {w, scale, bias, res, y, xf, N, K, B, rows, wdt, bdt, ydt, act1, bf16_x(x, xdt, wdt, B, K)};
+    Gemv g = {w, scale, bias, res, y, xf, N, K, B, rows, wdt, bdt, ydt, act1, bf16_x(x, xdt, wdt, B, K),
+              amx_pack_x(x, xdt, wdt, B, K)};
     pool_run(gemv_chunk, &g, (N + rows - 1) / rows);
     return 0;
 }
@@ -1301,13 +1481,15 @@ static void gated_up_chunk(const void *job, int64_t chunk) {
     const GatedUp *j = job;
     const Gemv *g = &j->g, *u = &j->u;
     const int64_t lo = chunk * g->rows, hi = lo + g->rows < g->N ? lo + g->rows : g->N;
-    float OG[4][MAXB], OU[4][MAXB];
-    for (int64_t n0 = lo; n0 < hi; n0 += 4)
-    for (int64_t n = n0, nr = hi - n0 < 4 ? hi - n0 : 4; n < n0 + nr; ++n) {
+    float OG[16][MAXB], OU[16][MAXB];
+    AMX_BEGIN(g);
+    for (int64_t n0 = lo; n0 < hi; n0 += 16)
+    for (int64_t n = n0, nr = hi - n0 < 16 ? hi - n0 : 16; n < n0 + nr; ++n) {
         if (n == n0) {
-            if (g->wdt == DT_F32) dot_rows(g, n0, (int)nr, OG, DT_F32), dot_rows(u, n0, (int)nr, OU, DT_F32);
-            else if (g->wdt == DT_BF16) dot_rows(g, n0, (int)nr, OG, DT_BF16), dot_rows(u, n0, (int)nr, OU, DT_BF16);
-            else dot_rows(g, n0, (int)nr, OG, DT_I8), dot_rows(u, n0, (int)nr, OU, DT_I8);
+            if (g->wdt == DT_F32) dot_rows16(g, n0, (int)nr, OG, DT_F32), dot_rows16(u, n0, (int)nr, OU, DT_F32);
+            else if (g->wdt == DT_BF16)
+                dot_rows16(g, n0, (int)nr, OG, DT_BF16), dot_rows16(u, n0, (int)nr, OU, DT_BF16);
+            else dot_rows16(g, n0, (int)nr, OG, DT_I8), dot_rows16(u, n0, (int)nr, OU, DT_I8);
         }
         const float *og = OG[n - n0], *ou = OU[n - n0];
         const float sg = g->wdt == DT_I8 ? g->scale[n] : 1.0f, su = u->wdt == DT_I8 ? u->scale[n] : 1.0f;
@@ -1328,8 +1510,9 @@ int hl_gated_up(const void *wg, const float *sg, const void *bg, const void *wu,
     const int64_t wsize = wdt == DT_F32 ? 4 : wdt == DT_BF16 ? 2 : 1;
     const int64_t rows = chunk_rows(N, 2 * K * wsize);
     const uint16_t *xb = bf16_x(x, xdt, wdt, B, K);
-    GatedUp j = {{wg, sg, bg, NULL, y, xf, N, K, B, rows, wdt, bdt, xdt, 0, xb},
-                 {wu, su, bu, NULL, y, xf, N, K, B, rows, wdt, bdt, xdt, 0, xb}, act};
+    const uint32_t *xt = amx_pack_x(x, xdt, wdt, B, K);
+    GatedUp j = {{wg, sg, bg, NULL, y, xf, N, K, B, rows, wdt, bdt, xdt, 0, xb, xt},
+                 {wu, su, bu, NULL, y, xf, N, K, B, rows, wdt, bdt, xdt, 0, xb, xt}, act};
     pool_run(gated_up_chunk, &j, (N + rows - 1) / rows);
     return 0;
 }
@@ -1383,7 +1566,8 @@ static void qkv_rope_chunk(const void *job, int64_t head) {
     const int64_t h = which == 0 ? head : which == 1 ? head - j->Hq : head - j->Hq - j->Hkv;
     const Gemv *g = &j->m[which];
     const int64_t D = j->D, B = g->B;
-    float acc[MAXB][512], outs[4][MAXB];
+    float acc[MAXB][512], outs[16][MAXB];
+    AMX_BEGIN(g);
     if (j->int4) { /* the 32-row blocks the head's rows fall in (D % 16 == 0; with D % 32 == 16 a block is
                       shared by two heads and computed for each) */
         float out4[MAXB][32];
@@ -1399,13 +1583,13 @@ static void qkv_rope_chunk(const void *job, int64_t head) {
     }
     for (int64_t d = 0; d < D && !j->int4; ++d) {
         const int64_t n = h * D + d;
-        if (d % 4 == 0) {
-            const int nr = D - d < 4 ? (int)(D - d) : 4;
-            if (g->wdt == DT_F32) dot_rows(g, n, nr, outs, DT_F32);
-            else if (g->wdt == DT_BF16) dot_rows(g, n, nr, outs, DT_BF16);
-            else dot_rows(g, n, nr, outs, DT_I8);
+        if (d % 16 == 0) {
+            const int nr = D - d < 16 ? (int)(D - d) : 16;
+            if (g->wdt == DT_F32) dot_rows16(g, n, nr, outs, DT_F32);
+            else if (g->wdt == DT_BF16) dot_rows16(g, n, nr, outs, DT_BF16);
+            else dot_rows16(g, n, nr, outs, DT_I8);
         }
-        const float *out = outs[d % 4];
+        const float *out = outs[d % 16];
         const float sc = g->wdt == DT_I8 ? g->scale[n] : 1.0f;
         const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
         for (int64_t b = 0; b < B; ++b) acc[b][d] = round_to(out[b] * sc + bias, g->ydt);
@@ -1421,9 +1605,10 @@ int hl_qkv_rope(const void *wq, const void *bq, const void *wk, const void *bk, 
     float *xf = load_x(x, xdt, B, K, wdt);
     if (!xf) return -1;
     const uint16_t *xb = bf16_x(x, xdt, wdt, B, K);
-    QkvRope j = {{{wq, sq, bq, NULL, q_out, xf, Hq * D, K, B, D, wdt, bdt, xdt, 0, xb},
-                  {wk, sk, bk, NULL, NULL, xf, Hkv * D, K, B, D, wdt, bdt, xdt, 0, xb},
-                  {wv, sv, bv, NULL, NULL, xf, Hkv * D, K, B, D, wdt, bdt, xdt, 0, xb}},
+    const uint32_t *xt = amx_pack_x(x, xdt, wdt, B, K);
+    QkvRope j = {{{wq, sq, bq, NULL, q_out, xf, Hq * D, K, B, D, wdt, bdt, xdt, 0, xb, xt},
+                  {wk, sk, bk, NULL, NULL, xf, Hkv * D, K, B, D, wdt, bdt, xdt, 0, xb, xt},
+                  {wv, sv, bv, NULL, NULL, xf, Hkv * D, K, B, D, wdt, bdt, xdt, 0, xb, xt}},
                  kpool, vpool, slots, cos, sin, Hq, Hkv, D, rot, pdt};
     pool_run(qkv_rope_chunk, &j, Hq + 2 * Hkv);
     return 0;
