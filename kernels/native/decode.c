@@ -1455,19 +1455,38 @@ int hl_paged_decode(const void *q, int qdt, const void *k, const void *v, int kv
    output), so the fused step computes what the eager layers compute. */
 
 /* RMSNorm (hybrid.layers.norm.RMSNorm): y = bf16?(x / rms(x)) * w, the norm in fp32. */
-void hl_rmsnorm(const void *x, int xdt, const void *w, int wdt, float eps, void *y, int64_t B, int64_t d) {
-    for (int64_t b = 0; b < B; ++b) {
-        double ss = 0.0;
-        for (int64_t i = 0; i < d; ++i) {
-            const float v = load_as_f32(x, xdt, b * d + i);
-            ss += (double)v * v;
-        }
-        const float inv = 1.0f / sqrtf((float)(ss / d) + eps);
-        for (int64_t i = 0; i < d; ++i) {
-            const float v = round_to(load_as_f32(x, xdt, b * d + i) * inv, xdt);
-            store_as(y, xdt, b * d + i, v * load_as_f32(w, wdt, i));
-        }
+typedef struct {
+    const void *x, *w;
+    void *y;
+    float eps;
+    int64_t d;
+    int xdt, wdt;
+} RmsNorm;
+
+static void rmsnorm_row(const void *job, int64_t b) {
+    const RmsNorm *j = job;
+    const void *x = j->x, *w = j->w;
+    void *y = j->y;
+    const float eps = j->eps;
+    const int64_t d = j->d;
+    const int xdt = j->xdt, wdt = j->wdt;
+    double ss = 0.0;
+    for (int64_t i = 0; i < d; ++i) {
+        const float v = load_as_f32(x, xdt, b * d + i);
+        ss += (double)v * v;
     }
+    const float inv = 1.0f / sqrtf((float)(ss / d) + eps);
+    for (int64_t i = 0; i < d; ++i) {
+        const float v = round_to(load_as_f32(x, xdt, b * d + i) * inv, xdt);
+        store_as(y, xdt, b * d + i, v * load_as_f32(w, wdt, i));
+    }
+}
+
+/* y = x / rms(x) * w per row (a batch's rows on the pool) */
+void hl_rmsnorm(const void *x, int xdt, const void *w, int wdt, float eps, void *y, int64_t B, int64_t d) {
+    RmsNorm j = {x, w, y, eps, d, xdt, wdt};
+    if (B == 1) rmsnorm_row(&j, 0);
+    else pool_run(rmsnorm_row, &j, B);
 }
 
 /* The gated MLP's first half (hybrid.layers.mlp.MLP): y = act(x Wg^T + bg) * (x Wu^T + bu), both matrices in
@@ -1681,29 +1700,48 @@ int hl_gated_up_int4(const uint8_t *qg, const void *szg, const void *bg, const u
 /* Mamba-2's gated RMSNorm (hybrid.layers.norm.GatedRMSNorm) over groups of the d_inner channels, y [B, d]
    from y and the gate z (z's rows with stride zs): norm(y * silu(z)) or, norm_before_gate, norm(y) * silu(z);
    all in fp32, rounded once at the end. */
+typedef struct {
+    const void *y, *z, *w;
+    void *out;
+    float eps;
+    int64_t zs, groups, d;
+    int dt, wdt, norm_before_gate;
+} GatedRmsNorm;
+
+static void gated_rmsnorm_row(const void *job, int64_t b) {
+    const GatedRmsNorm *j = job;
+    const void *y = j->y, *z = j->z, *w = j->w;
+    void *out = j->out;
+    const float eps = j->eps;
+    const int64_t zs = j->zs, d = j->d, gs = d / j->groups;
+    const int dt = j->dt, wdt = j->wdt, norm_before_gate = j->norm_before_gate;
+    float buf[8192];
+    for (int64_t g0 = 0; g0 < d; g0 += gs) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < gs; ++i) {
+            const float zv = load_as_f32(z, dt, b * zs + g0 + i);
+            const float gate = zv / (1.0f + expf(-zv));
+            const float yv = load_as_f32(y, dt, b * d + g0 + i);
+            const float v = norm_before_gate ? yv : gate * yv;
+            buf[i] = norm_before_gate ? gate : v;
+            ss += (double)v * v;
+        }
+        const float inv = 1.0f / sqrtf((float)(ss / gs) + eps);
+        for (int64_t i = 0; i < gs; ++i) {
+            const float yv = load_as_f32(y, dt, b * d + g0 + i);
+            const float v = norm_before_gate ? yv * inv * load_as_f32(w, wdt, g0 + i) * buf[i]
+                                             : buf[i] * inv * load_as_f32(w, wdt, g0 + i);
+            store_as(out, dt, b * d + g0 + i, v);
+        }
+    }
+}
+
+/* Mamba-2's gated RMSNorm per row (a batch's rows on the pool) */
 void hl_gated_rmsnorm(const void *y, const void *z, int64_t zs, int dt, const void *w, int wdt, float eps,
                       int64_t groups, int norm_before_gate, void *out, int64_t B, int64_t d) {
-    const int64_t gs = d / groups;
-    float buf[8192];
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t g0 = 0; g0 < d; g0 += gs) {
-            double ss = 0.0;
-            for (int64_t i = 0; i < gs; ++i) {
-                const float zv = load_as_f32(z, dt, b * zs + g0 + i);
-                const float gate = zv / (1.0f + expf(-zv));
-                const float yv = load_as_f32(y, dt, b * d + g0 + i);
-                const float v = norm_before_gate ? yv : gate * yv;
-                buf[i] = norm_before_gate ? gate : v;
-                ss += (double)v * v;
-            }
-            const float inv = 1.0f / sqrtf((float)(ss / gs) + eps);
-            for (int64_t i = 0; i < gs; ++i) {
-                const float yv = load_as_f32(y, dt, b * d + g0 + i);
-                const float v = norm_before_gate ? yv * inv * load_as_f32(w, wdt, g0 + i) * buf[i]
-                                                 : buf[i] * inv * load_as_f32(w, wdt, g0 + i);
-                store_as(out, dt, b * d + g0 + i, v);
-            }
-        }
+    GatedRmsNorm j = {y, z, w, out, eps, zs, groups, d, dt, wdt, norm_before_gate};
+    if (B == 1) gated_rmsnorm_row(&j, 0);
+    else pool_run(gated_rmsnorm_row, &j, B);
 }
 
 /* Mamba-2's dt and A (hybrid.layers.mamba2.Mamba2.dt_A) for a decode step: dt [B, H] = softplus(dt_raw +
