@@ -34,6 +34,8 @@ def report() -> str:
     native_note = native.available()
     lines.append("native CPU decode kernels (kernels/native: products, state steps, paged attention, fused "
                  "sub-layers): " + ("in use" if native_note is None else f"not in use ({native_note}); torch runs"))
+    if native_note is None:
+        lines.append("native instruction paths: " + (", ".join(native.cpu_paths()) or "portable C only"))
     forced = os.environ.get("HYBRID_BACKEND")
     lines.append(f"HYBRID_BACKEND={forced or '<unset>'}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -130,6 +130,13 @@ def test_doctor_prints_every_op(capsys):
     assert "TRITON_INTERPRET=" in out and "# ops on cpu" in out
     for op in dispatch.ops():
         assert f"\n{op} " in out
+    from hybrid.kernels import native
+
+    if native.available() is None:  # the instruction paths the native library was built with, as the CPU flags say
+        flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+        assert "native instruction paths: " in out
+        assert ("AVX512-BF16 vdpbf16ps" in native.cpu_paths()) == ("avx512_bf16" in flags)
+        assert ("AVX2" in native.cpu_paths()) == ("avx2" in flags)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

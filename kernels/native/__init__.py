@@ -58,6 +58,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
                                 i64, i64, i64]
     lib.hl_program_run.argtypes, lib.hl_program_run.restype = [p, i64, p, p], i64
     lib.hl_program_abi.argtypes, lib.hl_program_abi.restype = [], i64
+    lib.hl_cpu_paths.argtypes, lib.hl_cpu_paths.restype = [], i32
     lib.hl_argmax.argtypes, lib.hl_argmax.restype = [p, i32, i64, i64, p], None
     lib.hl_gated_rmsnorm.argtypes = [p, p, i64, i32, p, i32, f32, i64, i32, p, i64, i64]
     lib.hl_mamba2_dt.argtypes = [p, i32, i64, p, i32, p, i32, f32, f32, i32, p, p, i64, i64]
@@ -113,6 +114,20 @@ def set_stream_prefetch(on: bool) -> None:
 def available() -> str | None:
     """None when the native kernels can run here, else why not."""
     return _library()[1]
+
+
+_PATHS = ((1, "AVX2"), (2, "AVX-512"), (4, "AVX512-BF16 vdpbf16ps"), (8, "AVX512-VNNI vpdpbusd"),
+          (16, "AMX tile unit (batched bf16 products)"))
+
+
+def cpu_paths() -> list[str]:
+    """The instruction paths the native library was built with on this CPU (the AMX tile unit only where Linux
+    granted it and HYBRID_NO_AMX is not set); empty when the library is not available."""
+    lib, why = _library()
+    if why is not None:
+        return []
+    bits = lib.hl_cpu_paths()
+    return [name for bit, name in _PATHS if bits & bit]
 
 
 _threads = [0]

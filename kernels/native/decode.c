@@ -798,6 +798,28 @@ static inline const uint32_t *amx_pack_x(const void *x, int xdt, int wdt, int64_
 }
 #endif
 
+/* The instruction paths this build takes (bits: 1 AVX2, 2 AVX-512, 4 AVX512-BF16 vdpbf16ps, 8 AVX512-VNNI
+   vpdpbusd, 16 the AMX tile unit, compiled and granted): what `hybrid doctor` reports */
+int hl_cpu_paths(void) {
+    int bits = 0;
+#ifdef __AVX2__
+    bits |= 1;
+#endif
+#ifdef __AVX512F__
+    bits |= 2;
+#endif
+#ifdef __AVX512BF16__
+    bits |= 4;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    bits |= 8;
+#endif
+#ifdef AMX_PATH
+    if (amx_usable()) bits |= 16;
+#endif
+    return bits;
+}
+
 /* out[r][b] = row n0 + r (r < nr <= 4) of W against input row b, for all B input rows */
 static inline __attribute__((always_inline)) void dot_rows(const Gemv *g, int64_t n0, int nr, float out[4][MAXB],
                                                            const int wdt) {
