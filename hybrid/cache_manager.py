@@ -142,6 +142,23 @@ class CacheManager:
         table = seq.blocks
         return [table[p // bs] * bs + p % bs for p in range(start - seq.dropped, end - seq.dropped)]
 
+    def decode_row(self, seq_id: int, position: int) -> tuple[int, int, list[int], int]:
+        """What a decode step's row for ``seq_id``'s token at ``position`` reads: its KV length after the token,
+        the token's K/V pool slot (0 without attention), its block table (empty without attention; the live list,
+        not a copy) and its state slot. ValueError when the sequence holds no cache here or its blocks do not
+        reach the token (the scheduler grows them first)."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"build_batch: sequences {[seq_id]} hold no cache in this manager")
+        kv_len = position + 1 - seq.dropped
+        if not self.kv.enabled:
+            return kv_len, 0, [], seq.slot
+        bs, blocks = self.block_size, seq.blocks
+        if len(blocks) * bs < kv_len:
+            raise ValueError(f"build_batch: sequences {[seq_id]} hold too few KV blocks for their new tokens")
+        q = kv_len - 1
+        return kv_len, blocks[q // bs] * bs + q % bs, blocks, seq.slot
+
     def blocks_in_use(self) -> list[int]:
         return [b for s in self.seqs.values() for b in s.blocks if b != NULL_BLOCK]
 

@@ -133,12 +133,12 @@ class HybridLM(nn.Module):
         ``all_logits``). ``borrow_logits``: a decode step run by the native program may return a view of the
         program's own logits buffer, which the next decode step on ``cache`` overwrites (the engine reads them
         within its step; a fresh copy of 128 KB a row cost ~80 us of a 4 ms step)."""
-        if batch.rope is None and self.rope is not None:
-            batch = batch.with_rope(self.rope.cos_sin(batch.positions, self.embed.weight.dtype))
-        if not all_logits:  # a decode-only step: one native program where it covers the model
+        if not all_logits:  # a decode-only step: one native program where it covers the model (its own RoPE rows)
             logits = fused_decode.step(self, batch, cache, borrow=borrow_logits)
             if logits is not None:
                 return logits
+        if batch.rope is None and self.rope is not None:
+            batch = batch.with_rope(self.rope.cos_sin(batch.positions, self.embed.weight.dtype))
         x = self.embed(batch.tokens)
         for block in self.layers:
             x = block(x, batch, cache)

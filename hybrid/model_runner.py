@@ -22,7 +22,9 @@ import torch
 
 from .cache import NULL_BLOCK, HybridCache
 from .cache_manager import CacheManager
+from .decode_inputs import DecodeInputs
 from .kernels import native
+from .layers import fused_decode
 from .packed_batch import PackedBatch, SeqChunk, SeqGroup, build_batch, observed_rows
 from .sampling import SamplingBatch, SamplingParams, sample
 
@@ -76,6 +78,7 @@ class ModelRunner:
         self.compile_seconds = 0.0  # first call of each compiled shape (tracing + codegen), never in tokens/s
         self.compiled_shapes: list[tuple[int, int]] = []
         self._decode = None
+        self._inputs: DecodeInputs | None = None  # a CPU decode step's rows, kept across steps
         self.verify_states = None  # the last step's per-position Mamba states of its verify chunks
         if compile:
             import torch._dynamo
@@ -133,9 +136,28 @@ class ModelRunner:
             # a decode step: its work is the native program (hybrid/layers/fused_decode.py), which takes the
             # intra-op threads while torch's small ops run on one (the engine holds them for its whole step)
             with native.owns_threads():  # (the engine samples these logits before its next step: borrowed)
+                logits = self._native_decode(chunks)
+                if logits is not None:
+                    return logits, False
                 return self.model.forward_packed(build_batch(self.manager, chunks), self.cache,
                                                  borrow_logits=True), False
         return self.model.forward_packed(build_batch(self.manager, chunks), self.cache), False
+
+    def _native_decode(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
+        """A CPU decode step's logits (borrowed: the program's buffer) from the whole-step native program fed from
+        the kept :class:`~hybrid.decode_inputs.DecodeInputs`, no packed batch built; None where the program does
+        not cover this model and cache (or this step: more rows than it takes, SnapKV's observed queries)."""
+        if len(chunks) > native.MAX_ROWS or self.manager.kv.capture is not None or torch.is_grad_enabled():
+            return None
+        prog = fused_decode.whole_program(self.model, self.cache)
+        if prog is None:
+            return None
+        if self._inputs is None:
+            self._inputs = DecodeInputs(native.MAX_ROWS)
+        self._inputs.fill(self.manager, chunks)
+        tokens, positions, kv_slots, seq_lens, tables, state_slots = self._inputs.views()
+        return prog.run(self.model, tokens, positions, self._inputs.max_position, kv_slots, seq_lens, tables,
+                        state_slots)
 
     def _decode_forward(self, tokens, positions, slot_mapping, seq_lens, block_tables, state_slots):
         n = tokens.shape[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_hooks import eager_step_logits, no_whole_step, whole_step_logits
 from hybrid.kernels import conv1d, native, paged_attention, projection, ssd, use_backend
 from hybrid.kernels.native import ops
 
@@ -178,8 +179,7 @@ def test_fused_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
         return eager
 
     monkeypatch.setattr(model_mod.Block, "forward", both)
-    # the blocks one by one (their programs built), not the whole step
-    monkeypatch.setattr(fused_decode, "step", lambda m, b, c, **kw: fused_decode.program(m, c) and None)
+    no_whole_step(monkeypatch)  # the blocks one by one (their programs built), not the whole step
     _greedy(model, [list(range(1, 12)), [7] * 20], 4)
     assert "mlp" in checked and ("attention" in checked or recipe != "llama-tiny")
 
@@ -187,30 +187,7 @@ def test_fused_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
 def _step_logits(model, prompts, whole: bool, monkeypatch):
     """Each decode step's logits of an engine run, through the whole-step program or (whole=False) block by
     block."""
-    from hybrid.layers import fused_decode
-
-    got, real, decoding = [], fused_decode.step, [False]
-
-    def record(m, batch, cache, **kw):
-        decoding[0] = batch.prefill is None
-        out = real(m, batch, cache, **kw) if whole else fused_decode.program(m, cache) and None
-        if whole and batch.prefill is None:
-            assert out is not None, fused_decode.coverage(m, cache)
-            got.append(out.clone())
-        return out
-
-    monkeypatch.setattr(fused_decode, "step", record)
-    if not whole:
-        import hybrid.model as model_mod
-
-        plain = model_mod.HybridLM.logits
-        def logits(self, h):
-            out = plain(self, h)
-            if decoding[0]:
-                got.append(out)
-            return out
-
-        monkeypatch.setattr(model_mod.HybridLM, "logits", logits)
+    got = whole_step_logits(monkeypatch) if whole else eager_step_logits(monkeypatch, sublayers=True)
     _greedy(model, prompts, 6)
     monkeypatch.undo()
     return got

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from decode_hooks import eager_step_logits, no_whole_step, whole_step_logits
 from hybrid.kernels import gla, native, use_backend
 from hybrid.kernels.native import ops
 from test_native_decode import _greedy, _noise
@@ -117,8 +118,7 @@ def test_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
         return eager
 
     monkeypatch.setattr(model_mod.Block, "forward", both)
-    # the blocks one by one (their programs built), not the whole step
-    monkeypatch.setattr(fused_decode, "step", lambda m, b, c, **kw: fused_decode.program(m, c) and None)
+    no_whole_step(monkeypatch)  # the blocks one by one (their programs built), not the whole step
     for state_dtype in (None, torch.bfloat16):
         _greedy(model, [list(range(1, 12)), [7] * 20, [9, 4]], 5, state_dtype=state_dtype)
     assert len(checked) >= 2 * 4 * 2
@@ -127,31 +127,7 @@ def test_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
 def _logits(model, prompts, native_step: bool, monkeypatch):
     """Each decode step's logits: the whole step as one program, or (native_step=False) the eager blocks (no
     program at all: every sub-layer its layer's forward, on the default per-op kernels)."""
-    import hybrid.model as model_mod
-    from hybrid.layers import fused_decode
-
-    got, real, decoding = [], fused_decode.step, [False]
-
-    def record(m, batch, cache, **kw):
-        decoding[0] = batch.prefill is None
-        out = real(m, batch, cache, **kw) if native_step else None
-        if native_step and decoding[0]:
-            assert out is not None, fused_decode.coverage(m, cache)
-            got.append(out.clone())
-        return out
-
-    monkeypatch.setattr(fused_decode, "step", record)
-    if not native_step:
-        monkeypatch.setattr(fused_decode, "sublayer", lambda block, x, batch, cache: None)
-        plain = model_mod.HybridLM.logits
-
-        def logits(self, h):
-            out = plain(self, h)
-            if decoding[0]:
-                got.append(out)
-            return out
-
-        monkeypatch.setattr(model_mod.HybridLM, "logits", logits)
+    got = whole_step_logits(monkeypatch) if native_step else eager_step_logits(monkeypatch)
     _greedy(model, prompts, 6)
     monkeypatch.undo()
     return got

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_hooks import eager_step_logits, whole_step_logits
 from hybrid.kernels import dispatch, native, projection, use_backend
 
 import hybrid
@@ -175,34 +176,7 @@ def test_int4wo_engine_decodes_through_the_native_product_and_equals_full_forwar
 def _decode_logits(model, prompts, monkeypatch, *, program: bool):
     """Each decode step's logits of an engine run: through the whole-step native program (program=True: every
     block and the head covered) or through the eager layers (no program; their int4 products still native)."""
-    import hybrid.model as model_mod
-    from hybrid.layers import fused_decode
-
-    got, decoding = [], [False]
-    real_step = fused_decode.step
-
-    def step(m, batch, cache, **kw):
-        decoding[0] = batch.prefill is None
-        if not program:
-            return None
-        out = real_step(m, batch, cache, **kw)
-        if decoding[0]:
-            assert out is not None, fused_decode.coverage(m, cache)
-            got.append(out.clone())
-        return out
-
-    monkeypatch.setattr(fused_decode, "step", step)
-    if not program:
-        monkeypatch.setattr(fused_decode, "sublayer", lambda *a, **kw: None)
-        plain = model_mod.HybridLM.logits
-
-        def logits(self, h):
-            out = plain(self, h)
-            if decoding[0]:
-                got.append(out.clone())
-            return out
-
-        monkeypatch.setattr(model_mod.HybridLM, "logits", logits)
+    got = whole_step_logits(monkeypatch) if program else eager_step_logits(monkeypatch)
     _greedy(model, prompts, 6)
     monkeypatch.undo()
     return got

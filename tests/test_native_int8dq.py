@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_hooks import eager_step_logits, no_whole_step, whole_step_logits
 from hybrid.kernels import dispatch, native, projection
 
 import hybrid
@@ -201,7 +202,7 @@ def test_engine_decodes_through_the_q_products_and_equals_full_forward(recipe, m
         calls[0] += 1
         return projection._linear_q_native(*args)
 
-    monkeypatch.setattr(fused_decode, "step", lambda *a, **kw: None)
+    no_whole_step(monkeypatch)
     monkeypatch.setattr(fused_decode, "sublayer", lambda *a, **kw: None)
     dispatch.register("linear_q", "native", counted, native.available, projection._q_native_supports)
     try:
@@ -225,34 +226,7 @@ def test_engine_decodes_through_the_q_products_and_equals_full_forward(recipe, m
 def _decode_logits(model, prompts, monkeypatch, *, program: bool):
     """Each decode step's logits of an engine run: through the whole-step native program (program=True: every
     block and the head covered) or through the eager layers (their products still native)."""
-    import hybrid.model as model_mod
-    from hybrid.layers import fused_decode
-
-    got, decoding = [], [False]
-    real_step = fused_decode.step
-
-    def step(m, batch, cache, **kw):
-        decoding[0] = batch.prefill is None
-        if not program:
-            return None
-        out = real_step(m, batch, cache, **kw)
-        if decoding[0]:
-            assert out is not None, fused_decode.coverage(m, cache)
-            got.append(out.clone())
-        return out
-
-    monkeypatch.setattr(fused_decode, "step", step)
-    if not program:
-        monkeypatch.setattr(fused_decode, "sublayer", lambda *a, **kw: None)
-        plain = model_mod.HybridLM.logits
-
-        def logits(self, h):
-            out = plain(self, h)
-            if decoding[0]:
-                got.append(out.clone())
-            return out
-
-        monkeypatch.setattr(model_mod.HybridLM, "logits", logits)
+    got = whole_step_logits(monkeypatch) if program else eager_step_logits(monkeypatch)
     _greedy(model, prompts, 6)
     monkeypatch.undo()
     return got

@@ -38,6 +38,7 @@ import torch
 from ..kernels import dispatch, native
 from ..kernels.native import DTYPE_CODES
 from ..kernels.native.ops import ACTIVATIONS
+from ..kernels.packing import host_values
 from ..kernels.projection import int4_layout_refusal, int4pack_block
 from ..quantize import decode_bytes, int4_blocks, int8_rows, q_operands
 from .attention import Attention
@@ -63,7 +64,11 @@ class HlOp(ctypes.Structure):
 class HlStep(ctypes.Structure):
     _fields_ = [("n", ctypes.c_int64), ("x", ctypes.c_void_p), ("kv_slots", ctypes.c_void_p),
                 ("seq_lens", ctypes.c_void_p), ("tables", ctypes.c_void_p), ("tstride", ctypes.c_int64),
-                ("state_slots", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+                ("state_slots", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                # the gathers program.c does before its first op when these are set (see its HlStep)
+                ("tokens", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("embed_row_bytes", ctypes.c_int64),
+                ("vocab", ctypes.c_int64), ("positions", ctypes.c_void_p), ("cos_table", ctypes.c_void_p),
+                ("sin_table", ctypes.c_void_p), ("rope_row_bytes", ctypes.c_int64), ("table_rows", ctypes.c_int64)]
 
 
 class _Unsupported(Exception):
@@ -455,7 +460,8 @@ class DecodeProgram:
             except _Unsupported as e:
                 self.blocks.append(None)
                 self.why.append(str(e))
-        self.whole = self.logits = self._x = None
+        self.whole = self.logits = self._x = self._rope_rows = None
+        self._step = HlStep()  # the whole step's inputs, refilled by run() (a ctypes struct a step is ~2 us)
         # weights that fit in the last-level cache stay there between steps unless a non-temporal prefetch
         # pushes them out: the products prefetch only what streams from memory (kernels/native/decode.c P_stream)
         self.weight_bytes = _decode_weight_bytes(model)
@@ -485,16 +491,54 @@ class DecodeProgram:
         """The step's input rows: ``model.embed(tokens)``, for a plain ``nn.Embedding`` gathered into a buffer
         kept here (the program adds every block's output to it in place; a new one each step is an allocation
         and a cold module call)."""
-        emb, n = model.embed, tokens.shape[0]
-        if type(emb) is not torch.nn.Embedding or emb.max_norm is not None or emb._forward_hooks \
-                or emb._forward_pre_hooks or torch.nn.modules.module._global_forward_hooks \
-                or torch.nn.modules.module._global_forward_pre_hooks or n > native.MAX_ROWS:
-            return emb(tokens)
-        w = emb.weight
+        if not _plain_embedding(model.embed, tokens.shape[0]):
+            return model.embed(tokens)
+        return torch.index_select(model.embed.weight, 0, tokens, out=self._rows(model)[:tokens.shape[0]])
+
+    def _rows(self, model) -> torch.Tensor:
+        """The kept input-row buffer [MAX_ROWS, d_model] in the embedding's dtype."""
+        w = model.embed.weight
         if self._x is None or self._x.dtype != w.dtype:
             with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
                 self._x = torch.empty(native.MAX_ROWS, w.shape[1], dtype=w.dtype)
-        return torch.index_select(w, 0, tokens, out=self._x[:n])
+        return self._x
+
+    def run(self, model, tokens: torch.Tensor, positions: torch.Tensor, max_position: int, kv_slots: torch.Tensor,
+            seq_lens: torch.Tensor, tables: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor | None:
+        """The whole step (``whole`` must be set) for rows given by their token ids and positions: int64 ``tokens``,
+        ``positions``, ``kv_slots``, ``state_slots`` [n], int32 ``seq_lens`` [n] and ``tables`` [n, width], all
+        contiguous CPU tensors the caller has checked (``max_position``: the largest of ``positions``). The
+        program gathers the embedding rows (a plain ``nn.Embedding``; else the module runs here) and the RoPE
+        table's rows itself. Returns the logits [n, vocab]: a view of this program's buffer, which the next step
+        overwrites; None when the embedding's rows are not in the program's dtype (the caller runs the layers)."""
+        n = tokens.shape[0]
+        st = self._step
+        if _plain_embedding(model.embed, n):
+            w = model.embed.weight
+            if w.dtype != self.dtype:
+                return None
+            st.x, st.tokens, st.embed = self._rows(model).data_ptr(), tokens.data_ptr(), w.data_ptr()
+            st.embed_row_bytes, st.vocab = w.shape[1] * w.element_size(), w.shape[0]
+        else:
+            x = model.embed(tokens)
+            if x.dtype != self.dtype or x.shape != (n, self.d_model):
+                return None
+            x = self._rows(model)[:n].copy_(x)
+            st.x, st.tokens = x.data_ptr(), None
+        rope = model.rope
+        if rope is not None and rope.rotary_dim:
+            cos, sin = rope.table(max_position + 1, self.dtype, tokens.device)
+            if self._rope_rows is None or self._rope_rows[0].shape[1] != cos.shape[1]:
+                self._rope_rows = tuple(torch.empty(native.MAX_ROWS, cos.shape[1], dtype=self.dtype) for _ in "cs")
+            st.cos, st.sin = self._rope_rows[0].data_ptr(), self._rope_rows[1].data_ptr()
+            st.positions, st.cos_table, st.sin_table = positions.data_ptr(), cos.data_ptr(), sin.data_ptr()
+            st.rope_row_bytes, st.table_rows = cos.shape[1] * cos.element_size(), cos.shape[0]
+        st.n, st.kv_slots, st.seq_lens = n, kv_slots.data_ptr(), seq_lens.data_ptr()
+        st.state_slots = state_slots.data_ptr()
+        st.tables, st.tstride = tables.data_ptr(), tables.stride(0) if tables.dim() == 2 else 0
+        native.set_stream_prefetch(self.stream)
+        self.whole.run(st)
+        return self.logits[:n]
 
     def valid(self, cache) -> bool:
         """The cache still hands out the views it was built on (a pruning policy set since rebuilds them)."""
@@ -512,6 +556,26 @@ class DecodeProgram:
 
 
 _programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> (model ref, DecodeProgram)
+
+
+def _plain_embedding(emb, rows: int) -> bool:
+    """Whether ``emb`` is a plain ``nn.Embedding`` (no max_norm, no hooks) whose rows the program may gather for
+    ``rows`` rows itself."""
+    mod = torch.nn.modules.module
+    return (type(emb) is torch.nn.Embedding and emb.max_norm is None and not emb._forward_hooks
+            and not emb._forward_pre_hooks and not mod._global_forward_hooks and not mod._global_forward_pre_hooks
+            and 0 < rows <= native.MAX_ROWS)
+
+
+def _step_ok(batch, dtype: torch.dtype) -> bool:
+    """Whether the whole-step program may run ``batch`` (a decode-only step's packed batch) as it is."""
+    d = batch.decode
+    return (d is not None and batch.prefill is None and batch.observe is None and 0 < d.num_seqs <= native.MAX_ROWS
+            and batch.tokens.device.type == "cpu" and not torch.is_grad_enabled() and dtype in _FLOATS
+            and all(t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == d.num_seqs
+                    for t in (batch.tokens, batch.positions, batch.slot_mapping, d.state_slots))
+            and d.seq_lens.dtype == torch.int32 and d.block_tables.dtype == torch.int32
+            and d.block_tables.is_contiguous())
 
 
 def _batch_ok(batch, x: torch.Tensor) -> bool:
@@ -565,25 +629,33 @@ def _none(*args):
 
 
 def step(model, batch, cache, *, borrow: bool = False) -> torch.Tensor | None:
-    """The logits [n, vocab] of a decode-only step's rows (``batch.rope`` computed) as one native program, or
+    """The logits [n, vocab] of a decode-only step's rows as one native program, or
     None when the program does not cover this model, cache or batch: the caller then runs the blocks, and those
     the program covers run their own ops (:func:`sublayer`). ``borrow``: the logits are a view of the
     program's buffer (the next step overwrites it), not a copy."""
-    if batch.prefill is not None or batch.decode is None or torch.compiler.is_compiling():
+    if batch.prefill is not None or batch.decode is None or batch.tokens.device.type != "cpu" \
+            or torch.compiler.is_compiling():
         return None  # (a compiled decode graph runs the layers: Inductor's code, not ours)
-    _, fn = dispatch.choose("decode_sublayer", batch.tokens.device.type)
-    if fn is _none or batch.tokens.device.type != "cpu":
+    if cache is not None and dispatch.choose("decode_sublayer", "cpu")[1] is not _none:
+        program(model, cache)  # built here, so that the per-block path finds it too
+    prog = whole_program(model, cache)
+    if prog is None or not _step_ok(batch, prog.dtype):
         return None
-    prog = program(model, cache)  # built here, so that the per-block path finds it too
-    if prog.whole is None:
+    d = batch.decode
+    logits = prog.run(model, batch.tokens, batch.positions, max(host_values(batch.positions)), batch.slot_mapping,
+                      d.seq_lens, d.block_tables, d.state_slots)
+    return logits if borrow or logits is None else logits.clone()
+
+
+def whole_program(model, cache) -> DecodeProgram | None:
+    """The program that runs a whole CPU decode step of ``model`` over ``cache`` (:meth:`DecodeProgram.run`), or
+    None where it does not cover them or the native backend is not the one chosen (the caller runs the layers)."""
+    if torch.compiler.is_compiling() or cache is None or cache.device.type != "cpu":
         return None
-    x = prog.embed(model, batch.tokens)
-    if not _batch_ok(batch, x) or x.dtype != prog.dtype:
+    if dispatch.choose("decode_sublayer", "cpu")[1] is _none:
         return None
-    native.set_stream_prefetch(prog.stream)
-    prog.whole.run(prog.step_args(batch, x))
-    logits = prog.logits[:x.shape[0]]
-    return logits if borrow else logits.clone()
+    prog = program(model, cache)
+    return prog if prog.whole is not None else None
 
 
 def sublayer(block, x: torch.Tensor, batch, cache) -> torch.Tensor | None:

@@ -44,12 +44,20 @@ class RotaryEmbedding(nn.Module):
         # six small ops of _cos_sin took ~130 us of a 5 ms step. The table rows are _cos_sin's own values.
         host = attached_values(positions)  # a packed batch's positions carry their host values
         need = (max(host) if host else int(positions.max())) + 1 if positions.numel() else 1
-        tables = self.__dict__.setdefault("_tables", {})
-        cos, sin = tables.get(dtype, (None, None))
-        if cos is None or cos.shape[0] < need:
-            size = max(1024, 1 << (need - 1).bit_length())
-            cos, sin = tables[dtype] = self._cos_sin(torch.arange(size, device=positions.device), dtype)
+        cos, sin = self.table(need, dtype, positions.device)
         return cos.index_select(0, positions), sin.index_select(0, positions)  # (cheaper than cos[positions])
+
+    def table(self, rows: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [R, rotary_dim] of positions 0..R-1 with R >= ``rows`` (R a power of two, at least 1024): the
+        table decode steps look their positions up in (the native decode program reads its rows directly). Kept
+        per dtype and grown by doubling, so it is rebuilt at most log2(longest position) times."""
+        tables = self.__dict__.setdefault("_tables", {})
+        cos, sin = tables.get((dtype, str(device)), (None, None))
+        if cos is None or cos.shape[0] < rows:
+            size = max(1024, 1 << (rows - 1).bit_length())
+            with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode alike
+                cos, sin = tables[(dtype, str(device))] = self._cos_sin(torch.arange(size, device=device), dtype)
+        return cos, sin
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq(positions.device)

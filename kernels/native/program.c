@@ -5,7 +5,9 @@
    of interpreter, ctypes and tensor bookkeeping between them added up to as long as the products themselves,
    and each call woke the pool's sleeping workers anew. Here the step's per-step inputs (the rows' K/V slots,
    lengths, block tables, state slots, RoPE cos/sin) come in one HlStep; the workers spin between the ops of a
-   program (P.hot) and sleep after it.
+   program (P.hot) and sleep after it. A step may also hand over its token ids and positions instead of its input
+   rows and cos/sin: the program then gathers the embedding rows and the RoPE table rows itself (the engine's
+   steady decode state, hybrid/decode_inputs.py: no tensor is made per step).
 
    Compiled together with decode.c (one translation unit: the ops are its static functions). */
 
@@ -50,7 +52,14 @@ typedef struct {
     const int32_t *tables;     /* [n, tstride] block tables */
     int64_t tstride;
     const int64_t *state_slots; /* [n] constant-state slots */
-    const void *cos, *sin;     /* [n, rot] in the model dtype */
+    void *cos, *sin;           /* [n, rot] in the model dtype */
+    /* optional gathers done before the first op (NULL: the caller did them) */
+    const int64_t *tokens;     /* [n] token ids: x[r] = embed[tokens[r]] */
+    const void *embed;         /* [vocab, d_model] the embedding matrix, rows of embed_row_bytes */
+    int64_t embed_row_bytes, vocab;
+    const int64_t *positions;  /* [n] positions: cos[r] = cos_table[positions[r]], same for sin */
+    const void *cos_table, *sin_table; /* [table_rows, rot], rows of rope_row_bytes */
+    int64_t rope_row_bytes, table_rows;
 } HlStep;
 
 /* a pointer slot holding this stands for the step's residual stream */
@@ -134,8 +143,25 @@ static int run_op(const HlOp *o, const HlStep *st) {
 
 /* Runs ops[0..nops) on one step. Returns 0, or -(k + 1) when op k refused its arguments (nothing after it
    ran). times (or NULL): each op's wall time in microseconds is added to times[k]. */
+/* the step's gathers (see HlStep); 0, or -1 for a token id or position outside its table (nothing run) */
+static int gather_inputs(const HlStep *st) {
+    for (int64_t r = 0; r < st->n; ++r) {
+        if (st->tokens && (st->tokens[r] < 0 || st->tokens[r] >= st->vocab)) return -1;
+        if (st->positions && (st->positions[r] < 0 || st->positions[r] >= st->table_rows)) return -1;
+    }
+    for (int64_t r = 0; st->tokens && r < st->n; ++r)
+        memcpy((char *)st->x + r * st->embed_row_bytes,
+               (const char *)st->embed + st->tokens[r] * st->embed_row_bytes, (size_t)st->embed_row_bytes);
+    for (int64_t r = 0; st->positions && r < st->n; ++r) {
+        const int64_t at = st->positions[r] * st->rope_row_bytes, to = r * st->rope_row_bytes;
+        memcpy((char *)st->cos + to, (const char *)st->cos_table + at, (size_t)st->rope_row_bytes);
+        memcpy((char *)st->sin + to, (const char *)st->sin_table + at, (size_t)st->rope_row_bytes);
+    }
+    return 0;
+}
+
 int64_t hl_program_run(const HlOp *ops, int64_t nops, const HlStep *st, double *times) {
-    if (st->n < 1 || st->n > MAXB) return -(nops + 1);
+    if (st->n < 1 || st->n > MAXB || gather_inputs(st)) return -(nops + 1);
     atomic_store_explicit(&P.hot, 1, memory_order_relaxed);
     int64_t rc = 0;
     for (int64_t k = 0; k < nops; ++k) {
@@ -162,15 +188,26 @@ static inline int is_nan_bits(float v) { /* not v != v: -ffast-math assumes no N
     return (b & 0x7fffffffu) > 0x7f800000u;
 }
 
+#ifdef __AVX2__
+/* eight fp32 or bf16 values from x[i..i+8) as fp32 (bf16 widened exactly: its bits are the fp32's top half) */
+static inline __m256 argmax_load8(const void *x, int dt, int64_t i) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)x + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
 void hl_argmax(const void *x, int dt, int64_t rows, int64_t V, int64_t *out) {
 #ifdef __AVX2__
-    if (dt == DT_F32) { /* two vector passes: the largest value (and any NaN), then its first index */
+    if (dt == DT_F32 || dt == DT_BF16) { /* two vector passes: the largest value (and any NaN), then its first index */
         for (int64_t r = 0; r < rows; ++r) {
-            const float *p = (const float *)x + r * V;
+            const int64_t row = r * V;
+            const void *p = dt == DT_F32 ? (const void *)((const float *)x + row)
+                                         : (const void *)((const uint16_t *)x + row);
             __m256 mx = _mm256_set1_ps(-FLT_MAX), nan = _mm256_setzero_ps();
             int64_t i = 0;
             for (; i + 8 <= V; i += 8) {
-                const __m256 v = _mm256_loadu_ps(p + i);
+                const __m256 v = argmax_load8(p, dt, i);
                 mx = _mm256_max_ps(mx, v);
                 nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
             }
@@ -179,18 +216,21 @@ void hl_argmax(const void *x, int dt, int64_t rows, int64_t V, int64_t *out) {
             _mm256_storeu_ps(lanes, mx);
             for (int l = 0; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
             for (; i < V; ++i) {
-                has_nan |= is_nan_bits(p[i]);
-                m = p[i] > m ? p[i] : m;
+                const float v = load_as_f32(x, dt, row + i);
+                has_nan |= is_nan_bits(v);
+                m = v > m ? v : m;
             }
             int64_t best = 0;
             i = 0;
             if (!has_nan) {
                 const __m256 mv = _mm256_set1_ps(m);
                 for (; i + 8 <= V; i += 8)
-                    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), mv, _CMP_EQ_OQ))) break;
+                    if (_mm256_movemask_ps(_mm256_cmp_ps(argmax_load8(p, dt, i), mv, _CMP_EQ_OQ))) break;
             }
-            for (; i < V; ++i)
-                if (has_nan ? is_nan_bits(p[i]) : p[i] == m) break;
+            for (; i < V; ++i) {
+                const float v = load_as_f32(x, dt, row + i);
+                if (has_nan ? is_nan_bits(v) : v == m) break;
+            }
             best = i < V ? i : 0;
             out[r] = best;
         }
