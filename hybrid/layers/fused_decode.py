@@ -462,7 +462,7 @@ class DecodeProgram:
                 self.why.append(str(e))
         self.whole = self.logits = self._x = self._rope_rows = None
         self._step = HlStep()  # the whole step's inputs, refilled by run() (a ctypes struct a step is ~2 us)
-        # weights that fit in the last-level cache stay there between steps unless a non-temporal prefetch
+        # weights that fit in the last-level cache stay there between steps unless a prefetch
         # pushes them out: the products prefetch only what streams from memory (kernels/native/decode.c P_stream)
         self.weight_bytes = _decode_weight_bytes(model)
         self.stream = native.streams_from_memory(self.weight_bytes)

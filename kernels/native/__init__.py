@@ -94,8 +94,9 @@ def l3_bytes() -> int:
 
 def streams_from_memory(weight_bytes: int) -> bool:
     """Whether a decode step's weights (``weight_bytes`` read every step) come from DRAM each step, so the
-    products should prefetch them past the caches, rather than staying in the last-level cache between steps
-    (up to half of it: the K/V, states and everything else share it). Unknown cache size: from memory."""
+    products should prefetch them ahead (decode.c's STREAM_PREFETCH), rather than staying in the last-level cache
+    between steps (up to half of it: the K/V, states and everything else share it). Unknown cache size: from
+    memory."""
     l3 = l3_bytes()
     return l3 == 0 or weight_bytes > l3 // 2
 
@@ -104,7 +105,7 @@ _stream = [None]
 
 
 def set_stream_prefetch(on: bool) -> None:
-    """The products' non-temporal weight prefetch on or off (decode.c's P_stream; process-wide, so the decode
+    """The products' weight prefetch on or off (decode.c's P_stream; process-wide, so the decode
     program sets it for its model before each step; a call only when it changes)."""
     if _stream[0] is not on:
         library().hl_set_stream_prefetch(int(on))

@@ -93,11 +93,11 @@ static void run_chunks(uint64_t gen) {
     if (mine) atomic_fetch_add_explicit(&t->done, mine, memory_order_release);
 }
 
-/* Whether the products prefetch their weights non-temporally (1, the default) or leave them to the caches (0):
-   set per model by hl_set_stream_prefetch. Weights that stream from DRAM every step are best fetched ahead past
-   the caches (bf16 llama-d512 5.1 -> 4.2 ms on a Zen VM with a small L3 share); weights that fit in the L3 stay
-   there between steps only if nothing evicts them (the same model on a Xeon with a 300 MiB L3: 6.5 ms with the
-   prefetch, 5.2 with a plain T0 prefetch, 3.4-4.5 ms with none). */
+/* Whether the products prefetch their weights ahead (1, the default: STREAM_PREFETCH below) or leave them to the
+   caches (0): set per model by hl_set_stream_prefetch. Weights that stream from DRAM every step are best fetched
+   ahead; weights that fit in the L3 stay there between steps only if nothing evicts them (llama-d512 bf16 on a Xeon
+   with a 300 MiB L3: 6.5 ms with the then non-temporal prefetch, 5.2 with a plain T0 prefetch, 3.4-4.5 ms with
+   none). */
 static int P_stream = 1;
 
 int hl_set_stream_prefetch(int on) {
@@ -106,7 +106,19 @@ int hl_set_stream_prefetch(int on) {
     return was;
 }
 
-#define STREAM_PREFETCH(ptr) do { if (P_stream) _mm_prefetch((const char *)(ptr), _MM_HINT_NTA); } while (0)
+/* STREAM_PREFETCH(p, lines): the `lines` 64-byte weight lines from p + PF_AHEAD into L2 (prefetcht1), where p is what
+   a loop step reads now: every line the loop will read (a 128-byte bf16 step names two), 4 KB ahead — far enough
+   for DRAM's latency at the bandwidth two cores draw, and past the rest of a 4-row pass (the next group of four
+   512-wide bf16 rows starts 4 KB on). On a 2-vCPU Zen 4 (32 MiB L3) this took llama-d512's decode program from
+   5.2-5.6 to 3.5-3.8 ms in bf16, 7.7 to 6.0 in fp32, 2.7-3.4 to 1.4-1.8 in int8dq (three A/B rounds each in one
+   process) against the earlier non-temporal prefetch of one line a step 1 KB ahead (half a bf16 step's lines, a
+   quarter of the next rows', and none for fp32), which had measured faster than no prefetch on a Zen 3 VM. */
+#define PF_AHEAD 4096
+#define STREAM_PREFETCH(ptr, lines) do { \
+        if (P_stream) \
+            for (int pf_ = 0; pf_ < (lines); ++pf_) \
+                _mm_prefetch((const char *)(ptr) + PF_AHEAD + 64 * pf_, _MM_HINT_T1); \
+    } while (0)
 
 static double now_us(void) {
     struct timespec ts;
@@ -372,7 +384,7 @@ static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
             int64_t k = 0;
             for (; k < K64; k += 64) {
-                STREAM_PREFETCH((const char *)(w + k) + 1024);
+                STREAM_PREFETCH((const char *)(w + k), 2);
                 a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512((const void *)(w + k)),
                                       (__m512bh)_mm512_loadu_si512((const void *)(x + k)));
                 a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512((const void *)(w + k + 32)),
@@ -400,10 +412,10 @@ static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, l0, h0, l1, h1;
             int64_t k = 0;
             for (; k < K32; k += 32) {
-                /* non-temporal prefetch 1 KB ahead: the weights stream through without evicting the caches'
-                   working set (K/V, states, the interpreter between steps); bf16 llama-d512 step 5.1 -> 4.2 ms
-                   median of 3 A/B runs. The same for fp32 weights measured slower (6.5 -> 7.6 ms): not there. */
-                STREAM_PREFETCH((const char *)(w + k) + 1024);
+                /* (a non-temporal prefetch 1 KB ahead here took a bf16 llama-d512 step 5.1 -> 4.2 ms on a Zen 3 VM,
+                   median of 3 A/B runs; the same for its fp32 weights measured slower, 6.5 -> 7.6 ms, so the AVX2
+                   fp32 loop has none. The 4 KB L2 prefetch that replaced it is measured on Zen 4 only.) */
+                STREAM_PREFETCH((const char *)(w + k), 1);
                 bf16x16(w + k, &l0, &h0);
                 bf16x16(w + k + 16, &l1, &h1);
                 a0 += l0 * *(const v8u *)(x + k);
@@ -435,6 +447,7 @@ static inline __attribute__((always_inline)) void dot_row(const Gemv *g, int64_t
                    a3 = _mm512_setzero_ps();
             int64_t k = 0;
             for (; k < K64; k += 64) {
+                if (b == 0) STREAM_PREFETCH((const char *)(w + k), 4);
                 a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
                 a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
                 a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
@@ -586,7 +599,7 @@ static inline void dot4_bf16(const Gemv *g, int64_t n0, float out[4][MAXB]) {
         const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(x + k)),
                        x1 = (__m512bh)_mm512_loadu_si512((const void *)(x + k + 32));
         for (int r = 0; r < 4; ++r) {
-            STREAM_PREFETCH((const char *)(w[r] + k) + 1024);
+            STREAM_PREFETCH((const char *)(w[r] + k), 2);
             a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)_mm512_loadu_si512((const void *)(w[r] + k)), x0);
             a[r][1] = _mm512_dpbf16_ps(a[r][1], (__m512bh)_mm512_loadu_si512((const void *)(w[r] + k + 32)), x1);
         }
@@ -622,7 +635,7 @@ static inline __attribute__((always_inline)) void block4_bf16_nb(const Gemv *g, 
             x[j][1] = (__m512bh)_mm512_loadu_si512((const void *)(g->xb + (b + j) * K + k + 32));
         }
         for (int r = 0; r < 4; ++r) {
-            if (b == 0) STREAM_PREFETCH((const char *)(w[r] + k) + 1024);
+            if (b == 0) STREAM_PREFETCH((const char *)(w[r] + k), 2);
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w[r] + k)),
                            w1 = (__m512bh)_mm512_loadu_si512((const void *)(w[r] + k + 32));
             for (int j = 0; j < NB; ++j) {
@@ -673,6 +686,7 @@ static inline void dot4_f32(const Gemv *g, int64_t n0, float out[4][MAXB]) {
     for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k < K64; k += 64) {
+        for (int r = 0; r < 4; ++r) STREAM_PREFETCH((const char *)(w[r] + k), 4);
         for (int j = 0; j < 4; ++j) {
             const __m512 xv = _mm512_loadu_ps(x + k + 16 * j);
             for (int r = 0; r < 4; ++r) a[r][j] = _mm512_fmadd_ps(_mm512_loadu_ps(w[r] + k + 16 * j), xv, a[r][j]);
@@ -1958,7 +1972,7 @@ static inline int32_t i8dq_dot(const int8_t *w, const int8_t *q, int64_t K) {
     const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
     __m512i acc = _mm512_setzero_si512(), sum = _mm512_setzero_si512();
     for (; k + 64 <= K; k += 64) {
-        STREAM_PREFETCH((const char *)(w + k) + 1024);
+        STREAM_PREFETCH((const char *)(w + k), 1);
         const __m512i wv = _mm512_loadu_si512((const void *)(w + k));
         acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + k)), flip), wv);
         sum = _mm512_dpbusd_epi32(sum, ones, wv);
@@ -1968,8 +1982,8 @@ static inline int32_t i8dq_dot(const int8_t *w, const int8_t *q, int64_t K) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
     for (; k + 64 <= K; k += 64) {
-        /* non-temporal prefetch 1 KB ahead, as the float products do: the codes stream past the caches */
-        STREAM_PREFETCH((const char *)(w + k) + 1024);
+        /* the codes prefetched ahead, as the float products' weights */
+        STREAM_PREFETCH((const char *)(w + k), 1);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + k)),
                       w1 = _mm256_loadu_si256((const __m256i *)(w + k + 32));
         const __m256i q0 = _mm256_loadu_si256((const __m256i *)(q + k)),
@@ -1998,7 +2012,7 @@ static inline float w4_dot(const uint8_t *p, const float *ws, const uint8_t *u, 
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 2 <= ng; g += 2) { /* two groups a step: two FMA chains */
-        STREAM_PREFETCH((const char *)(p + g * 16) + 1024);
+        STREAM_PREFETCH((const char *)(p + g * 16), 1);
         const __m256i d0 = _mm256_madd_epi16(
             _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(u + g * 32)), nib_group(p + g * 16)), ones);
         const __m256i d1 = _mm256_madd_epi16(
@@ -2046,7 +2060,7 @@ static inline __attribute__((always_inline)) void w4_dots_vnni(const uint8_t *p,
                       c = _mm512_loadu_si512((const void *)(c8 + blk * 16));
         for (int r = 0; r < nr; ++r) {
             const uint8_t *pr = p + r * (K / 2) + blk * 64;
-            STREAM_PREFETCH(pr + 1024);
+            STREAM_PREFETCH(pr, 1);
             const __m512i t = _mm512_loadu_si512((const void *)pr);
             const __m512i lo = _mm512_and_si512(t, m15), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), m15);
             const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, lo_u, lo), hi_u, hi);
@@ -2113,7 +2127,7 @@ static void q_rows(const QMat *m, const QAct *a, int64_t n, int64_t nr, int ydt,
         for (; k + 64 <= K; k += 64) {
             const __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + k)), flip);
             for (int r = 0; r < 4; ++r) {
-                STREAM_PREFETCH((const char *)(w + r * K + k) + 1024);
+                STREAM_PREFETCH((const char *)(w + r * K + k), 1);
                 const __m512i wv = _mm512_loadu_si512((const void *)(w + r * K + k));
                 acc[r] = _mm512_dpbusd_epi32(acc[r], u, wv);
                 sum[r] = _mm512_dpbusd_epi32(sum[r], ones, wv);
