@@ -108,13 +108,16 @@ def int4pack_block() -> int:
     return 64 if int(q[0]) == 16 else 32
 
 
-def int4_dequantize(qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int) -> torch.Tensor:
-    """The fp32 weight [N, K] that int4pack codes ``qdata`` (uint8 [N, K/2] in aten's layout on this machine:
-    blocks of BN = :func:`int4pack_block` rows (32 or 64), K-major; the BN/2 bytes of block nb at input k hold rows
-    nb*BN + i in the low nibble and nb*BN + BN/2 + i in the high one; the last N % BN rows hold (N % BN)/2 bytes
-    per k, rows 2j low and 2j + 1 high) and ``scale_and_zero`` ([K/group, N, 2]) stand for: (q - 8) * scale + zero."""
+INT4_BLOCKS = (32, 64)  # the int4pack block sizes the native product reads (aten's AVX2 and AVX512 layouts)
+
+
+def int4_codes(qdata: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """The codes (int32 [N, K], 0..15) that int4pack bytes ``qdata`` (uint8 [N, K/2] in aten's layout: blocks of BN =
+    ``block`` rows (32 or 64; default :func:`int4pack_block`, this machine's), K-major; the BN/2 bytes of block nb
+    at input k hold rows nb*BN + i in the low nibble and nb*BN + BN/2 + i in the high one; the last N % BN rows hold
+    (N % BN)/2 bytes per k, rows 2j low and 2j + 1 high) hold."""
     N, K = qdata.shape[0], qdata.shape[1] * 2
-    BN = int4pack_block()
+    BN = int4pack_block() if block is None else block
     flat = qdata.contiguous().view(-1).to(torch.int32)
     full, tail_rows = N // BN, N % BN
     q = torch.empty(N, K, dtype=torch.int32)
@@ -123,16 +126,43 @@ def int4_dequantize(qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: in
     if tail_rows:
         tail = flat[full * BN // 2 * K:].view(K, tail_rows // 2)
         q[full * BN:] = torch.stack([tail & 15, tail >> 4], 2).reshape(K, tail_rows).t()
+    return q
+
+
+def int4_dequantize(qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int,
+                    block: int | None = None) -> torch.Tensor:
+    """The fp32 weight [N, K] that int4pack codes ``qdata`` (:func:`int4_codes`, in ``block``-row blocks, default
+    this machine's) and ``scale_and_zero`` ([K/group, N, 2]) stand for: (q - 8) * scale + zero."""
+    q = int4_codes(qdata, block)
     scale = scale_and_zero[..., 0].float().t().repeat_interleave(group, 1)
     zero = scale_and_zero[..., 1].float().t().repeat_interleave(group, 1)
     return (q.float() - 8.0) * scale + zero
 
 
+def int4_pack(codes: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """The int4pack bytes (uint8 [N, K/2]) of ``codes`` (integers 0..15 [N, K], N a multiple of 16, K even) in the
+    layout of ``block``-row blocks (32: aten's AVX2 packing, 64: its AVX512 one; default :func:`int4pack_block`),
+    written from the layout's formula (:func:`int4_codes` reads it back), so either layout can be made on any
+    CPU; aten's ``_convert_weight_to_int4pack_for_cpu`` makes only the one of the CPU it runs on."""
+    BN = int4pack_block() if block is None else block
+    N, K = codes.shape
+    if BN not in INT4_BLOCKS or N % 16 or K % 2:
+        raise ValueError(f"int4pack of [{N}, {K}] codes in {BN}-row blocks")
+    c = codes.to(torch.uint8)
+    full, tail_rows = N // BN, N % BN
+    body = c[:full * BN].reshape(full, BN, K)
+    body = (body[:, :BN // 2] | (body[:, BN // 2:] << 4)).permute(0, 2, 1).reshape(-1)  # [full, K, BN/2]
+    tail = c[full * BN:].reshape(tail_rows // 2, 2, K)
+    tail = (tail[:, 0] | (tail[:, 1] << 4)).t().reshape(-1)  # [K, tail_rows/2]
+    return torch.cat([body, tail]).view(N, K // 2)
+
+
 def linear_int4_ref(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int,
-                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference, in fp32: x [..., K] against the dequantised int4 weight (:func:`int4_dequantize`), + bias
-    [N] + residual [..., N] -> [..., N] in x's dtype."""
-    return linear_ref(x, int4_dequantize(qdata, scale_and_zero, group), bias, residual)
+                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                    block: int | None = None) -> torch.Tensor:
+    """The reference, in fp32: x [..., K] against the dequantised int4 weight (:func:`int4_dequantize`, codes in
+    ``block``-row blocks, default this machine's), + bias [N] + residual [..., N] -> [..., N] in x's dtype."""
+    return linear_ref(x, int4_dequantize(qdata, scale_and_zero, group, block), bias, residual)
 
 
 def _linear_int4_torch(x, qdata, scale_and_zero, group, bias=None, residual=None):
@@ -177,17 +207,23 @@ def _int4_native_supports(x, qdata, scale_and_zero, group, bias=None, residual=N
         return f"int4 codes {tuple(qdata.shape)} / scales {tuple(scale_and_zero.shape)} for K={K}, group {group}"
     if not (x.is_contiguous() and qdata.is_contiguous() and scale_and_zero.is_contiguous()):
         return "not contiguous"
-    if int4pack_block() != 32:
-        return int4_layout_refusal()
+    why = int4_layout_refusal()
+    if why is not None:
+        return why
     return _epilogue_refusal(x, bias, residual)
 
 
-def int4_layout_refusal() -> str:
-    return (f"aten packs int4 in {int4pack_block()}-row blocks on this CPU (its AVX512 kernels); the native int4 "
-            f"product reads 32-row blocks (AVX2's layout), so aten's own kernel runs")
+def int4_layout_refusal(block: int | None = None) -> str | None:
+    """Why the native int4 product cannot read aten's int4pack layout of ``block``-row blocks (default this
+    machine's, :func:`int4pack_block`), None when it can (32 and 64 rows: aten's AVX2 and AVX512 packings)."""
+    BN = int4pack_block() if block is None else block
+    if BN in INT4_BLOCKS:
+        return None
+    return (f"aten packs int4 in {BN}-row blocks on this CPU; the native int4 product reads 32- and 64-row blocks "
+            f"(aten's AVX2 and AVX512 layouts), so aten's own kernel runs")
 
 
-def _linear_int4_native(x, qdata, scale_and_zero, group, bias=None, residual=None):
+def _linear_int4_native(x, qdata, scale_and_zero, group, bias=None, residual=None, block=None):
     N, K = qdata.shape[0], x.shape[-1]
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
     codes = native.DTYPE_CODES
@@ -195,7 +231,7 @@ def _linear_int4_native(x, qdata, scale_and_zero, group, bias=None, residual=Non
         qdata.data_ptr(), scale_and_zero.data_ptr(), codes[scale_and_zero.dtype], group,
         bias.data_ptr() if bias is not None else None, codes[bias.dtype] if bias is not None else -1,
         x.data_ptr(), codes[x.dtype], residual.data_ptr() if residual is not None else None, y.data_ptr(),
-        codes[x.dtype], x.numel() // K, N, K)
+        codes[x.dtype], x.numel() // K, N, K, int4pack_block() if block is None else block)
     if rc:
         raise RuntimeError(f"hl_gemv_int4 refused N={N} K={K} group {group} (a bug: _int4_native_supports passed it)")
     return y

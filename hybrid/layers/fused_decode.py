@@ -112,8 +112,9 @@ class _Builder:
         blocks = int4_blocks(linear.weight)
         if blocks is not None and not (blocks[0].is_contiguous() and blocks[1].is_contiguous()):
             raise _Unsupported("int4 codes not contiguous")
-        if blocks is not None and int4pack_block() != 32:
-            raise _Unsupported(int4_layout_refusal())
+        why = int4_layout_refusal() if blocks is not None else None
+        if why is not None:
+            raise _Unsupported(why)
         return blocks
 
     @staticmethod
@@ -163,7 +164,7 @@ class _Builder:
             dt = DTYPE_CODES[self.dtype]
             self.op(OP_GEMV_INT4, (q, sz, linear.bias, x, residual, y),
                     (_code(sz), group, _code(linear.bias), dt, dt, q.shape[0], linear.in_features,
-                     0 if act is None else ACTIVATIONS[act] + 1))
+                     0 if act is None else ACTIVATIONS[act] + 1, int4pack_block()))
             return
         w, scale = self.weight(linear)
         N, K = w.shape
@@ -201,10 +202,10 @@ def _attention(b: _Builder, block, view) -> None:
     _attention_ops(b, block, view, OP_QKV_ROPE, (wq, q_.bias, wk, k_.bias, wv, v_.bias, sq, sk, sv), (_code(wq),))
 
 
-def _attention_ops(b: _Builder, block, view, qkv_kind: int, weights: tuple, lead: tuple) -> None:
+def _attention_ops(b: _Builder, block, view, qkv_kind: int, weights: tuple, lead: tuple, trail: tuple = ()) -> None:
     """An attention sub-layer's ops once its q/k/v weights are vetted: the norm, the q/k/v product of
-    ``qkv_kind`` (its first nine pointers ``weights``, its first ints ``lead``: each weight format's own) with
-    RoPE and the K/V write, paged attention, the out-projection with the residual."""
+    ``qkv_kind`` (its first nine pointers ``weights``, its first ints ``lead`` and its last ``trail``: each weight
+    format's own) with RoPE and the K/V write, paged attention, the out-projection with the residual."""
     attn = block.mixer
     k_pool, v_pool = view.k_pool, view.v_pool
     d_model, Hq, Hkv, D = attn.q_proj.in_features, attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -212,7 +213,7 @@ def _attention_ops(b: _Builder, block, view, qkv_kind: int, weights: tuple, lead
     h, q, o = b.buffer(d_model), b.buffer(Hq * D), b.buffer(Hq * D)
     b.rmsnorm(block.norm, X, h)
     b.op(qkv_kind, (*weights, h, q, k_pool, v_pool),
-         (*lead, _code(attn.q_proj.bias), dt, _code(k_pool), attn.rope.rotary_dim, Hq, Hkv, D, d_model))
+         (*lead, _code(attn.q_proj.bias), dt, _code(k_pool), attn.rope.rotary_dim, Hq, Hkv, D, d_model, *trail))
     b.op(OP_PAGED, (q, k_pool, v_pool, o), (dt, _code(k_pool), Hq, Hkv, D, k_pool.shape[1], view.window or 0),
          (D ** -0.5,))
     b.gemv(attn.o_proj, o, X, residual=X)
@@ -234,7 +235,7 @@ def _attention_int4(b: _Builder, block, view, int4) -> None:
     (qq, szq, group), (qk, szk, _), (qv, szv, _) = int4
     _attention_ops(b, block, view, OP_QKV_ROPE_INT4,
                    (qq, szq, attn.q_proj.bias, qk, szk, attn.k_proj.bias, qv, szv, attn.v_proj.bias),
-                   (_code(szq), group))
+                   (_code(szq), group), (int4pack_block(),))
 
 
 def _attention_q(b: _Builder, block, view, qops) -> None:
@@ -269,7 +270,7 @@ def _mlp(b: _Builder, block, view) -> None:
             raise _Unsupported("gate/up weights not both int4 of one group")
         b.op(OP_GATED_UP_INT4, (g4[0], g4[1], m.gate_proj.bias, u4[0], u4[1], m.up_proj.bias, h, a),
              (_code(g4[1]), g4[2], _code(m.up_proj.bias), DTYPE_CODES[b.dtype], ACTIVATIONS[m.activation], d_ff,
-              d_model))
+              d_model, int4pack_block()))
     else:
         (wg, sg), (wu, su) = b.weight(m.gate_proj), b.weight(m.up_proj)
         if wg.dtype != wu.dtype or not _plain(m.gate_proj.bias, m.up_proj.bias):

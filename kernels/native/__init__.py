@@ -29,14 +29,18 @@ def _disabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def source() -> str:
+    """The library's C source: one translation unit, program.c running decode.c's (and linear_attention.c's) static
+    ops back to back."""
+    here = Path(__file__).parent
+    return "\n".join((here / f).read_text() for f in ("decode.c", "linear_attention.c", "program.c"))
+
+
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if _disabled():
         return None, f"{ENV}=0"
-    here = Path(__file__).parent
-    # one translation unit: program.c runs decode.c's (and linear_attention.c's) static ops back to back
-    source = "\n".join((here / f).read_text() for f in ("decode.c", "linear_attention.c", "program.c"))
-    lib, why = build("hybrid_decode", source, FLAGS, ("-lm", "-lpthread"))
+    lib, why = build("hybrid_decode", source(), FLAGS, ("-lm", "-lpthread"))
     if lib is None:
         return None, why
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -44,7 +48,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.hl_set_stream_prefetch.argtypes, lib.hl_set_stream_prefetch.restype = [i32], i32
     lib.hl_gemv.argtypes = [p, i32, p, p, i32, p, i32, p, p, i32, i64, i64, i64]
     lib.hl_gemv.restype = i32
-    lib.hl_gemv_int4.argtypes = [p, p, i32, i64, p, i32, p, i32, p, p, i32, i64, i64, i64]
+    lib.hl_gemv_int4.argtypes = [p, p, i32, i64, p, i32, p, i32, p, p, i32, i64, i64, i64, i32]
     lib.hl_gemv_int4.restype = i32
     lib.hl_gemv_q.argtypes, lib.hl_gemv_q.restype = [i32, p, p, p, i32, p, i32, p, p, i32, i64, i64, i64], i32
     lib.hl_ssd_step.argtypes = [p, i32, p, p, i32, i64, p, i64, p, p, i64, p, i64, p, i32, p, i64, i64, i64, i64, i64]

@@ -104,14 +104,14 @@ static int run_op(const HlOp *o, const HlStep *st) {
         return 0;
     case OP_GEMV_INT4:
         return gemv_int4_act(P(0), P(1), (int)I(0), I(1), P(2), (int)I(2), P(3), (int)I(3), P(4), P(5), (int)I(4), n,
-                             I(5), I(6), (int)I(7));
+                             I(5), I(6), (int)I(7), (int)I(8));
     case OP_GATED_UP_INT4:
         return hl_gated_up_int4(P(0), P(1), P(2), P(3), P(4), P(5), (int)I(0), I(1), (int)I(2), P(6), (int)I(3), P(7),
-                                (int)I(4), n, I(5), I(6));
+                                (int)I(4), n, I(5), I(6), (int)I(7));
     case OP_QKV_ROPE_INT4:
         return hl_qkv_rope_int4(P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), P(8), (int)I(0), I(1), (int)I(2),
                                 P(9), (int)I(3), P(10), P(11), P(12), (int)I(4), st->kv_slots, st->cos, st->sin,
-                                I(5), n, I(6), I(7), I(8), I(9));
+                                I(5), n, I(6), I(7), I(8), I(9), (int)I(10));
     case OP_GEMV_Q:
         return gemv_q_act((int)I(0), P(0), P(1), P(2), (int)I(1), P(3), (int)I(2), P(4), P(5), (int)I(3), n, I(4),
                           I(5), (int)I(6));
