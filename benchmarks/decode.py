@@ -203,6 +203,13 @@ def prefill_speed(model: HybridLM, context: int, repeats: int) -> dict:
 
 
 # ---- transformers -----------------------------------------------------------------------------------
+def _calls(args) -> tuple[int, int]:
+    """engine.step() calls for ``--decode-steps`` timed and ``--warmup`` untimed decode steps: with ``--multi-step k``
+    a call runs up to k steps, so the same tokens (the same contexts) take k times fewer calls."""
+    k = args.multi_step
+    return -(-args.decode_steps // k), -(-args.warmup // k)
+
+
 def interleaved_rounds(args, llama_rows: list[dict], models: dict, threads: int) -> list[dict]:
     """Per recipe with a llama.cpp row: ``args.rounds`` rounds of llama-bench's tg64 then our batch-1 decode at the
     first ``--decode-contexts`` length (a fresh engine each round); each round's ratio of the two rates, and their
@@ -212,9 +219,10 @@ def interleaved_rounds(args, llama_rows: list[dict], models: dict, threads: int)
     per: dict[str, list[tuple[float, float]]] = {}
     for lr, _ in tqdm(todo, desc="interleaved rounds", unit="round"):
         theirs = llama_bench_decode(args.llama_bench, lr["gguf"], threads)["tok/s"]
-        engine = decode_engine(models[lr["model"]], 1, args.decode_contexts[0], steps=args.decode_steps,
-                               compile=False, warmup=args.warmup)
-        ours = decode_speed(engine, args.decode_steps)[0]["decode_tok/s"]
+        calls, warm = _calls(args)
+        engine = decode_engine(models[lr["model"]], 1, args.decode_contexts[0], steps=calls, compile=False,
+                               warmup=warm, multi_step=args.multi_step)
+        ours = decode_speed(engine, calls)[0]["decode_tok/s"]
         del engine
         per.setdefault(lr["model"], []).append((ours, theirs))
     for name, pairs in per.items():
@@ -303,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per row")
     ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (compiles each shape)")
     ap.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    ap.add_argument("--multi-step", type=int, default=1,
+                    help="Engine(multi_step=K): up to K greedy decode steps a call (times are per decode step)")
     ap.add_argument("--compile-batches", type=int, nargs="+", default=None,
                     help="batch sizes that also run compiled (default: all; each shape compiles once)")
     ap.add_argument("--repeats", type=int, default=3, help="prefill repeats")
@@ -401,9 +411,10 @@ def main(argv: list[str] | None = None) -> None:
 
                 quantize(models[name], args.quantize)
         model = models[name]
-        engine = decode_engine(model, b, ctx, steps=args.decode_steps, compile=mode == "compiled",
-                               warmup=args.warmup)
-        row, split = decode_speed(engine, args.decode_steps)
+        calls, warm = _calls(args)
+        engine = decode_engine(model, b, ctx, steps=calls, compile=mode == "compiled", warmup=warm,
+                               multi_step=args.multi_step)
+        row, split = decode_speed(engine, calls)
         floor = decode_step_bytes(model, b, ctx) / bandwidth
         row = {"model": name, "mode": mode, "context": ctx, **row, "floor_ms": round(floor * 1e3, 2),
                "floor/step": round(floor / (row["ms_med"] / 1e3), 3)}

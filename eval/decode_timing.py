@@ -34,15 +34,16 @@ def spread(times: list[float]) -> dict:
 
 # ---- the machine -----------------------------------------------------------------------------------
 def decode_engine(model: HybridLM, batch: int, context: int, *, steps: int, compile: bool, warmup: int,
-                  kv_dtype: str | None = None, state_dtype: str | None = None) -> Engine:
+                  kv_dtype: str | None = None, state_dtype: str | None = None, multi_step: int = 1) -> Engine:
     """An engine holding ``batch`` sequences of ``context`` tokens, all decoding (compiled steps warmed up),
-    with room for ``steps`` more timed steps; cache dtypes as ``Engine`` takes them (None: the defaults)."""
-    new = warmup + steps + 2
+    with room for ``steps`` more timed steps (of ``multi_step`` decode steps each at most); cache dtypes as
+    ``Engine`` takes them (None: the defaults)."""
+    new = (warmup + steps) * multi_step + 2
     blocks = -(-(context + new) // BLOCK) + (batch - 1) * (-(-new // BLOCK) + 1)  # shared prompt + own tails
     # a step's token budget must hold the whole batch (one token each) as well as the prompt: with the prompt's
     # alone, a batch wider than its context decoded part of its rows a step
     engine = Engine(model, num_blocks=blocks, block_size=BLOCK, max_seqs=batch, max_batch_tokens=max(context, batch),
-                    compile=compile, kv_dtype=kv_dtype, state_dtype=state_dtype)
+                    compile=compile, kv_dtype=kv_dtype, state_dtype=state_dtype, multi_step=multi_step)
     rid = engine.add_request(random_prompt(model, context, 0), SamplingParams(max_new_tokens=new, ignore_eos=True))
     while not engine.requests[rid].output:
         engine.step()  # the prompt, prefilled once
@@ -54,24 +55,28 @@ def decode_engine(model: HybridLM, batch: int, context: int, *, steps: int, comp
 
 
 def decode_speed(engine: Engine, steps: int) -> tuple[dict, dict]:
-    """Time ``steps`` decode steps; returns the speed row and the mean time split of a step. Every step must
-    advance every running sequence by one token (the rate counts ``batch`` tokens a step): RuntimeError if not."""
+    """Time ``steps`` calls of ``engine.step()``; returns the speed row and the mean time split of a step. Every
+    call must advance every running sequence by the same number of tokens (one; up to ``engine.multi_step``
+    with multi-step decode): RuntimeError if not. The times are per decode step (a call's time over the steps
+    it ran), so the rate counts ``batch`` tokens a step."""
     model, batch = engine.model, len(engine.running)
     s0 = dict(engine.stats.__dict__)
     times = []
     for _ in range(steps):
-        before = sum(len(r.output) for r in engine.running)
+        before = [len(r.output) for r in engine.running]
         sync(model)
         t0 = time.perf_counter()
         engine.step()
         sync(model)
-        times.append(time.perf_counter() - t0)
-        made = sum(len(r.output) for r in engine.running) - before
-        if made != batch or len(engine.running) != batch:
-            raise RuntimeError(f"a timed decode step advanced {made} of {batch} sequences ({len(engine.running)} "
-                               "still running): the engine's budget does not hold the batch")
+        dt = time.perf_counter() - t0
+        made = {len(r.output) - b for r, b in zip(engine.running, before, strict=False)}
+        if len(engine.running) != batch or len(made) != 1 or not 1 <= min(made) <= engine.multi_step:
+            raise RuntimeError(f"a timed decode step advanced the {batch} sequences by {sorted(made)} tokens "
+                               f"({len(engine.running)} still running): the engine's budget does not hold the batch")
+        times.append(dt / made.pop())
     s = spread(times)
-    split = {k.replace("_seconds", "_ms"): round((engine.stats.__dict__[k] - s0[k]) / steps * 1e3, 3)
+    ran = max(1, engine.stats.decode_steps - s0["decode_steps"])  # decode steps (more than calls with multi-step)
+    split = {k.replace("_seconds", "_ms"): round((engine.stats.__dict__[k] - s0[k]) / ran * 1e3, 3)
              for k in ("schedule_seconds", "forward_seconds", "sample_seconds", "output_seconds")}
     split["overhead_ms"] = round(s["ms_med"] - sum(split.values()), 3)  # step() outside the four parts
     return {"batch": batch, **s, "decode_tok/s": round(batch / (s["ms_med"] / 1e3), 1)}, split

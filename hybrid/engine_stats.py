@@ -60,9 +60,10 @@ class EngineStats:
             self.prompt_tokens_computed += max(0, min(req.num_computed + n, len(req.prompt)) - req.num_computed)
 
     def count_step(self, plan, compiled: bool, compile_dt: float, t0: float, t1: float, t2: float, t3: float,
-                   t4: float, drafts=(), emitted: int = 0) -> None:
+                   t4: float, drafts=(), emitted: int = 0, steps: int = 1) -> None:
         """One step: ``t0``..``t4`` bound the scheduler, the forward, sampling and output processing.
-        ``compile_dt`` > 0: the step traced and compiled a new shape, and only its compile time counts."""
+        ``compile_dt`` > 0: the step traced and compiled a new shape, and only its compile time counts. ``steps``:
+        the decode steps a multi-step call ran (``emitted`` tokens in all)."""
         self.steps += 1
         n_tokens = sum(n for _, n in plan)
         if compile_dt > 0:  # this step traced and compiled a new shape: its time is not decode speed
@@ -76,9 +77,9 @@ class EngineStats:
             self.prefill_tokens += n_tokens
             self.prefill_seconds += t4 - t0
         else:
-            self.decode_tokens += emitted if drafts else n_tokens
+            self.decode_tokens += emitted if drafts or steps > 1 else n_tokens
             self.decode_seconds += t4 - t0
-            self.decode_steps += 1
+            self.decode_steps += steps
             self.compiled_steps += compiled
 
     def count_verify(self, chunks: int, proposed: int, accepted: int, accept_seconds: float,

@@ -16,14 +16,15 @@ def generate(model, prompts: list[list[int]] | list[str], *, max_new_tokens: int
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
              stop: list[str] | None = None, stop_token_ids: list[int] | None = None, tokenizer=None,
              seed: int | None = None, ignore_eos: bool = False, max_seqs: int = 32, max_batch_tokens: int = 2048,
-             block_size: int = 16, progress: bool = False) -> list[list[int]] | list[str]:
+             block_size: int = 16, progress: bool = False, multi_step: int = 8) -> list[list[int]] | list[str]:
     """Continue each prompt. Token-id prompts give lists of generated ids; string prompts (which
     need ``tokenizer``) give generated strings, cut before any ``stop`` string.
 
     Generation stops at ``max_new_tokens``, a ``stop_token_ids`` id or the tokenizer's EOS (unless
     ``ignore_eos``; stop ids are not part of the output) or a ``stop`` string. Every request uses
     ``seed``, so a prompt gives the same output whatever it is batched with. ``temperature=0`` is
-    greedy; see :class:`SamplingParams` for the filters.
+    greedy; see :class:`SamplingParams` for the filters. ``multi_step``: greedy decoding on a CPU runs up to that
+    many steps in one native call (:class:`Engine`'s ``multi_step``; the same tokens).
     """
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists or of strings")
@@ -40,7 +41,8 @@ def generate(model, prompts: list[list[int]] | list[str], *, max_new_tokens: int
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
                             stop_token_ids=tuple(stop_token_ids or ()), stop=tuple(stop or ()),
                             ignore_eos=ignore_eos)
-    engine = _engine_for(model, prompt_ids, max_new_tokens, tokenizer, max_seqs, max_batch_tokens, block_size)
+    engine = _engine_for(model, prompt_ids, max_new_tokens, tokenizer, max_seqs, max_batch_tokens, block_size,
+                         multi_step)
     ids = [engine.add_request(p, params) for p in prompt_ids]
     with tqdm(total=len(ids), desc="generate", unit="seq", disable=not progress) as bar:
         while engine.has_unfinished():
@@ -49,7 +51,8 @@ def generate(model, prompts: list[list[int]] | list[str], *, max_new_tokens: int
     return [r.text for r in reqs] if as_text else [list(r.output) for r in reqs]
 
 
-def _engine_for(model, prompt_ids, max_new_tokens, tokenizer, max_seqs, max_batch_tokens, block_size) -> Engine:
+def _engine_for(model, prompt_ids, max_new_tokens, tokenizer, max_seqs, max_batch_tokens, block_size,
+                multi_step) -> Engine:
     """An engine whose cache holds the ``max_seqs`` longest requests at once, if that fits in
     MAX_AUTO_CACHE_BYTES, else as many blocks as fit there (the engine then preempts)."""
     from .cache import HybridCache
@@ -61,4 +64,4 @@ def _engine_for(model, prompt_ids, max_new_tokens, tokenizer, max_seqs, max_batc
     affordable = (MAX_AUTO_CACHE_BYTES - probe.ssm.bytes_total) // max(probe.kv.bytes_per_block, 1)
     num_blocks = max(per_request[0], min(sum(per_request[:max_seqs]), affordable))
     return Engine(model, num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs,
-                  max_batch_tokens=max_batch_tokens, tokenizer=tokenizer)
+                  max_batch_tokens=max_batch_tokens, tokenizer=tokenizer, multi_step=multi_step)

@@ -159,6 +159,28 @@ class ModelRunner:
         return prog.run(self.model, tokens, positions, self._inputs.max_position, kv_slots, seq_lens, tables,
                         state_slots)
 
+    def can_run_steps(self) -> bool:
+        """Whether decode-only steps here may run several at a time in one native call (:meth:`run_steps`): a CPU
+        engine without compilation whose model the whole-step program covers, with no SnapKV observation."""
+        return (self.device.type == "cpu" and not self.compile and self.manager.kv.capture is None
+                and fused_decode.whole_program(self.model, self.cache) is not None)
+
+    def run_steps(self, chunks: list[SeqChunk], steps: int) -> list[list[int]] | None:
+        """``steps`` greedy decode steps of these one-token chunks in one native call (see
+        :meth:`DecodeProgram.run_steps`): each row's argmax ids, [steps][rows]; None where the program cannot take
+        them (the caller steps one at a time). Every row's blocks must hold ``start + steps`` tokens."""
+        prog = fused_decode.whole_program(self.model, self.cache)
+        if prog is None or len(chunks) > native.MAX_ROWS or torch.is_grad_enabled():
+            return None
+        if self._inputs is None:
+            self._inputs = DecodeInputs(native.MAX_ROWS)
+        self._inputs.fill(self.manager, chunks)
+        block_size = self.manager.block_size if self.manager.kv.enabled else 0
+        tokens, positions, kv_slots, seq_lens, tables, state_slots = self._inputs.views()
+        with native.owns_threads():
+            return prog.run_steps(self.model, steps, block_size, tokens, positions, self._inputs.max_position,
+                                  kv_slots, seq_lens, tables, state_slots)
+
     def _decode_forward(self, tokens, positions, slot_mapping, seq_lens, block_tables, state_slots):
         n = tokens.shape[0]
         cu = torch.arange(n + 1, dtype=torch.int32, device=tokens.device)

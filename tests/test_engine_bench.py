@@ -66,7 +66,8 @@ def test_interleaved_rounds_pair_each_llama_bench_run_with_one_of_ours(monkeypat
     monkeypatch.setattr(bench, "llama_bench_decode", fake_bench)
     torch.manual_seed(0)
     models = {"llama-tiny": HybridLM(recipes.get("llama-tiny")).eval()}
-    args = argparse.Namespace(rounds=3, llama_bench="llama-bench", decode_contexts=[8], decode_steps=2, warmup=1)
+    args = argparse.Namespace(rounds=3, llama_bench="llama-bench", decode_contexts=[8], decode_steps=2, warmup=1,
+                              multi_step=1)
     rows = bench.interleaved_rounds(args, [{"model": "llama-tiny", "gguf": "a.gguf"},
                                            {"model": "not-timed", "gguf": "b.gguf"}], models, 1)
     assert calls == ["a.gguf"] * 3 and len(rows) == 1

@@ -198,5 +198,12 @@ def byte_size(text: str) -> int:
     return int(value)
 
 
+def multi_step_flag(p: argparse.ArgumentParser, default: int) -> None:
+    """--multi-step K: Engine(multi_step=K), up to K greedy decode steps in one native call on a CPU."""
+    p.add_argument("--multi-step", type=positive_int, default=default, metavar="K",
+                   help=f"up to K greedy decode steps in one native call on a CPU (their tokens stream together; "
+                        f"the same tokens as 1, one step a call; default {default})")
+
+
 def threads_flag(p: argparse.ArgumentParser, zero: str = "torch's default") -> None:
     p.add_argument("--threads", type=int, default=0, help=f"torch threads (0: {zero})")

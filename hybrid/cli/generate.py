@@ -10,6 +10,7 @@ from .common import (
     add_pruning_flag,
     add_speculative_flags,
     engine_model,
+    multi_step_flag,
     positive_int,
     speculative,
     threads_flag,
@@ -39,6 +40,7 @@ def add_parser(sub) -> None:
     add_pruning_flag(p)
     add_dtype_device(p)
     threads_flag(p)
+    multi_step_flag(p, default=4)
     add_speculative_flags(p)
     p.set_defaults(func=run)
 
@@ -58,7 +60,7 @@ def run(args) -> None:
                     block_size=block_size, max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer,
                     compile=args.compile, prefix_caching=args.prefix_caching,
                     speculative=speculative(args, model), kv_dtype=args.kv_dtype,
-                    state_dtype=args.state_dtype, kv_pruning=args.kv_pruning)
+                    state_dtype=args.state_dtype, kv_pruning=args.kv_pruning, multi_step=args.multi_step)
     engine.add_request(prompt, params)
     sys.stdout.write(args.prompt)
     while engine.has_unfinished():

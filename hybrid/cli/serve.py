@@ -9,6 +9,7 @@ from .common import (
     add_speculative_flags,
     byte_size,
     engine_model,
+    multi_step_flag,
     speculative,
     threads_flag,
 )
@@ -31,6 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefix-caching", action="store_true",
                    help="share prompt prefixes between requests (KV blocks + Mamba state checkpoints)")
     threads_flag(p)
+    multi_step_flag(p, default=1)
     p.add_argument("--seed", type=int, default=0, help="initialises a --recipe's random weights")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of a chat request that gives none (completions default to 16, as OpenAI)")
@@ -70,7 +72,7 @@ def run(args) -> None:
     name = args.served_model_name or args.recipe or Path(args.model).resolve().name
     engine_options = {"compile": args.compile, "prefix_caching": args.prefix_caching,
                       "speculative": speculative(args, model), "kv_pruning": args.kv_pruning,
-                      "kv_dtype": args.kv_dtype, "state_dtype": args.state_dtype}
+                      "kv_dtype": args.kv_dtype, "state_dtype": args.state_dtype, "multi_step": args.multi_step}
     engine = Engine(model, cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
                     max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, **engine_options)
     settings = ServerSettings(model_name=name, max_body_bytes=args.max_body_bytes,

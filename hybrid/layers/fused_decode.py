@@ -512,20 +512,56 @@ class DecodeProgram:
         program gathers the embedding rows (a plain ``nn.Embedding``; else the module runs here) and the RoPE
         table's rows itself. Returns the logits [n, vocab]: a view of this program's buffer, which the next step
         overwrites; None when the embedding's rows are not in the program's dtype (the caller runs the layers)."""
+        if not self._set_step(model, tokens, positions, max_position, kv_slots, seq_lens, tables, state_slots,
+                              embed_here=True):
+            return None
+        self.whole.run(self._step)
+        return self.logits[:tokens.shape[0]]
+
+    def run_steps(self, model, steps: int, block_size: int, tokens: torch.Tensor, positions: torch.Tensor,
+                  max_position: int, kv_slots: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor,
+                  state_slots: torch.Tensor) -> list[list[int]] | None:
+        """``steps`` greedy decode steps in one call (program.c's hl_program_steps), the inputs as :meth:`run` takes
+        them: each step's argmax ids become the rows' next tokens, their positions, K/V lengths and slots (along
+        ``tables``, blocks of ``block_size``; 0 without attention) move one on. ``tokens``, ``positions``,
+        ``kv_slots`` and ``seq_lens`` are written in place (left as the last step had them). The caller has grown
+        every row's blocks for all the steps. Returns the ids, [steps][n]; None where the program cannot take
+        these rows this way (an embedding it cannot gather: the caller steps one at a time)."""
+        if not self._set_step(model, tokens, positions, max_position + steps - 1, kv_slots, seq_lens, tables,
+                              state_slots, embed_here=False):
+            return None
+        n = tokens.shape[0]
+        ids = (ctypes.c_int64 * (steps * n))()
+        logits = self.logits
+        rc = native.library().hl_program_steps(self.whole.array, len(self.whole.array), ctypes.byref(self._step),
+                                               self.whole.times, steps, block_size, logits.data_ptr(),
+                                               DTYPE_CODES[logits.dtype], logits.shape[1], ids)
+        if rc:
+            raise RuntimeError(f"the native decode program refused a multi-step call (code {rc}): its arguments are "
+                               "outside what the kernels take (a bug: the builder should have refused them)")
+        flat = list(ids)
+        return [flat[s * n:(s + 1) * n] for s in range(steps)]
+
+    def _set_step(self, model, tokens, positions, max_position, kv_slots, seq_lens, tables, state_slots, *,
+                  embed_here: bool) -> bool:
+        """Fill the kept HlStep for these rows (see :meth:`run`); False where the embedding's rows do not suit the
+        program. ``embed_here``: an embedding the program cannot gather runs here (else: False)."""
         n = tokens.shape[0]
         st = self._step
         if _plain_embedding(model.embed, n):
             w = model.embed.weight
             if w.dtype != self.dtype:
-                return None
+                return False
             st.x, st.tokens, st.embed = self._rows(model).data_ptr(), tokens.data_ptr(), w.data_ptr()
             st.embed_row_bytes, st.vocab = w.shape[1] * w.element_size(), w.shape[0]
-        else:
+        elif embed_here:
             x = model.embed(tokens)
             if x.dtype != self.dtype or x.shape != (n, self.d_model):
-                return None
+                return False
             x = self._rows(model)[:n].copy_(x)
             st.x, st.tokens = x.data_ptr(), None
+        else:
+            return False
         rope = model.rope
         if rope is not None and rope.rotary_dim:
             cos, sin = rope.table(max_position + 1, self.dtype, tokens.device)
@@ -538,8 +574,7 @@ class DecodeProgram:
         st.state_slots = state_slots.data_ptr()
         st.tables, st.tstride = tables.data_ptr(), tables.stride(0) if tables.dim() == 2 else 0
         native.set_stream_prefetch(self.stream)
-        self.whole.run(st)
-        return self.logits[:n]
+        return True
 
     def valid(self, cache) -> bool:
         """The cache still hands out the views it was built on (a pruning policy set since rebuilds them)."""

@@ -61,6 +61,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.hl_qkv_rope.argtypes = [p, p, p, p, p, p, p, p, p, i32, i32, p, i32, p, p, p, i32, p, p, p, i64, i64, i64,
                                 i64, i64, i64]
     lib.hl_program_run.argtypes, lib.hl_program_run.restype = [p, i64, p, p], i64
+    lib.hl_program_steps.argtypes, lib.hl_program_steps.restype = [p, i64, p, p, i64, i64, p, i32, i64, p], i64
     lib.hl_program_abi.argtypes, lib.hl_program_abi.restype = [], i64
     lib.hl_cpu_paths.argtypes, lib.hl_cpu_paths.restype = [], i32
     lib.hl_argmax.argtypes, lib.hl_argmax.restype = [p, i32, i64, i64, p], None

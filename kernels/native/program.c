@@ -176,6 +176,39 @@ int64_t hl_program_run(const HlOp *ops, int64_t nops, const HlStep *st, double *
     return rc;
 }
 
+void hl_argmax(const void *x, int dt, int64_t rows, int64_t V, int64_t *out);
+
+/* Several greedy decode steps in one call (the engine's multi-step decode: hybrid/engine.py): step s runs the
+   program on the rows' current tokens, takes each row's argmax of the logits (logits [n, V] of dtype ldt, the
+   program's LM-head output) into ids[s * n + r], and makes it the row's next token: its position and KV length
+   one more, its K/V slot the next one along its block table (blocks of block_size; 0: no attention, slot 0).
+   The step's token, position, K/V slot and length arrays are the caller's and are left as the last step had them;
+   the caller has grown every row's blocks to hold its tokens of all the steps and the RoPE table to its last
+   position. Returns 0, or what hl_program_run returned for the step that failed (no later step ran). */
+int64_t hl_program_steps(const HlOp *ops, int64_t nops, HlStep *st, double *times, int64_t steps, int64_t block_size,
+                         const void *logits, int ldt, int64_t V, int64_t *ids) {
+    int64_t *tokens = (int64_t *)st->tokens, *positions = (int64_t *)st->positions;
+    int64_t *slots = (int64_t *)st->kv_slots;
+    int32_t *lens = (int32_t *)st->seq_lens;
+    if (!tokens || steps < 1) return -(nops + 1);
+    for (int64_t s = 0; s < steps; ++s) {
+        if (s > 0)
+            for (int64_t r = 0; r < st->n; ++r) {
+                tokens[r] = ids[(s - 1) * st->n + r];
+                if (positions) positions[r] += 1;
+                const int64_t q = lens[r]; /* the new token's index in the row's blocks */
+                lens[r] += 1;
+                slots[r] = block_size ? (int64_t)st->tables[r * st->tstride + q / block_size] * block_size +
+                                            q % block_size
+                                      : 0;
+            }
+        const int64_t rc = hl_program_run(ops, nops, st, times);
+        if (rc) return rc;
+        hl_argmax(logits, ldt, st->n, V, ids + s * st->n);
+    }
+    return 0;
+}
+
 /* sizeof(HlOp), sizeof(HlStep): the Python side checks its ctypes mirror against them */
 int64_t hl_program_abi(void) { return (int64_t)sizeof(HlOp) * 1000 + (int64_t)sizeof(HlStep); }
 
