@@ -129,6 +129,39 @@ def test_paged_decode_matches_reference(dtype, window):
     assert (got.float() - ref.float()).abs().max() <= 1e-5 + 2 * _noise(ref, dtype)
 
 
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4, 64, 16), (8, 2, 128, 16), (16, 2, 80, 7), (8, 1, 72, 16)])
+@pytest.mark.parametrize("lens", [[2047], [1000, 3001], [17, 256, 257, 512, 1537]])
+def test_paged_decode_long_contexts(heads, dtype, window, lens):
+    """Long contexts (split into spans of keys that threads take apart and a second pass combines), spans ending
+    on and off block and span boundaries, sliding windows, 1 / 4 / 8 query heads per KV head, head dims 64 / 72 /
+    80 / 128, batch 1-5: within the rounding of the short-context test; and the same bits on 1 and 2 threads."""
+    Hq, Hkv, D, BS = heads
+    g = torch.Generator().manual_seed(len(lens) * 100 + D)
+    B = len(lens)
+    cols = -(-max(lens) // BS)
+    NB = B * cols + 3
+    k_pool = torch.randn(NB, BS, Hkv, D, generator=g).to(dtype)
+    v_pool = torch.randn(NB, BS, Hkv, D, generator=g).to(dtype)
+    q = (torch.randn(B, Hq, D, generator=g) * 2).to(dtype)  # peaked softmaxes as well as flat ones
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    tables = (torch.randperm(NB - 1, generator=g)[:B * cols] + 1).view(B, cols).to(torch.int32)
+    assert ops.supports_paged_decode(q, k_pool, v_pool, seq_lens, tables, window=window) is None
+    threads = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got.append(ops.paged_decode(q, k_pool, v_pool, seq_lens, tables, window=window))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[0], got[1])
+    ref = paged_attention.paged_decode_attention_ref(q, k_pool, v_pool, seq_lens, tables, window=window)
+    assert (got[0].float() - ref.float()).abs().max() <= 1e-5 + 2 * _noise(ref, dtype)
+
+
 def _greedy(model, prompts, new_tokens, backend=None, max_seqs=4, **engine_kw):
     with torch.inference_mode(), use_backend(backend):
         engine = Engine(model, num_blocks=64, block_size=16, max_seqs=max_seqs, **engine_kw)
