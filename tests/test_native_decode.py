@@ -323,3 +323,16 @@ def test_stream_prefetch_follows_the_weights_and_the_cache_and_changes_no_bits(m
         tokens.append(_greedy(model, [list(range(1, 12)), [5] * 9], 6))
     native.set_stream_prefetch(True)
     assert torch.equal(outs[0], outs[1]) and tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("words", [1, 7, 32768, 32768 * 3 + 5])  # inside one 256 KB chunk, across chunks, tails
+def test_stream_read_reads_every_word_once(words):
+    """The read-bandwidth probe (hl_stream_read) reads the whole buffer, every 8-byte word once: its checksum is the
+    XOR of all the words."""
+    g = torch.Generator().manual_seed(words)
+    buf = torch.randint(-2**62, 2**62, (words,), dtype=torch.int64, generator=g)
+    want = 0
+    for v in buf.tolist():
+        want ^= v
+    assert native.library().hl_stream_read(buf.data_ptr(), words * 8) == want
+    assert native.read_bandwidth(mib=64, repeats=2) > 0

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -61,6 +62,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.hl_qkv_rope.argtypes = [p, p, p, p, p, p, p, p, p, i32, i32, p, i32, p, p, p, i32, p, p, p, i64, i64, i64,
                                 i64, i64, i64]
     lib.hl_program_run.argtypes, lib.hl_program_run.restype = [p, i64, p, p], i64
+    lib.hl_stream_read.argtypes, lib.hl_stream_read.restype = [p, i64], i64
     lib.hl_program_steps.argtypes, lib.hl_program_steps.restype = [p, i64, p, p, i64, i64, p, i32, i64, p], i64
     lib.hl_program_abi.argtypes, lib.hl_program_abi.restype = [], i64
     lib.hl_cpu_paths.argtypes, lib.hl_cpu_paths.restype = [], i32
@@ -172,6 +174,22 @@ def owns_threads():
     finally:
         torch.set_num_threads(n)
         _owned[0] = 0
+
+
+def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second of a streaming read of a ``mib`` MiB buffer (far larger than any L3) by the native pool on
+    torch's intra-op threads, the way the decode products read their weights: the best of ``repeats``."""
+    buf = torch.ones(mib * 2**20 // 8, dtype=torch.int64)
+    lib = library()
+    with owns_threads():
+        lib = library()  # the pool sized to the threads it now holds
+        lib.hl_stream_read(buf.data_ptr(), buf.numel() * 8)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            lib.hl_stream_read(buf.data_ptr(), buf.numel() * 8)
+            best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 8 / best
 
 
 def argmax_supports(logits: torch.Tensor) -> bool:
