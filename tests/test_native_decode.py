@@ -314,15 +314,17 @@ def test_stream_prefetch_follows_the_weights_and_the_cache_and_changes_no_bits(m
     expected = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert fused_decode._decode_weight_bytes(model) == expected + (0 if model.lm_head is not None
                                                                    else model.embed.weight.numel() * 2)
-    w, x = torch.randn(300, 512).bfloat16(), torch.randn(2, 512).bfloat16()
+    # one input row takes one weight row at a time while streaming and four rows a pass otherwise: the same bits
+    pairs = [(torch.randn(300, 512).bfloat16(), torch.randn(rows, 512).bfloat16()) for rows in (2, 1)]
+    pairs += [(torch.randn(301, 515), torch.randn(rows, 515)) for rows in (2, 1)]
     outs, tokens = [], []
     for on in (True, False):
         monkeypatch.setattr(native, "streams_from_memory", lambda n, on=on: on)
         native.set_stream_prefetch(on)
-        outs.append(projection.linear(x, w))
-        tokens.append(_greedy(model, [list(range(1, 12)), [5] * 9], 6))
+        outs.append([projection.linear(x, w) for w, x in pairs])
+        tokens.append(_greedy(model, [list(range(1, 12)), [5] * 9], 6) + _greedy(model, [[3, 1, 4, 1, 5]], 6))
     native.set_stream_prefetch(True)
-    assert torch.equal(outs[0], outs[1]) and tokens[0] == tokens[1]
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)) and tokens[0] == tokens[1]
 
 
 @pytest.mark.parametrize("words", [1, 7, 32768, 32768 * 3 + 5])  # inside one 256 KB chunk, across chunks, tails
