@@ -262,23 +262,27 @@ class Engine:
             return []
         t1 = time.perf_counter()
         with self.runner.step_threads(decode_only=self.drafter is None and all(n == 1 for _, n in plan)):
-            steps = self._multi_steps(plan)
-            outputs = self._run_steps(plan, steps, t0, t1) if steps > 1 else None
+            steps = self._greedy_steps(plan)
+            outputs = self._run_steps(plan, steps, t0, t1) if steps else None
             return self._run(plan, t0, t1) if outputs is None else outputs
 
-    def _multi_steps(self, plan) -> int:
-        """How many decode steps this step's plan may run in one call (see ``multi_step``), with every row's KV blocks
-        grown for them; 1 when it may not."""
+    def _greedy_steps(self, plan) -> int:
+        """How many greedy decode steps this step's plan runs in one native call, their argmax in C (see
+        ``multi_step``), with every row's KV blocks grown for them; 0 when the plan takes the general path (a prompt
+        chunk, sampling, speculation, no native program). One step when nothing allows more: it still spares the
+        step its logits' trip through Python."""
+        if self.speculator is not None:
+            return 0
         k = self.multi_step
-        if k < 2 or self.speculator is not None or self.scheduler.waiting or self.cache_manager.prefix is not None:
-            return 1
         for req, n in plan:
             p = req.params
             if n != 1 or req.score_only or not req.output or not p.greedy or p.repetition_penalty != 1.0:
-                return 1
+                return 0
             k = min(k, p.max_new_tokens - len(req.output))
-        if k < 2 or not self.runner.can_run_steps():
-            return 1
+        if not self.runner.can_run_steps():
+            return 0
+        if k < 2 or self.scheduler.waiting or self.cache_manager.prefix is not None:
+            return 1  # (the scheduler grew every row's blocks for one token)
         m = self.cache_manager
         if not all(m.can_grow(req.request_id, req.num_computed + k) for req, _ in plan):
             return 1

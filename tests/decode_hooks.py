@@ -29,7 +29,8 @@ def _decode_steps(monkeypatch) -> list[bool]:
 
 def whole_step_logits(monkeypatch) -> list[torch.Tensor]:
     """Each decode step's logits (copies) from the whole-step program; a decode step that does not run it fails
-    the test, with the program's coverage."""
+    the test, with the program's coverage. (Greedy steps would otherwise take their argmax in C without handing
+    the logits back: ``Engine``'s greedy steps; here they run ``DecodeProgram.run`` and sample in Python.)"""
     got: list[torch.Tensor] = []
     real_execute, real_run = ModelRunner.execute, fused_decode.DecodeProgram.run
 
@@ -48,6 +49,7 @@ def whole_step_logits(monkeypatch) -> list[torch.Tensor]:
 
     monkeypatch.setattr(fused_decode.DecodeProgram, "run", run)
     monkeypatch.setattr(ModelRunner, "execute", execute)
+    monkeypatch.setattr(ModelRunner, "can_run_steps", lambda self: False)
     return got
 
 

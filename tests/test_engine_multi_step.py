@@ -52,6 +52,29 @@ def test_multi_step_equals_one_step_at_a_time(recipe, dtype):
     assert s.decode_steps >= max(len(o) for o in four) - 1
 
 
+@pytest.mark.parametrize("recipe", ["llama-tiny", "hybrid-1to7-tiny"])
+def test_greedy_steps_in_c_equal_logits_sampled_in_python(recipe, monkeypatch):
+    """A greedy decode step takes its argmax in C (hl_program_steps, one step a call or several); the tokens are
+    those of the logits handed back and sampled by the engine's sampler."""
+    from hybrid.model_runner import ModelRunner
+
+    model = _model(recipe, torch.bfloat16)
+    prompts = [list(range(1, 8)), [5, 9, 2]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 6)]
+    calls, real = [0], ModelRunner.run_steps
+
+    def counted(self, chunks, steps):
+        calls[0] += 1
+        return real(self, chunks, steps)
+
+    monkeypatch.setattr(ModelRunner, "run_steps", counted)
+    in_c, _, _, _ = _run(model, prompts, params, multi_step=1)
+    assert calls[0] >= 5  # every decode step after the prompts'
+    monkeypatch.setattr(ModelRunner, "can_run_steps", lambda self: False)
+    sampled, _, _, _ = _run(model, prompts, params, multi_step=1)
+    assert in_c == sampled
+
+
 def test_a_stop_inside_a_call_ends_the_request_there():
     model = _model("llama-tiny")
     prompt = list(range(1, 8))
