@@ -53,6 +53,37 @@ def _check_linear_shape(dtype, rows, K, N, g):
         assert (got.float() - ref.float()).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [4, 5, 6, 7, 8, 9, 11, 13, 17, 31, 33, 47, 63, 64])
+def test_batched_linear_matches_reference(dtype, rows):
+    """The blocked products of a batched step (fp32: 8 weight rows x up to 3 input rows on AVX-512; bf16: 4 x 2 by
+    vdpbf16ps) for every way the input rows split into blocks, odd K (vector tails), N tails of the 4- and 16-row
+    blocks, and K past an L1's worth of input rows"""
+    g = torch.Generator().manual_seed(rows)
+    for K, N in ((771, 1037), (64, 19), (2051, 130)):
+        x = torch.randn(rows, K, generator=g).to(dtype)
+        w = torch.randn(N, K, generator=g).to(dtype)
+        got = projection._linear_native(x, w)
+        ref = projection.linear_ref(x, w)
+        tol = 1e-4 * ref.abs().max().item() + 2 * _noise(ref, dtype)
+        assert (got.float() - ref.float()).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("K", [515, 2048])
+def test_bf16_rows_bits_do_not_depend_on_the_batch(K):
+    """A bf16 input row's products (bf16 weights, vdpbf16ps where the CPU has it) carry the same bits alone (B=1) as
+    in a batch of 5, 17 or 64: a sequence decodes the same tokens batched as alone"""
+    paths = native.cpu_paths()
+    if "AVX512-BF16 vdpbf16ps" not in paths or "AMX tile unit (batched bf16 products)" in paths:
+        pytest.skip("the promise is the vdpbf16ps path's (the widening and AMX paths sum batches in another order)")
+    g = torch.Generator().manual_seed(K)
+    w = torch.randn(1031, K, generator=g).bfloat16()
+    xs = torch.randn(64, K, generator=g).bfloat16()
+    alone = torch.cat([projection._linear_native(xs[i:i + 1], w) for i in range(64)])
+    for rows in (5, 17, 64):
+        assert torch.equal(projection._linear_native(xs[:rows], w), alone[:rows])
+
+
 @pytest.mark.parametrize("rows", [2, 7, 64])
 def test_linear_int8_row_scales(rows):
     g = torch.Generator().manual_seed(0)

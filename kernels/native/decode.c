@@ -644,6 +644,72 @@ static inline void hsum4_ps(const __m512 v[4], float out[4][MAXB], int64_t b) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* fp32 weights against several fp32 input rows on AVX-512 (a batched decode step, compute-bound): R (4 or 8)
+   weight rows against NB (1..3 with 8 rows, a constant: the R NB accumulators stay in registers, 24 of the 32)
+   input rows, 16 lanes a step, the NB input vectors loaded once for the R rows and each weight vector once for the
+   NB input rows (11 loads per 24 FMAs). fp32 accumulation over K in each lane, then _mm512_reduce_add_ps's tree:
+   no bit-equality with the one-row path (whose four accumulators sum in another order). */
+static inline __attribute__((always_inline)) void blockR_f32_nb(const float *const *w, const float *x, int64_t K,
+                                                                float out[][MAXB], int64_t b0, const int R,
+                                                                const int NB) {
+    const int64_t K16 = K & ~(int64_t)15;
+    const float *xr = x + b0 * K;
+    __m512 a[8][3];
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NB; ++j) a[r][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < K16; k += 16) {
+        __m512 xv[3];
+        for (int j = 0; j < NB; ++j) xv[j] = _mm512_loadu_ps(xr + j * K + k);
+        for (int r = 0; r < R; ++r) {
+            const __m512 wv = _mm512_loadu_ps(w[r] + k);
+            for (int j = 0; j < NB; ++j) a[r][j] = _mm512_fmadd_ps(wv, xv[j], a[r][j]);
+        }
+    }
+    if (k < K) {
+        const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
+        __m512 xv[3];
+        for (int j = 0; j < NB; ++j) xv[j] = _mm512_maskz_loadu_ps(m, xr + j * K + k);
+        for (int r = 0; r < R; ++r) {
+            const __m512 wv = _mm512_maskz_loadu_ps(m, w[r] + k);
+            for (int j = 0; j < NB; ++j) a[r][j] = _mm512_fmadd_ps(wv, xv[j], a[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r += 4)
+        for (int j = 0; j < NB; ++j) {
+            const __m512 v[4] = {a[r][j], a[r + 1][j], a[r + 2][j], a[r + 3][j]};
+            hsum4_ps(v, (float(*)[MAXB])out[r], b0 + j);
+        }
+}
+
+/* 8 fp32 weight rows against input rows b0..b0+nb-1 (nb 1..3) */
+static inline void block8_f32(const float *const *w, const float *x, int64_t K, float out[][MAXB], int64_t b0,
+                              int nb) {
+    if (nb == 3) blockR_f32_nb(w, x, K, out, b0, 8, 3);
+    else if (nb == 2) blockR_f32_nb(w, x, K, out, b0, 8, 2);
+    else blockR_f32_nb(w, x, K, out, b0, 8, 1);
+}
+
+/* rows n0..n0+nr-1 (nr <= 16) of an fp32 W against all B input rows: eight rows at a time (a short last block
+   repeats its last row; its sums are dropped) against the input rows in blocks of at most 3, as even as they split
+   (2 + 2 for 4). The eight weight rows (8 K floats: 24 KB at K 768) stay in L1 while the input rows stream past
+   them from L2; with the loops the other way round (the 16 rows against one block of input rows at a time) fp32
+   2048x768 at 64 rows took 1.96 ms, this order with 4-row blocks 1.69, with 8-row blocks 1.67 (Zen 4, 2 threads;
+   the old 4x3 8-lane block 3.4 ms). */
+static inline void rows16_f32(const Gemv *g, int64_t n0, int nr, float out[16][MAXB]) {
+    const int64_t K = g->K, B = g->B, nblk = (B + 2) / 3;
+    const float *w[16];
+    for (int r = 0; r < 16; ++r) w[r] = (const float *)g->w + (n0 + (r < nr ? r : nr - 1)) * K;
+    for (int r = 0; r < nr; r += 8)
+        for (int64_t i = 0, b0 = 0; i < nblk; ++i) {
+            const int nb = (int)((B - b0) / (nblk - i) + ((B - b0) % (nblk - i) != 0));
+            block8_f32(w + r, g->x, K, (float(*)[MAXB])out[r], b0, nb);
+            b0 += nb;
+        }
+}
+#endif
+
 #ifdef __AVX512BF16__
 /* dot_row's vdpbf16ps loop for 4 rows against one bf16 input row: the input read once for the four, and the four
    horizontal sums done together. Each row's sums run in dot_row's order (its two accumulators, then
@@ -939,12 +1005,18 @@ static inline __attribute__((always_inline)) void dot_rows(const Gemv *g, int64_
 }
 
 /* rows n0..n0+nr-1 (nr <= 16) against every input row: 16 at a time by the tile unit where it takes the op,
-   else dot_rows four at a time */
+   else (fp32 weights against several input rows on AVX-512) rows16_f32, else dot_rows four at a time */
 static inline __attribute__((always_inline)) void dot_rows16(const Gemv *g, int64_t n0, int nr, float out[16][MAXB],
                                                              const int wdt) {
 #ifdef AMX_PATH
     if (wdt == DT_BF16 && g->xt && nr == 16) {
         amx_rows16(g, n0, out);
+        return;
+    }
+#endif
+#ifdef __AVX512F__
+    if (wdt == DT_F32 && g->B >= MULTI_ROWS) {
+        rows16_f32(g, n0, nr, out);
         return;
     }
 #endif
