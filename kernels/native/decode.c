@@ -1189,6 +1189,23 @@ static float *w4_scratch(int64_t n) {
 
 /* out[b][r] = 32-row block nb's row r (r < the returned 32 or 16 rows) of the dequantised W against input row b; -1
    when out of memory */
+/* out[b][r] += scale * acc[b][r] + (zero - 8 scale) * sum_k x[b, k] for the rows row0 .. row0 + nr (nr a multiple of
+   8) and group gi: one group's dequantisation applied to its dot products, once per row (acc rows acc_stride apart) */
+static inline void int4_group_out(const Int4Mat *m, const Int4X *xs, int64_t gi, int64_t row0, int nr, const float *acc,
+                                  int64_t acc_stride, float out[][64]) {
+    const int64_t ng = m->K / m->G;
+    for (int r = 0; r < nr; r += 8) {
+        v8 s, z;
+        load_sz8(m->sz, m->sdt, (gi * m->N + row0 + r) * 2, &s, &z);
+        const v8 z8 = z - s * 8.0f; /* (q - 8) s + z = q s + (z - 8 s) */
+        for (int64_t b = 0; b < xs->B; ++b) {
+            v8 o = *(v8u *)(out[b] + r);
+            o += s * *(const v8u *)(acc + b * acc_stride + r) + z8 * xs->xsum[b * ng + gi];
+            *(v8u *)(out[b] + r) = o;
+        }
+    }
+}
+
 static int int4_block32(const Int4Mat *m, const Int4X *xs, int64_t nb, float out[][64]) {
     const int64_t K = m->K, G = m->G, ng = K / G, B = xs->B, row0 = nb * 32;
     const int nr = m->N - row0 >= 32 ? 32 : 16;
@@ -1230,16 +1247,7 @@ static int int4_block32(const Int4Mat *m, const Int4X *xs, int64_t nb, float out
                 if (b < B) int4_dots(wb, xs->x, K, k0, G, b, acc, 1, 2);
             }
         }
-        for (int r = 0; r < nr; r += 8) {
-            v8 s, z;
-            load_sz8(m->sz, m->sdt, (gi * m->N + row0 + r) * 2, &s, &z);
-            const v8 z8 = z - s * 8.0f; /* (q - 8) s + z = q s + (z - 8 s) */
-            for (int64_t b = 0; b < B; ++b) {
-                v8 o = *(v8u *)(out[b] + r);
-                o += s * *(const v8u *)(acc[b] + r) + z8 * xs->xsum[b * ng + gi];
-                *(v8u *)(out[b] + r) = o;
-            }
-        }
+        int4_group_out(m, xs, gi, row0, nr, acc[0], sizeof acc[0] / sizeof(float), out);
     }
     return nr;
 }
@@ -1466,16 +1474,7 @@ static int int4_block64(const Int4Mat *m, const Int4X *xs, int64_t nb, float out
                 if (b < B) int4_dots64(wb, xs->x, K, k0, G, b, acc, 1, c);
             }
         }
-        for (int r = 0; r < nr; r += 8) {
-            v8 s, z;
-            load_sz8(m->sz, m->sdt, (gi * m->N + row0 + r) * 2, &s, &z);
-            const v8 z8 = z - s * 8.0f; /* (q - 8) s + z = q s + (z - 8 s) */
-            for (int64_t b = 0; b < B; ++b) {
-                v8 o = *(v8u *)(out[b] + r);
-                o += s * *(const v8u *)(acc[b] + r) + z8 * xs->xsum[b * ng + gi];
-                *(v8u *)(out[b] + r) = o;
-            }
-        }
+        int4_group_out(m, xs, gi, row0, nr, acc[0], sizeof acc[0] / sizeof(float), out);
     }
     return nr;
 }
