@@ -369,3 +369,62 @@ def test_stream_read_reads_every_word_once(words):
         want ^= v
     assert native.library().hl_stream_read(buf.data_ptr(), words * 8) == want
     assert native.read_bandwidth(mib=64, repeats=2) > 0
+
+
+def test_avx2_build_matches_reference():
+    """What a CPU without AVX-512 runs, built here with -mno-avx512f (on an AVX2-only CPU the library under test is
+    that build already): paged decode attention at long contexts, the fp32 / bf16 products for one and several input
+    rows, and greedy argmax, against their references with the tolerances of the tests above."""
+    import ctypes
+
+    from hybrid.kernels.native.build import FLAGS, build
+
+    if "AVX-512" not in native.cpu_paths():
+        pytest.skip("no AVX-512 here: the library under test is the AVX2 build already")
+    lib, why = build("hybrid_decode_avx2", native.source(), (*FLAGS, "-mno-avx512f"), ("-lm", "-lpthread"))
+    assert lib is not None, why
+    lib.hl_cpu_paths.restype = ctypes.c_int
+    assert lib.hl_cpu_paths() == 1  # AVX2 only
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.hl_set_threads.argtypes, lib.hl_set_threads.restype = [i32, i64], i32
+    lib.hl_set_threads(2, 0)
+    lib.hl_paged_decode.argtypes = [p, i32, p, p, i32, p, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    lib.hl_gemv.argtypes, lib.hl_gemv.restype = [p, i32, p, p, i32, p, i32, p, p, i32, i64, i64, i64], i32
+    lib.hl_argmax.argtypes = [p, i32, i64, i64, p]
+    codes = native.DTYPE_CODES
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        # paged decode: 4 query heads per KV head, D 80, a window, contexts across spans and blocks
+        Hq, Hkv, D, BS, lens, window = 8, 2, 80, 16, [1300, 17, 513], 700
+        cols = -(-max(lens) // BS)
+        NB = len(lens) * cols + 1
+        k_pool = torch.randn(NB, BS, Hkv, D, generator=g).to(dtype)
+        v_pool = torch.randn(NB, BS, Hkv, D, generator=g).to(dtype)
+        q = (torch.randn(len(lens), Hq, D, generator=g) * 2).to(dtype)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        tables = (torch.randperm(NB - 1, generator=g)[:len(lens) * cols] + 1).view(len(lens), cols).to(torch.int32)
+        for w in (None, window):
+            out = torch.empty_like(q)
+            lib.hl_paged_decode(q.data_ptr(), codes[dtype], k_pool.data_ptr(), v_pool.data_ptr(), codes[dtype],
+                                seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), out.data_ptr(), len(lens),
+                                Hq, Hkv, D, BS, w or 0, D ** -0.5)
+            ref = paged_attention.paged_decode_attention_ref(q, k_pool, v_pool, seq_lens, tables, window=w)
+            assert (out.float() - ref.float()).abs().max() <= 1e-5 + 2 * _noise(ref, dtype), (dtype, w)
+        # products: one input row (one weight row at a time) and several (the blocked path)
+        for rows in (1, 7):
+            for K, N in ((515, 1027), (512, 96)):
+                x, wt = torch.randn(rows, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+                y = torch.empty(rows, N, dtype=dtype)
+                assert lib.hl_gemv(wt.data_ptr(), codes[dtype], None, None, 0, x.data_ptr(), codes[dtype], None,
+                                   y.data_ptr(), codes[dtype], rows, N, K) == 0
+                ref = projection.linear_ref(x, wt)
+                assert (y.float() - ref.float()).abs().max().item() <= 1e-4 * ref.abs().max().item() + 2 * _noise(
+                    ref, dtype), (dtype, rows, K)
+        # greedy argmax: ties, NaN, the tail past the last 8 lanes
+        logits = torch.randn(4, 32003, generator=g).to(dtype)
+        logits[1, 7], logits[1, 9] = 50.0, 50.0
+        logits[2, 100] = float("nan")
+        logits[3, 32001] = 60.0
+        ids = (ctypes.c_int64 * 4)()
+        lib.hl_argmax(logits.data_ptr(), codes[dtype], 4, logits.shape[1], ids)
+        assert list(ids) == logits.argmax(-1).tolist()
