@@ -488,16 +488,10 @@ class DecodeProgram:
             except _Unsupported as e:
                 self.why.append(f"LM head: {e}")
 
-    def embed(self, model, tokens: torch.Tensor) -> torch.Tensor:
-        """The step's input rows: ``model.embed(tokens)``, for a plain ``nn.Embedding`` gathered into a buffer
-        kept here (the program adds every block's output to it in place; a new one each step is an allocation
-        and a cold module call)."""
-        if not _plain_embedding(model.embed, tokens.shape[0]):
-            return model.embed(tokens)
-        return torch.index_select(model.embed.weight, 0, tokens, out=self._rows(model)[:tokens.shape[0]])
-
     def _rows(self, model) -> torch.Tensor:
-        """The kept input-row buffer [MAX_ROWS, d_model] in the embedding's dtype."""
+        """The kept input-row buffer [MAX_ROWS, d_model] in the embedding's dtype: the program gathers the step's
+        embedding rows into it and adds every block's output to it in place (a new one each step would be an
+        allocation)."""
         w = model.embed.weight
         if self._x is None or self._x.dtype != w.dtype:
             with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
