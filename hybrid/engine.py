@@ -95,7 +95,8 @@ class Engine:
 
     def __repr__(self) -> str:
         return (f"Engine({type(self.model).__name__} {self.model.config.pattern!r}, "
-                f"max_seqs={self.runner.buckets[-1]}, decode: {self.decode_path()})")
+                f"max_seqs={self.runner.buckets[-1]}, decode: {self.decode_path()}, "
+                f"greedy steps per native call: up to {self.multi_step})")
 
     def __init__(self, model, *, cache: HybridCache | None = None, num_blocks: int | None = None,
                  cache_bytes: int | None = None, block_size: int = 16, max_seqs: int = 16,

@@ -104,6 +104,7 @@ def test_multi_step_runs_only_where_it_may():
     assert c == d and calls_c == calls_d
 
 
-def test_multi_step_must_be_positive():
+def test_multi_step_must_be_positive_and_is_shown():
     with pytest.raises(ValueError, match="multi_step"):
         Engine(HybridLM(recipes.get("llama-tiny")), multi_step=0)
+    assert "greedy steps per native call: up to 4" in repr(Engine(HybridLM(recipes.get("llama-tiny")), multi_step=4))
