@@ -63,6 +63,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
                                 i64, i64, i64]
     lib.hl_program_run.argtypes, lib.hl_program_run.restype = [p, i64, p, p], i64
     lib.hl_stream_read.argtypes, lib.hl_stream_read.restype = [p, i64], i64
+    lib.hl_program_solo_runs.argtypes, lib.hl_program_solo_runs.restype = [], i64
     lib.hl_program_steps.argtypes, lib.hl_program_steps.restype = [p, i64, p, p, i64, i64, p, i32, i64, p], i64
     lib.hl_program_abi.argtypes, lib.hl_program_abi.restype = [], i64
     lib.hl_cpu_paths.argtypes, lib.hl_cpu_paths.restype = [], i32
@@ -190,6 +191,13 @@ def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
             lib.hl_stream_read(buf.data_ptr(), buf.numel() * 8)
             best = min(best, time.perf_counter() - t0)
     return buf.numel() * 8 / best
+
+
+def solo_runs() -> int:
+    """Decode programs run on the calling thread alone since the library loaded: after a step that spent a quarter of
+    its time waiting for workers another process kept off their cores, the next 32 run without them
+    (kernels/native/program.c)."""
+    return int(library().hl_program_solo_runs())
 
 
 def argmax_supports(logits: torch.Tensor) -> bool:

@@ -189,8 +189,14 @@ int hl_set_threads(int n, int64_t spin) {
 
 /* One call at a time uses the pool; a second thread calling meanwhile (two engines in two threads) runs its
    chunks itself rather than wait. */
+/* A decode program's waits for descheduled workers (program.c's run_program reads and resets them): microseconds
+   the caller spent, its own chunks done, waiting for chunks a worker had claimed; and whether the program runs
+   its ops on the caller alone (P_solo: set while another process keeps taking a worker's core). */
+static double P_waited_us = 0.0;
+static int P_solo = 0;
+
 static void pool_run(chunk_fn fn, const void *job, int64_t nchunks) {
-    if (P.nworkers == 0 || nchunks == 1 || pthread_mutex_trylock(&P_run) != 0) {
+    if (P.nworkers == 0 || nchunks == 1 || P_solo || pthread_mutex_trylock(&P_run) != 0) {
         for (int64_t c = 0; c < nchunks; ++c) fn(job, c);
         return;
     }
@@ -204,7 +210,11 @@ static void pool_run(chunk_fn fn, const void *job, int64_t nchunks) {
     atomic_fetch_add(&P.wake_seq, 1);
     if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, &P.wake_seq, FUTEX_WAKE_PRIVATE, MAXT, NULL, NULL, 0);
     run_chunks(gen);
-    while (atomic_load_explicit(&t->done, memory_order_acquire) < nchunks) cpu_relax();
+    if (atomic_load_explicit(&t->done, memory_order_acquire) < nchunks) {
+        const double w0 = now_us();
+        while (atomic_load_explicit(&t->done, memory_order_acquire) < nchunks) cpu_relax();
+        P_waited_us += now_us() - w0;
+    }
     pthread_mutex_unlock(&P_run);
 }
 
