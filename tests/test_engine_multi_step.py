@@ -89,6 +89,23 @@ def test_a_stop_inside_a_call_ends_the_request_there():
     assert engine.cache_manager.num_free_slots == engine.cache.ssm.num_slots  # everything given back
 
 
+def test_stop_strings_and_text_through_generate():
+    """hybrid.generate (multi-step 8 by default) with a tokenizer: the texts, and a stop string that cuts a request
+    inside a call, are those of one step at a time."""
+    import hybrid
+
+    model = _model("llama-tiny")
+    tok = hybrid.load_tokenizer(None)  # bytes
+    free = hybrid.generate(model, ["Hello"], max_new_tokens=24, tokenizer=tok, ignore_eos=True, multi_step=1)[0]
+    i = next(i for i in range(5, len(free) - 2) if free.find(free[i:i + 2]) == i)  # first seen mid-way
+    stop = [free[i:i + 2]]
+    one = hybrid.generate(model, ["Hello", "Hi"], max_new_tokens=24, tokenizer=tok, ignore_eos=True, stop=stop,
+                          multi_step=1)
+    assert len(one[0]) < len(free)  # the stop did cut the first request
+    assert hybrid.generate(model, ["Hello", "Hi"], max_new_tokens=24, tokenizer=tok, ignore_eos=True, stop=stop) == one
+    assert hybrid.generate(model, ["Hello"], max_new_tokens=24, tokenizer=tok, ignore_eos=True) == [free]
+
+
 def test_multi_step_runs_only_where_it_may():
     model = _model("hybrid-1to7-tiny")
     prompts = [list(range(1, 8)), [4, 4, 4]]
