@@ -84,12 +84,12 @@ def read_bandwidth(mib: int = 1024, repeats: int = 5) -> tuple[float, str]:
     (kernels.native.read_bandwidth) where the native kernels run, the larger of it and torch's sum; else torch's."""
     from hybrid.kernels import native
 
-    ours = torch_read_bandwidth(mib, repeats)
+    summed = torch_read_bandwidth(mib, repeats)
     if native.available() is not None:
-        return ours, f"torch sum of {mib} MiB"
-    fast = native.read_bandwidth(mib, repeats)
-    how = f"native streaming read of {mib} MiB; torch sum {ours / 1e9:.2f} GB/s"
-    return max(fast, ours), how
+        return summed, f"torch sum of {mib} MiB"
+    streamed = native.read_bandwidth(mib, repeats)
+    how = f"native streaming read of {mib} MiB; torch sum {summed / 1e9:.2f} GB/s"
+    return max(streamed, summed), how
 
 
 def llama_bench_decode(llama_bench: str, gguf: str, threads: int, tokens: int = 64, repeats: int = 3) -> dict:

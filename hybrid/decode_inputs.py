@@ -22,8 +22,6 @@ import torch
 from .cache_manager import CacheManager
 from .packed_batch import SeqChunk
 
-_TYPECODES = {torch.int32: "i", torch.int64: "q"}
-
 
 def _shared(typecode: str, n: int) -> tuple[array.array, torch.Tensor]:
     """A zeroed ``array`` of n items and a tensor over the same memory."""

@@ -270,8 +270,9 @@ class Engine:
     def _greedy_steps(self, plan) -> int:
         """How many greedy decode steps this step's plan runs in one native call, their argmax in C (see
         ``multi_step``), with every row's KV blocks grown for them; 0 when the plan takes the general path (a prompt
-        chunk, sampling, speculation, no native program). One step when nothing allows more: it still spares the
-        step its logits' trip through Python."""
+        chunk, sampling, speculation, compilation). One step when nothing allows more: it still spares the step its
+        logits' trip through Python. (A model the native program does not cover is found out by the call, and the
+        step then runs the general path.)"""
         if self.speculator is not None:
             return 0
         k = self.multi_step

@@ -147,6 +147,16 @@ class ModelRunner:
         """A CPU decode step's logits (borrowed: the program's buffer) from the whole-step native program fed from
         the kept :class:`~hybrid.decode_inputs.DecodeInputs`, no packed batch built; None where the program does
         not cover this model and cache (or this step: more rows than it takes, SnapKV's observed queries)."""
+        prog = self._kept_inputs(chunks)
+        if prog is None:
+            return None
+        tokens, positions, kv_slots, seq_lens, tables, state_slots = self._inputs.views()
+        return prog.run(self.model, tokens, positions, self._inputs.max_position, kv_slots, seq_lens, tables,
+                        state_slots)
+
+    def _kept_inputs(self, chunks: list[SeqChunk]):
+        """The whole-step program for these one-token chunks, their rows written into the kept inputs; None (nothing
+        written) where it cannot take them."""
         if len(chunks) > native.MAX_ROWS or self.manager.kv.capture is not None or torch.is_grad_enabled():
             return None
         prog = fused_decode.whole_program(self.model, self.cache)
@@ -155,26 +165,21 @@ class ModelRunner:
         if self._inputs is None:
             self._inputs = DecodeInputs(native.MAX_ROWS)
         self._inputs.fill(self.manager, chunks)
-        tokens, positions, kv_slots, seq_lens, tables, state_slots = self._inputs.views()
-        return prog.run(self.model, tokens, positions, self._inputs.max_position, kv_slots, seq_lens, tables,
-                        state_slots)
+        return prog
 
     def can_run_steps(self) -> bool:
-        """Whether decode-only steps here may run several at a time in one native call (:meth:`run_steps`): a CPU
-        engine without compilation whose model the whole-step program covers, with no SnapKV observation."""
-        return (self.device.type == "cpu" and not self.compile and self.manager.kv.capture is None
-                and fused_decode.whole_program(self.model, self.cache) is not None)
+        """Whether greedy decode steps here may take their argmax in C, several at a time (:meth:`run_steps`): a CPU
+        engine without compilation or SnapKV observation. (Whether the program covers the model, :meth:`run_steps`
+        finds out: it returns None where not.)"""
+        return self.device.type == "cpu" and not self.compile and self.manager.kv.capture is None
 
     def run_steps(self, chunks: list[SeqChunk], steps: int) -> list[list[int]] | None:
         """``steps`` greedy decode steps of these one-token chunks in one native call (see
         :meth:`DecodeProgram.run_steps`): each row's argmax ids, [steps][rows]; None where the program cannot take
         them (the caller steps one at a time). Every row's blocks must hold ``start + steps`` tokens."""
-        prog = fused_decode.whole_program(self.model, self.cache)
-        if prog is None or len(chunks) > native.MAX_ROWS or torch.is_grad_enabled():
+        prog = self._kept_inputs(chunks)
+        if prog is None:
             return None
-        if self._inputs is None:
-            self._inputs = DecodeInputs(native.MAX_ROWS)
-        self._inputs.fill(self.manager, chunks)
         block_size = self.manager.block_size if self.manager.kv.enabled else 0
         tokens, positions, kv_slots, seq_lens, tables, state_slots = self._inputs.views()
         with native.owns_threads():

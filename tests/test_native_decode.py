@@ -377,20 +377,10 @@ def test_avx2_build_matches_reference():
     rows, and greedy argmax, against their references with the tolerances of the tests above."""
     import ctypes
 
-    from hybrid.kernels.native.build import FLAGS, build
-
     if "AVX-512" not in native.cpu_paths():
         pytest.skip("no AVX-512 here: the library under test is the AVX2 build already")
-    lib, why = build("hybrid_decode_avx2", native.source(), (*FLAGS, "-mno-avx512f"), ("-lm", "-lpthread"))
-    assert lib is not None, why
-    lib.hl_cpu_paths.restype = ctypes.c_int
+    lib = native.build_variant("avx2", ("-mno-avx512f",))
     assert lib.hl_cpu_paths() == 1  # AVX2 only
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.hl_set_threads.argtypes, lib.hl_set_threads.restype = [i32, i64], i32
-    lib.hl_set_threads(2, 0)
-    lib.hl_paged_decode.argtypes = [p, i32, p, p, i32, p, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float]
-    lib.hl_gemv.argtypes, lib.hl_gemv.restype = [p, i32, p, p, i32, p, i32, p, p, i32, i64, i64, i64], i32
-    lib.hl_argmax.argtypes = [p, i32, i64, i64, p]
     codes = native.DTYPE_CODES
     g = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.bfloat16):

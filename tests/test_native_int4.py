@@ -135,18 +135,10 @@ def test_int4_supports_refuses_what_it_cannot_take(monkeypatch):
 def test_int4_avx2_build_matches_reference():
     """The AVX2 code of both layouts (what a CPU without AVX-512 runs), built here with -mno-avx512f, against the
     reference: the same tolerance as test_int4_product_matches_reference."""
-    import ctypes
-
-    from hybrid.kernels.native.build import FLAGS, build
-
     if "AVX-512" not in native.cpu_paths():
         pytest.skip("no AVX-512 here: the library under test is the AVX2 build already")
-    lib, why = build("hybrid_decode_avx2", native.source(), (*FLAGS, "-mno-avx512f"), ("-lm", "-lpthread"))
-    assert lib is not None, why
-    lib.hl_cpu_paths.restype = ctypes.c_int
+    lib = native.build_variant("avx2", ("-mno-avx512f",))
     assert lib.hl_cpu_paths() == 1  # AVX2 only
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.hl_gemv_int4.argtypes = [p, p, i32, i64, p, i32, p, i32, p, p, i32, i64, i64, i64, i32]
     codes = native.DTYPE_CODES
     g = torch.Generator().manual_seed(3)
     for block in BLOCKS:

@@ -666,9 +666,7 @@ def step(model, batch, cache, *, borrow: bool = False) -> torch.Tensor | None:
     if batch.prefill is not None or batch.decode is None or batch.tokens.device.type != "cpu" \
             or torch.compiler.is_compiling():
         return None  # (a compiled decode graph runs the layers: Inductor's code, not ours)
-    if cache is not None and dispatch.choose("decode_sublayer", "cpu")[1] is not _none:
-        program(model, cache)  # built here, so that the per-block path finds it too
-    prog = whole_program(model, cache)
+    prog = whole_program(model, cache)  # (builds the program: the per-block path finds it too)
     if prog is None or not _step_ok(batch, prog.dtype):
         return None
     d = batch.decode
@@ -679,7 +677,8 @@ def step(model, batch, cache, *, borrow: bool = False) -> torch.Tensor | None:
 
 def whole_program(model, cache) -> DecodeProgram | None:
     """The program that runs a whole CPU decode step of ``model`` over ``cache`` (:meth:`DecodeProgram.run`), or
-    None where it does not cover them or the native backend is not the one chosen (the caller runs the layers)."""
+    None where it does not cover them or the native backend is not the one chosen (the caller runs the layers).
+    Builds the program on first use, so that the blocks it covers find their own ops when it cannot run whole."""
     if torch.compiler.is_compiling() or cache is None or cache.device.type != "cpu":
         return None
     if dispatch.choose("decode_sublayer", "cpu")[1] is _none:

@@ -44,6 +44,22 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib, why = build("hybrid_decode", source(), FLAGS, ("-lm", "-lpthread"))
     if lib is None:
         return None, why
+    return _declare(lib), None
+
+
+def build_variant(name: str, extra_flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The library built with ``extra_flags`` too (e.g. ``-mno-avx512f``: what a CPU without AVX-512 runs), its
+    functions declared as the library's are, its pool on 2 threads: for tests of code paths this CPU would not
+    take. RuntimeError when it does not build."""
+    lib, why = build(f"hybrid_decode_{name}", source(), (*FLAGS, *extra_flags), ("-lm", "-lpthread"))
+    if lib is None:
+        raise RuntimeError(f"the {name} build of the native kernels failed: {why}")
+    _declare(lib).hl_set_threads(2, 0)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib``'s functions with their ctypes signatures (one list for the library and any variant build)."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.hl_set_threads.argtypes, lib.hl_set_threads.restype = [i32, i64], i32
     lib.hl_set_stream_prefetch.argtypes, lib.hl_set_stream_prefetch.restype = [i32], i32
@@ -82,7 +98,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         fn.restype = i32
     for fn in (lib.hl_rmsnorm, lib.hl_gated_rmsnorm, lib.hl_mamba2_dt):
         fn.restype = None
-    return lib, None
+    return lib
 
 
 @functools.cache
@@ -181,7 +197,6 @@ def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
     """Bytes per second of a streaming read of a ``mib`` MiB buffer (far larger than any L3) by the native pool on
     torch's intra-op threads, the way the decode products read their weights: the best of ``repeats``."""
     buf = torch.ones(mib * 2**20 // 8, dtype=torch.int64)
-    lib = library()
     with owns_threads():
         lib = library()  # the pool sized to the threads it now holds
         lib.hl_stream_read(buf.data_ptr(), buf.numel() * 8)

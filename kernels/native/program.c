@@ -141,8 +141,6 @@ static int run_op(const HlOp *o, const HlStep *st) {
 #undef I
 }
 
-/* Runs ops[0..nops) on one step. Returns 0, or -(k + 1) when op k refused its arguments (nothing after it
-   ran). times (or NULL): each op's wall time in microseconds is added to times[k]. */
 /* the step's gathers (see HlStep); 0, or -1 for a token id or position outside its table (nothing run) */
 static int gather_inputs(const HlStep *st) {
     for (int64_t r = 0; r < st->n; ++r) {
@@ -176,6 +174,8 @@ static int64_t P_solo_left = 0, P_solo_runs = 0;
 /* how many programs ran on the caller alone since the library loaded (kernels.native.solo_runs) */
 int64_t hl_program_solo_runs(void) { return P_solo_runs; }
 
+/* Runs ops[0..nops) on one step. Returns 0, or -(k + 1) when op k refused its arguments (nothing after it
+   ran). times (or NULL): each op's wall time in microseconds is added to times[k]. */
 int64_t hl_program_run(const HlOp *ops, int64_t nops, const HlStep *st, double *times) {
     if (st->n < 1 || st->n > MAXB || gather_inputs(st)) return -(nops + 1);
     P_solo = P_solo_left > 0;

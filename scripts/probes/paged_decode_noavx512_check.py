@@ -4,19 +4,12 @@ tests/test_native_decode.py, at short and long contexts (spans combined), window
 and bf16, batch 1-5. Prints the largest error over the bound per case; exits 1 if any case fails.
 Run under the machine's benchmark lock:
 flock /tmp/bench.lock .venv/bin/python -P scripts/probes/paged_decode_noavx512_check.py"""
-import ctypes
 import sys
 
 import torch
 from hybrid.kernels import native, paged_attention
-from hybrid.kernels.native.build import FLAGS, build
 
-lib, why = build("hybrid_decode_noavx512", native.source(), (*FLAGS, "-mno-avx512f"), ("-lm", "-lpthread"))
-assert lib is not None, why
-p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-lib.hl_set_threads.argtypes, lib.hl_set_threads.restype = [i32, i64], i32
-lib.hl_paged_decode.argtypes = [p, i32, p, p, i32, p, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float]
-lib.hl_set_threads(2, 0)
+lib = native.build_variant("avx2", ("-mno-avx512f",))
 
 bad = 0
 for Hq, Hkv, D, BS in ((8, 2, 64, 16), (4, 4, 64, 16), (8, 2, 128, 16), (16, 2, 80, 7), (8, 1, 72, 16)):
