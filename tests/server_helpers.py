@@ -27,6 +27,23 @@ def running_server(model, *, name="tiny", num_blocks=256, max_seqs=16, max_batch
         server.stop()
 
 
+@contextlib.contextmanager
+def paced(engine, seconds: float):
+    """Each engine step first sleeps ``seconds``. A test that must catch a request mid-flight (a
+    client leaving, a shutdown) paces the engine: the tiny model decodes ~2000 tokens a second on
+    a fast CPU, quicker than a test can look at it."""
+    step = engine.step
+
+    def paced_step():
+        time.sleep(seconds)
+        return step()
+    engine.step = paced_step
+    try:
+        yield engine
+    finally:
+        del engine.step
+
+
 def post(server, path: str, body, *, raw: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
     conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
     data = raw if raw is not None else json.dumps(body).encode()

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
-from server_helpers import idle_and_empty, metrics, post, running_server, sse_events, wait_until
+from server_helpers import idle_and_empty, metrics, paced, post, running_server, sse_events, wait_until
 
 import hybrid
 from hybrid import recipes
@@ -186,39 +186,43 @@ def test_32_concurrent_clients_equal_each_request_alone(model, tok, client, serv
 
 def test_a_dropped_stream_frees_its_cache_within_one_step(served):
     server, app = served
-    before = metrics(server)
-    sock = socket.create_connection((server.host, server.port))
-    body = json.dumps({"prompt": "a long story", "max_tokens": 3000, "temperature": 0, "stream": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    received = b""
-    while received.count(b"data: ") < 3:  # a few tokens have streamed: the request holds blocks and a slot
-        received += sock.recv(4096)
-    assert metrics(server)["hybrid_state_slots_in_use"] == 1
-    sock.close()
-    wait_until(lambda: idle_and_empty(server))
-    after = metrics(server)
-    finished = 'hybrid_requests_finished_total{finish_reason="abort"}'
-    assert after.get(finished, 0) - before.get(finished, 0) == 1
-    assert after["hybrid_generation_tokens_total"] - before["hybrid_generation_tokens_total"] < 3000
-    record = app.state.loop.stats.aborts[-1]
-    assert record.step_applied - record.step_asked <= 1  # freed before the engine's next step
+    # 5 ms a step: 3000 tokens take 15 s, so the request is surely caught mid-flight
+    with paced(app.state.loop.engine, 0.005):
+        before = metrics(server)
+        sock = socket.create_connection((server.host, server.port))
+        body = json.dumps({"prompt": "a long story", "max_tokens": 3000, "temperature": 0, "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        received = b""
+        while received.count(b"data: ") < 3:  # a few tokens have streamed: the request holds blocks and a slot
+            received += sock.recv(4096)
+        assert metrics(server)["hybrid_state_slots_in_use"] == 1
+        sock.close()
+        wait_until(lambda: idle_and_empty(server))
+        after = metrics(server)
+        finished = 'hybrid_requests_finished_total{finish_reason="abort"}'
+        assert after.get(finished, 0) - before.get(finished, 0) == 1
+        assert after["hybrid_generation_tokens_total"] - before["hybrid_generation_tokens_total"] < 3000
+        record = app.state.loop.stats.aborts[-1]
+        assert record.step_applied - record.step_asked <= 1  # freed before the engine's next step
 
 
 def test_a_client_that_leaves_a_whole_response_is_aborted(served):
-    server, _ = served
-    before = metrics(server)
-    sock = socket.create_connection((server.host, server.port))
-    body = json.dumps({"prompt": "patience", "max_tokens": 3000, "temperature": 0}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    wait_until(lambda: metrics(server)["hybrid_state_slots_in_use"] == 1)
-    sock.close()
-    wait_until(lambda: idle_and_empty(server), timeout=5)
-    after = metrics(server)
-    finished = 'hybrid_requests_finished_total{finish_reason="abort"}'
-    assert after.get(finished, 0) - before.get(finished, 0) == 1
-    assert after["hybrid_generation_tokens_total"] - before["hybrid_generation_tokens_total"] < 3000
+    server, app = served
+    # 5 ms a step: 3000 tokens take 15 s, so the request is surely caught mid-flight
+    with paced(app.state.loop.engine, 0.005):
+        before = metrics(server)
+        sock = socket.create_connection((server.host, server.port))
+        body = json.dumps({"prompt": "patience", "max_tokens": 3000, "temperature": 0}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_until(lambda: metrics(server)["hybrid_state_slots_in_use"] == 1)
+        sock.close()
+        wait_until(lambda: idle_and_empty(server), timeout=5)
+        after = metrics(server)
+        finished = 'hybrid_requests_finished_total{finish_reason="abort"}'
+        assert after.get(finished, 0) - before.get(finished, 0) == 1
+        assert after["hybrid_generation_tokens_total"] - before["hybrid_generation_tokens_total"] < 3000
 
 
 BAD = [
@@ -279,7 +283,9 @@ def test_malformed_and_oversized_bodies(model):
 
 
 def test_shutdown_finishes_short_requests_and_aborts_long_ones(model):
-    with running_server(model, shutdown_timeout=1.0) as (server, app, engine):
+    # paced at 20 ms a step: the short request needs ~0.6 s and surely ends in the 2 s grace window,
+    # the long one ~80 s and surely does not (unpaced, 4000 tokens can take under 2 s)
+    with running_server(model, shutdown_timeout=1.0) as (server, app, engine), paced(engine, 0.02):
         def stream(max_tokens):
             conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
             conn.request("POST", "/v1/completions", json.dumps({"prompt": "go", "max_tokens": max_tokens,
@@ -293,8 +299,9 @@ def test_shutdown_finishes_short_requests_and_aborts_long_ones(model):
         short_events = sse_events(short_resp)
         assert json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
         try:
-            long_resp.read()
-        except http.client.IncompleteRead:
-            pass  # cut off mid-stream: that is what an abort at shutdown looks like to a client
+            long_text = long_resp.read().decode()
+        except http.client.IncompleteRead as cut:
+            long_text = cut.partial.decode()  # cut off mid-stream: an abort at shutdown, as a client sees it
+        assert long_text.count("data: ") > 0 and '"finish_reason": "' not in long_text  # streamed, never finished
     assert not app.state.loop.alive
     assert not engine.has_unfinished() and engine.cache.report().bytes_in_use == 0 and not engine.requests
