@@ -271,8 +271,9 @@ class Engine:
         """How many greedy decode steps this step's plan runs in one native call, their argmax in C (see
         ``multi_step``), with every row's KV blocks grown for them; 0 when the plan takes the general path (a prompt
         chunk, sampling, speculation, compilation). One step when nothing allows more: it still spares the step its
-        logits' trip through Python. (A model the native program does not cover is found out by the call, and the
-        step then runs the general path.)"""
+        logits' trip through Python. (At one step, a model the native program does not cover is found out by the
+        call, and the step then runs the general path; several are only asked of a model it covers, so that no
+        row's blocks grow ahead of its tokens for nothing.)"""
         if self.speculator is not None:
             return 0
         k = self.multi_step
@@ -283,7 +284,8 @@ class Engine:
             k = min(k, p.max_new_tokens - len(req.output))
         if not self.runner.can_run_steps():
             return 0
-        if k < 2 or self.scheduler.waiting or self.cache_manager.prefix is not None:
+        if k < 2 or self.scheduler.waiting or self.cache_manager.prefix is not None \
+                or not self.runner.covers_whole_step():
             return 1  # (the scheduler grew every row's blocks for one token)
         m = self.cache_manager
         if not all(m.can_grow(req.request_id, req.num_computed + k) for req, _ in plan):

@@ -173,6 +173,11 @@ class ModelRunner:
         finds out: it returns None where not.)"""
         return self.device.type == "cpu" and not self.compile and self.manager.kv.capture is None
 
+    def covers_whole_step(self) -> bool:
+        """Whether the native program runs this model's whole decode step (asked before an engine grows its rows'
+        blocks for several steps: a model it does not cover, Mamba-1 or MoE, steps one at a time)."""
+        return self.can_run_steps() and fused_decode.whole_program(self.model, self.cache) is not None
+
     def run_steps(self, chunks: list[SeqChunk], steps: int) -> list[list[int]] | None:
         """``steps`` greedy decode steps of these one-token chunks in one native call (see
         :meth:`DecodeProgram.run_steps`): each row's argmax ids, [steps][rows]; None where the program cannot take

@@ -125,3 +125,22 @@ def test_multi_step_must_be_positive_and_is_shown():
     with pytest.raises(ValueError, match="multi_step"):
         Engine(HybridLM(recipes.get("llama-tiny")), multi_step=0)
     assert "greedy steps per native call: up to 4" in repr(Engine(HybridLM(recipes.get("llama-tiny")), multi_step=4))
+
+
+def test_a_model_the_program_does_not_cover_steps_one_at_a_time_without_growing_ahead():
+    model = _model("jamba-moe-tiny")  # MoE: the native program does not run its whole step
+    prompts, params = [list(range(1, 8)), [4, 4, 4]], [SamplingParams(max_new_tokens=9)] * 2
+
+    def free_blocks_per_step(multi_step):
+        engine = Engine(model, num_blocks=128, block_size=4, max_seqs=4, multi_step=multi_step)
+        rids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+        free = []
+        while engine.has_unfinished():
+            engine.step()
+            free.append(engine.cache_manager.num_free_blocks)
+        return [engine.requests[r].output for r in rids], free, engine
+
+    one, free1, _ = free_blocks_per_step(1)
+    four, free4, engine = free_blocks_per_step(4)
+    assert not engine.runner.covers_whole_step()
+    assert four == one and free4 == free1  # the same tokens, and no step held a block before its tokens needed it
