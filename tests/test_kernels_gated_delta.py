@@ -90,6 +90,41 @@ def test_native_step_equals_torch_step(dtype):
         assert rel_err(y_n, y_t) < tol and torch.equal(p_n[[1, 3]], pool[[1, 3]])  # other rows untouched
 
 
+@pytest.mark.parametrize("V", [128, 200, 40, 8])
+def test_native_step_column_tiles_and_avx2_build(V):
+    """decode.c's step in column tiles (AVX-512: 128 columns, AVX2: 32), a part tile and the scalar columns past
+    the last full vector, in this CPU's build and the AVX2 one, against the reference: fp32 and bf16 states, pool
+    slots, enough heads that the threads' heads are handed out spread over the state."""
+    from hybrid.kernels import native
+
+    if native.available():
+        pytest.skip(f"native ops unavailable: {native.available()}")
+    builds = {"this CPU's": None}
+    if "AVX-512" in native.cpu_paths():
+        builds["AVX2"] = native.build_variant("avx2", ("-mno-avx512f",))
+    n, Hk, H, K = 5, 2, 4, 24
+    q, k, v, g, beta, _ = _inputs(n, 1, Hk, H, K, V)
+    args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0].contiguous(), beta[:, 0].contiguous())
+    slots = torch.tensor([6, 0, 2, 5, 3])
+    for sdt in (torch.float32, torch.bfloat16):
+        pool = (torch.randn(7, H, K, V) * 0.5).to(sdt)
+        expect = pool[slots].float()
+        y_ref = kernels.gated_delta_step_ref(expect, *args, scale=0.3)
+        tol = 1e-5 if sdt == torch.float32 else 2e-2
+        for name, lib in builds.items():
+            p = pool.clone()
+            if lib is None:
+                y = native.ops.gdn_step(p, *args, scale=0.3, slots=slots)
+            else:
+                y = torch.empty(n, H, V)
+                assert lib.hl_gdn_step(p.data_ptr(), native.DTYPE_CODES[sdt], slots.data_ptr(), q.data_ptr(),
+                                       k.data_ptr(), q.stride(0), v.data_ptr(), native.DTYPE_CODES[v.dtype],
+                                       v.stride(0), args[3].data_ptr(), args[4].data_ptr(), args[3].stride(0), 0.3,
+                                       y.data_ptr(), n, H, Hk, K, V) == 0
+            assert rel_err(y, y_ref) < tol and rel_err(p[slots], expect) < tol, (name, sdt)
+            assert torch.equal(p[[1, 4]], pool[[1, 4]]), (name, sdt)  # rows no slot names untouched
+
+
 def test_varlen_equals_each_sequence_alone():
     lens = [5, 64, 70, 1]
     T = sum(lens)
