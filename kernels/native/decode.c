@@ -1702,13 +1702,21 @@ static inline __attribute__((always_inline)) gdn_v gdn_load(const void *s, int s
 }
 
 /* f32_to_bf16's rounding (nearest even, a NaN stays a NaN) in integer lanes, as f32_to_bf16 does: under
-   -ffast-math GCC folds a float x != x to false */
+   -ffast-math GCC folds a float x != x to false. With AVX512-BF16, vcvtneps2bf16 rounds the same way (NaN
+   included) but flushes denormals to zero, so it takes the vectors without a denormal: 155 against 117 us at
+   batch 8 with a bf16 state (Zen 4, 2 threads, a probe of the step alone). */
 static inline __attribute__((always_inline)) void gdn_store(void *s, int sdt, int64_t i, gdn_v v) {
     if (sdt == DT_F32) {
         *(gdn_vu *)((float *)s + i) = v;
         return;
     }
     uint16_t *p = (uint16_t *)s + i;
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+    if (!_mm512_fpclass_ps_mask((__m512)v, 0x20)) { /* no denormal lane */
+        _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v));
+        return;
+    }
+#endif
 #ifdef __AVX512F__
     const __m512i bits = _mm512_castps_si512((__m512)v), hi = _mm512_srli_epi32(bits, 16);
     const __m512i r = _mm512_srli_epi32(
