@@ -90,6 +90,134 @@ def test_native_step_equals_torch_step(dtype):
         assert rel_err(y_n, y_t) < tol and torch.equal(p_n[[1, 3]], pool[[1, 3]])  # other rows untouched
 
 
+def _native_builds() -> dict:
+    """This CPU's build of decode.c (None: through native.ops) and, where that one has AVX-512, the AVX2 build."""
+    from hybrid.kernels import native
+
+    builds = {"this CPU's": None}
+    if "AVX-512" in native.cpu_paths():
+        builds["AVX2"] = native.build_variant("avx2", ("-mno-avx512f",))
+    return builds
+
+
+def _native_step(lib, pool, q, k, v, g, beta, slots, scale):
+    """gated_delta_step through ``lib`` (a build_variant library), or through native.ops where lib is None."""
+    from hybrid.kernels import native
+
+    if lib is None:
+        return native.ops.gdn_step(pool, q, k, v, g, beta, scale=scale, slots=slots)
+    (n, Hk, K), (H, V) = q.shape, v.shape[1:]
+    y = torch.empty(n, H, V, dtype=v.dtype)
+    codes = native.DTYPE_CODES
+    assert lib.hl_gdn_step(pool.data_ptr(), codes[pool.dtype], slots.data_ptr(), q.data_ptr(), k.data_ptr(),
+                           q.stride(0), v.data_ptr(), codes[v.dtype], v.stride(0), g.data_ptr(), beta.data_ptr(),
+                           g.stride(0), scale, y.data_ptr(), n, H, Hk, K, V) == 0
+    return y
+
+
+@pytest.mark.parametrize("V", [128, 200, 40, 8])
+def test_native_step_column_tiles_and_avx2_build(V):
+    """decode.c's step in column tiles (AVX-512: 128 columns, AVX2: 32), a part tile and the scalar columns past
+    the last full vector, in this CPU's build and the AVX2 one, against the reference: fp32 and bf16 states, pool
+    slots, enough heads that the threads' heads are handed out spread over the state."""
+    from hybrid.kernels import native
+
+    if native.available():
+        pytest.skip(f"native ops unavailable: {native.available()}")
+    n, Hk, H, K = 5, 2, 4, 24
+    q, k, v, g, beta, _ = _inputs(n, 1, Hk, H, K, V)
+    args = (q[:, 0], k[:, 0], v[:, 0], g[:, 0].contiguous(), beta[:, 0].contiguous())
+    slots = torch.tensor([6, 0, 2, 5, 3])
+    for sdt in (torch.float32, torch.bfloat16):
+        pool = (torch.randn(7, H, K, V) * 0.5).to(sdt)
+        expect = pool[slots].float()
+        y_ref = kernels.gated_delta_step_ref(expect, *args, scale=0.3)
+        tol = 1e-5 if sdt == torch.float32 else 2e-2
+        for name, lib in _native_builds().items():
+            p = pool.clone()
+            y = _native_step(lib, p, *args, slots, 0.3)
+            assert rel_err(y, y_ref) < tol and rel_err(p[slots], expect) < tol, (name, sdt)
+            assert torch.equal(p[[1, 4]], pool[[1, 4]]), (name, sdt)  # rows no slot names untouched
+
+
+def _rounding_case(v_bits: torch.Tensor, K: int = 4):
+    """A step whose new state row 0 is v exactly in fp32 (k = e_0, no decay, beta = 1, row 0 zero), so the stored
+    row is v rounded once by the kernel: (q, k, v, g, beta, bf16 pool)."""
+    gen = torch.Generator().manual_seed(3)
+    n, H, V = v_bits.shape
+    v = v_bits.to(torch.int32).view(torch.float32)
+    k = torch.zeros(n, H, K)
+    k[..., 0] = 1.0
+    pool = torch.randn(n, H, K, V, generator=gen).to(torch.bfloat16)
+    pool[:, :, 0] = 0
+    return torch.randn(n, H, K, generator=gen), k, v, torch.zeros(n, H), torch.ones(n, H), pool
+
+
+def _check_rounding(lib, case, name):
+    q, k, v, g, beta, pool = case
+    expect = pool.float()
+    kernels.gated_delta_step_ref(expect, q, k, v, g, beta, scale=1.0)
+    want = expect.to(torch.bfloat16)  # torch's rounding (nearest even, denormals kept)
+    p = pool.clone()
+    _native_step(lib, p, q, k, v, g, beta, torch.arange(len(q)), 1.0)
+    nan = want.isnan()
+    assert torch.equal(p.isnan(), nan), name
+    assert torch.equal(p[~nan].view(torch.int16), want[~nan].view(torch.int16)), name
+    return want
+
+
+def test_native_step_rounds_a_bf16_state_as_torch():
+    """The bf16 state's one rounding, bit for bit: ties to even both ways, values that round up to infinity, an
+    infinity and a NaN (whose columns turn NaN below row 0, as in the reference: 0 * inf)."""
+    from hybrid.kernels import native
+
+    if native.available():
+        pytest.skip(f"native ops unavailable: {native.available()}")
+    bits = torch.randint(0, 2**31, (2, 2, 64), generator=torch.Generator().manual_seed(4), dtype=torch.int64)
+    bits = (bits & 0x3FFFFFFF) | 0x3C000000  # ordinary magnitudes, random low bits
+    bits[0, 0, :8] = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000,  # ties: down to even, up
+                                   0x7F7FFFFF, 0xFF7F8000, 0x7F7F7FFF, 0x00000000])  # to +-inf, the last finite
+    bits[1, 0, 40], bits[1, 1, 20] = 0x7FC00001, 0x7F800000
+    case = _rounding_case(bits)
+    for name, lib in _native_builds().items():
+        _check_rounding(lib, case, name)
+
+
+def test_native_step_keeps_bf16_denormals():
+    """Where the FPU keeps denormals, a bf16 state keeps them as torch's rounding does (vcvtneps2bf16, AVX512-BF16's
+    conversion, would flush them to zero: the kernel rounds those vectors in integer lanes). The library's
+    -ffast-math start-up code sets flush-to-zero and denormals-are-zero for the process, so this runs with both
+    cleared, on one thread (a pool worker keeps its own MXCSR), in builds of its own."""
+    import ctypes
+    import ctypes.util
+
+    from hybrid.kernels import native
+
+    if native.available():
+        pytest.skip(f"native ops unavailable: {native.available()}")
+    bits = torch.full((1, 2, 48), 0x3E800000, dtype=torch.int64)
+    bits[0, 0, :6] = torch.tensor([0x00012345, 0x00018000, 0x00028000, 0x80008001, 0x007FFFFF, 0x0000FFFF])
+    bits[0, 1, 16:18] = torch.tensor([0x00400000, 0x80000001])
+    case = _rounding_case(bits)
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    env = ctypes.create_string_buffer(64)  # fenv_t, MXCSR included
+    builds = {"this CPU's flags": native.build_variant("one_thread", ())}
+    if "AVX-512" in native.cpu_paths():
+        builds["AVX2"] = native.build_variant("avx2", ("-mno-avx512f",))
+    assert libm.fegetenv(env) == 0
+    try:
+        torch.set_flush_denormal(False)
+        for name, lib in builds.items():
+            lib.hl_set_threads(1, 0)
+            try:
+                want = _check_rounding(lib, case, name).view(torch.int16)
+                assert ((want & 0x7F80 == 0) & (want & 0x7F != 0)).sum() >= 6  # denormals, not flushed
+            finally:
+                lib.hl_set_threads(2, 0)
+    finally:
+        libm.fesetenv(env)
+
+
 def test_varlen_equals_each_sequence_alone():
     lens = [5, 64, 70, 1]
     T = sum(lens)
