@@ -4,6 +4,9 @@ the eager layers and the full forward."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from decode_hooks import eager_step_logits, no_whole_step, whole_step_logits
@@ -418,3 +421,17 @@ def test_avx2_build_matches_reference():
         ids = (ctypes.c_int64 * 4)()
         lib.hl_argmax(logits.data_ptr(), codes[dtype], 4, logits.shape[1], ids)
         assert list(ids) == logits.argmax(-1).tolist()
+
+
+def test_loading_the_library_leaves_the_floating_point_mode_alone():
+    """GCC before 13 links crtfastmath.o into a -ffast-math shared library: loading it set flush-to-zero in the
+    loading thread, and torch's ops there then flushed denormals. A fresh process, so no earlier load hides it."""
+    code = ("import torch\n"
+            "from hybrid.kernels import native\n"
+            "x = torch.tensor([1e-39])\n"
+            "assert (x * 1.0).item() > 0, 'flushed before the load'\n"
+            "native.library()\n"
+            "print((x * 1.0).item() > 0, (torch.tensor([1e-30]) * 1e-10).item() > 0)\n")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"]

@@ -22,6 +22,10 @@ from pathlib import Path
 # torch's do on every CPU (the bf16 GLA sub-layer differed from eager in 5 of 192 outputs on a Xeon with AVX512);
 # the products' inner loops are explicit vectors and keep their speed.
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-unsafe-math-optimizations", "-fPIC", "-shared")
+# Compiled and linked in two steps, the link without -ffast-math: given it, GCC (before 13) links crtfastmath.o
+# into a shared library, whose constructor sets flush-to-zero and denormals-are-zero in the thread that loads it,
+# and torch's own ops there then flushed denormals (1e-39 * 1.0 gave 0) once our library was loaded.
+_LINK = ("-shared",)
 
 
 def compiler() -> str | None:
@@ -51,18 +55,20 @@ def build(name: str, source: str, flags: tuple[str, ...] = FLAGS, libs: tuple[st
         return None, "no C compiler (cc / gcc) on PATH"
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([source, " ".join(flags), " ".join(libs), version, cpu_identity()])
-                             .encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([source, " ".join(flags), " ".join(_LINK), " ".join(libs), version,
+                                        cpu_identity()]).encode()).hexdigest()[:16]
         lib_path = cache_dir() / f"{name}_{key}.so"
         if not lib_path.is_file():
             lib_path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-                src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+                src, obj, out = (Path(tmp) / f"{name}{ext}" for ext in (".c", ".o", ".so"))
                 src.write_text(source)
-                res = subprocess.run([cc, *flags, str(src), "-o", str(out), *libs], capture_output=True, text=True,
-                                     timeout=300)
-                if res.returncode != 0:
-                    return None, f"{cc} failed: {res.stderr.strip()[-300:]}"
+                compile_flags = [f for f in flags if f not in _LINK]
+                for cmd in ([cc, *compile_flags, "-c", str(src), "-o", str(obj)],
+                            [cc, *_LINK, str(obj), "-o", str(out), *libs]):
+                    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                    if res.returncode != 0:
+                        return None, f"{cc} failed: {res.stderr.strip()[-300:]}"
                 os.replace(out, lib_path)
         return ctypes.CDLL(str(lib_path)), None
     except (OSError, subprocess.SubprocessError) as e:
