@@ -1,7 +1,8 @@
 """A/B of the native kernels on whole engine decode steps, in one process: the library built from a git revision's
 kernels/native sources (A, default HEAD) against the working tree's (B), the same engine and program switching
 between them every few steps, so a noisy host's drift falls on both alike. Prints each side's step min / median /
-max (ms) per recipe, and the per-round ratio of medians.
+max (ms) per recipe, the per-round ratio of medians, and how many programs each side ran on the calling thread alone
+(program.c's contention fallback: a side that tripped it times one thread for the next 32 programs).
 
     flock /tmp/bench.lock .venv/bin/python -m scripts.probes.decode_step_ab --recipes llama-small hybrid-1to7-small \\
         --batch 32 --context 16 --rounds 8 --steps 6
@@ -10,6 +11,7 @@ max (ms) per recipe, and the per-round ratio of medians.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import subprocess
 import time
@@ -35,6 +37,7 @@ def load(name: str, source: str, threads: int):
     if lib is None:
         raise SystemExit(why)
     lib = native._declare(lib)
+    lib.hl_program_solo_runs.restype = ctypes.c_int64
     lib.hl_set_threads(threads, native.SPIN)
     return lib
 
@@ -59,6 +62,7 @@ def main() -> None:
                                compile=False, warmup=2)
         prog = fused_decode.whole_program(model, engine.runner.cache)
         times = {k: [] for k in libs}
+        solo0 = {k: lib.hl_program_solo_runs() for k, lib in libs.items()}
         ratios = []
         for _ in range(args.rounds):
             med = {}
@@ -76,7 +80,8 @@ def main() -> None:
             ratios.append(med["A"] / med["B"])
         print(f"\n## {name}, batch {args.batch}, context {args.context}: A = {args.base}, B = working tree")
         for key, ts in times.items():
-            print(f"  {key}: step ms min/med/max {min(ts):.2f} / {statistics.median(ts):.2f} / {max(ts):.2f}")
+            print(f"  {key}: step ms min/med/max {min(ts):.2f} / {statistics.median(ts):.2f} / {max(ts):.2f}  "
+                  f"(programs run on one thread, contention: {libs[key].hl_program_solo_runs() - solo0[key]})")
         print("  A/B per round: " + " ".join(f"{r:.3f}" for r in ratios)
               + f"  (median {statistics.median(ratios):.3f})", flush=True)
         del engine
