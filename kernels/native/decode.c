@@ -703,69 +703,90 @@ static inline void hsum4_ps(const __m512 v[4], float out[4][MAXB], int64_t b) {
 #endif
 
 #ifdef __AVX512F__
-/* fp32 weights against several fp32 input rows on AVX-512 (a batched decode step, compute-bound): R (4 or 8)
-   weight rows against NB (1..3 with 8 rows, a constant: the R NB accumulators stay in registers, 24 of the 32)
-   input rows, 16 lanes a step, the NB input vectors loaded once for the R rows and each weight vector once for the
-   NB input rows (11 loads per 24 FMAs). fp32 accumulation over K in each lane, then _mm512_reduce_add_ps's tree:
-   no bit-equality with the one-row path (whose four accumulators sum in another order). pf (or NULL): pf_len bytes
-   of the weights to come, one 64-byte line a step prefetched into L2 (rows16_f32). */
-static inline __attribute__((always_inline)) void blockR_f32_nb(const float *const *w, const float *x, int64_t K,
-                                                                float out[][MAXB], int64_t b0, const int R,
-                                                                const int NB, const char *pf, int64_t pf_len) {
+/* out[0..8) = the sums of v[0..8)'s 16 lanes, by one fixed tree for the eight (256-bit halves of row pairs, then
+   128-bit quarters, then within 128-bit lanes): 17 shuffles and 8 adds where hsum4_ps twice took ~60 ops */
+static inline __m256 hsum8_ps(const __m512 v[8]) {
+    __m512 t[4], q[2];
+    for (int i = 0; i < 4; ++i) /* [v0.q0 + v0.q2, v0.q1 + v0.q3, v1.q0 + v1.q2, v1.q1 + v1.q3] for v[2i], v[2i+1] */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; ++i) /* 128-bit lane l: row 4i + l's four partial sums */
+        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lane l: [row l (0 + 2), row l (1 + 3), row l + 4 (0 + 2), row l + 4 (1 + 3)] */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane l: [row l, row l + 4, (the same twice)] */
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(z, z, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_castps512_ps256(
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), f));
+}
+
+/* fp32 weights against several fp32 input rows on AVX-512 (a batched decode step, compute-bound): 8 weight rows
+   against NB (1..3, a constant: the 24 accumulators stay in registers, of the 32) input rows, 16 lanes a step, the
+   NB input vectors loaded once for the 8 rows and each weight vector once for the NB input rows (11 loads per 24
+   FMAs). fp32 accumulation over K in each lane, then hsum8_ps's tree: the sums of input row b0 + j land in
+   outT[b0 + j][0..8) (transposed: the caller's epilogue takes a row's 16 outputs as one vector). A row's bits do not
+   depend on the batch or on the block it fell in; they differ from the one-row path's (another order of sums). pf
+   (or NULL): pf_len bytes of the weights to come, one 64-byte line a step prefetched into L2 (rows16_f32). */
+static inline __attribute__((always_inline)) void block8_f32_nb(const float *const *w, const float *x, int64_t K,
+                                                                float *outT, int64_t b0, const int NB,
+                                                                const char *pf, int64_t pf_len) {
     const int64_t K16 = K & ~(int64_t)15;
     const float *xr = x + b0 * K;
-    __m512 a[8][3];
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NB; ++j) a[r][j] = _mm512_setzero_ps();
+    __m512 a[3][8];
+    for (int r = 0; r < 8; ++r)
+        for (int j = 0; j < NB; ++j) a[j][r] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k < K16; k += 16) {
         __m512 xv[3];
         for (int j = 0; j < NB; ++j) xv[j] = _mm512_loadu_ps(xr + j * K + k);
         if (pf && 4 * k < pf_len) _mm_prefetch(pf + 4 * k, _MM_HINT_T1);
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < 8; ++r) {
             /* the empty asm keeps wv in a register: without it GCC 12 folded the load into each of the NB FMAs
                (27 loads per 24 FMAs, not 11); fp32 2048x768 at 32 rows, 2 threads, L3-resident weights: median
                121 -> 147 GFLOP/s, alternating in one process */
             __m512 wv = _mm512_loadu_ps(w[r] + k);
             __asm__("" : "+v"(wv));
-            for (int j = 0; j < NB; ++j) a[r][j] = _mm512_fmadd_ps(wv, xv[j], a[r][j]);
+            for (int j = 0; j < NB; ++j) a[j][r] = _mm512_fmadd_ps(wv, xv[j], a[j][r]);
         }
     }
     if (k < K) {
         const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
         __m512 xv[3];
         for (int j = 0; j < NB; ++j) xv[j] = _mm512_maskz_loadu_ps(m, xr + j * K + k);
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < 8; ++r) {
             const __m512 wv = _mm512_maskz_loadu_ps(m, w[r] + k);
-            for (int j = 0; j < NB; ++j) a[r][j] = _mm512_fmadd_ps(wv, xv[j], a[r][j]);
+            for (int j = 0; j < NB; ++j) a[j][r] = _mm512_fmadd_ps(wv, xv[j], a[j][r]);
         }
     }
-    for (int r = 0; r < R; r += 4)
-        for (int j = 0; j < NB; ++j) {
-            const __m512 v[4] = {a[r][j], a[r + 1][j], a[r + 2][j], a[r + 3][j]};
-            hsum4_ps(v, (float(*)[MAXB])out[r], b0 + j);
-        }
+    for (int j = 0; j < NB; ++j) _mm256_storeu_ps(outT + (b0 + j) * 16, hsum8_ps(a[j]));
 }
 
 /* 8 fp32 weight rows against input rows b0..b0+nb-1 (nb 1..3) */
-static inline void block8_f32(const float *const *w, const float *x, int64_t K, float out[][MAXB], int64_t b0,
-                              int nb, const char *pf, int64_t pf_len) {
-    if (nb == 3) blockR_f32_nb(w, x, K, out, b0, 8, 3, pf, pf_len);
-    else if (nb == 2) blockR_f32_nb(w, x, K, out, b0, 8, 2, pf, pf_len);
-    else blockR_f32_nb(w, x, K, out, b0, 8, 1, pf, pf_len);
+static inline void block8_f32(const float *const *w, const float *x, int64_t K, float *outT, int64_t b0, int nb,
+                              const char *pf, int64_t pf_len) {
+    if (nb == 3) block8_f32_nb(w, x, K, outT, b0, 3, pf, pf_len);
+    else if (nb == 2) block8_f32_nb(w, x, K, outT, b0, 2, pf, pf_len);
+    else block8_f32_nb(w, x, K, outT, b0, 1, pf, pf_len);
 }
 
-/* rows n0..n0+nr-1 (nr <= 16) of an fp32 W against all B input rows: eight rows at a time (a short last block
-   repeats its last row; its sums are dropped) against the input rows in blocks of at most 3, as even as they split
-   (2 + 2 for 4). The eight weight rows (8 K floats: 24 KB at K 768) stay in L1 while the input rows stream past
-   them from L2; with the loops the other way round (the 16 rows against one block of input rows at a time) fp32
-   2048x768 at 64 rows took 1.96 ms, this order with 4-row blocks 1.69, with 8-row blocks 1.67 (Zen 4, 2 threads;
-   the old 4x3 8-lane block 3.4 ms).
+/* rows n0..n0+nr-1 (nr <= 16) of an fp32 W against all B input rows into outT[b][0..nr): eight rows at a time (a
+   short last block repeats its last row; its sums are dropped) against the input rows in blocks of at most 3, as
+   even as they split (2 + 2 for 4). The eight weight rows (8 K floats: 24 KB at K 768) stay in L1 while the input
+   rows stream past them from L2; with the loops the other way round (the 16 rows against one block of input rows
+   at a time) fp32 2048x768 at 64 rows took 1.96 ms, this order with 4-row blocks 1.69, with 8-row blocks 1.67
+   (Zen 4, 2 threads; the old 4x3 8-lane block 3.4 ms).
    Weights that stream from memory (P_stream): while eight rows meet the input blocks, the next eight rows (the
    next 8 K floats of W) are prefetched into L2, a slice per input block, one line a step; the first pass over
    eight rows otherwise waited on their lines (fp32 3352x768 at 32 rows, 1 thread, weights from DRAM: median
-   57.8 -> 64.3 GFLOP/s; 32000x768 55.9 -> 64.4, alternating in one process). */
-static inline void rows16_f32(const Gemv *g, int64_t n0, int nr, float out[16][MAXB]) {
+   57.8 -> 64.3 GFLOP/s; 32000x768 55.9 -> 64.4, alternating in one process).
+   Transposed outputs (F32_BATCHED's epilogues store an input row's 16 outputs as one vector): against hsum4_ps into
+   [row][b] and scalar stores down the columns of y, 32 rows, alternating in one process: 1 thread, 3352x768 from
+   DRAM median 77.6 -> 85.6 GFLOP/s, 32000x768 78.5 -> 87.3, 256x768 from L2 88 -> 100; 2 threads, 2048x768 119 ->
+   138, 32000x768 149 -> 163; the batch-32 step 49.2 -> 45.4 ms (llama-small), 47.9 -> 44.7 (hybrid-1to7-small). */
+static inline void rows16_f32(const Gemv *g, int64_t n0, int nr, float outT[MAXB][16]) {
     const int64_t K = g->K, B = g->B, nblk = (B + 2) / 3;
     const float *w[16];
     for (int r = 0; r < 16; ++r) w[r] = (const float *)g->w + (n0 + (r < nr ? r : nr - 1)) * K;
@@ -776,11 +797,25 @@ static inline void rows16_f32(const Gemv *g, int64_t n0, int nr, float out[16][M
         for (int64_t i = 0, b0 = 0; i < nblk; ++i) {
             const int nb = (int)((B - b0) / (nblk - i) + ((B - b0) % (nblk - i) != 0));
             const char *pf = next + i * per, *pe = pf + per < wend ? pf + per : wend;
-            block8_f32(w + r, g->x, K, (float(*)[MAXB])out[r], b0, nb, P_stream && pf < pe ? pf : NULL, pe - pf);
+            block8_f32(w + r, g->x, K, &outT[0][r], b0, nb, P_stream && pf < pe ? pf : NULL, pe - pf);
             b0 += nb;
         }
     }
 }
+
+/* 16 values p[i..i+16) of dtype dt as fp32 (lanes past m zero) */
+static inline __m512 load16_f32(const void *p, int dt, int64_t i, __mmask16 m) {
+    if (dt == DT_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+    float t[16] = {0};
+    for (int l = 0; l < 16; ++l)
+        if (m >> l & 1) t[l] = load_as_f32(p, dt, i + l);
+    return _mm512_loadu_ps(t);
+}
+
+static inline __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+#define F32_BATCHED(g, wdt) ((wdt) == DT_F32 && (g)->B >= MULTI_ROWS)
+#else
+#define F32_BATCHED(g, wdt) 0
 #endif
 
 #ifdef __AVX512BF16__
@@ -1077,8 +1112,9 @@ static inline __attribute__((always_inline)) void dot_rows(const Gemv *g, int64_
     else if (g->B - b == 1) block_4xNB(w, g->x, K, out, b, 1);
 }
 
-/* rows n0..n0+nr-1 (nr <= 16) against every input row: 16 at a time by the tile unit where it takes the op,
-   else (fp32 weights against several input rows on AVX-512) rows16_f32, else dot_rows four at a time */
+/* rows n0..n0+nr-1 (nr <= 16) against every input row: 16 at a time by the tile unit where it takes the op, else
+   dot_rows four at a time (fp32 weights against several input rows on AVX-512, F32_BATCHED, take rows16_f32 in
+   each caller instead: its outputs come transposed) */
 static inline __attribute__((always_inline)) void dot_rows16(const Gemv *g, int64_t n0, int nr, float out[16][MAXB],
                                                              const int wdt) {
 #ifdef AMX_PATH
@@ -1087,16 +1123,46 @@ static inline __attribute__((always_inline)) void dot_rows16(const Gemv *g, int6
         return;
     }
 #endif
-#ifdef __AVX512F__
-    if (wdt == DT_F32 && g->B >= MULTI_ROWS) {
-        rows16_f32(g, n0, nr, out);
-        return;
-    }
-#endif
     for (int r = 0; r < nr; r += 4) dot_rows(g, n0 + r, nr - r < 4 ? nr - r : 4, (float(*)[MAXB])out[r], wdt);
 }
 
+#ifdef __AVX512F__
+/* gemv_rows for F32_BATCHED: 16 rows' outputs of an input row as one vector (bias, SiLU, residual, store), where
+   the output is fp32 and the activation none or SiLU; else gemv_rows' scalar steps from the transposed outputs */
+static void gemv_rows_f32(const Gemv *g, int64_t lo, int64_t hi) {
+    float outT[MAXB][16];
+    const int vec = g->ydt == DT_F32 && (!g->act1 || g->act1 - 1 == ACT_SILU);
+    for (int64_t n0 = lo; n0 < hi; n0 += 16) {
+        const int nr = hi - n0 < 16 ? (int)(hi - n0) : 16;
+        const __mmask16 m = mask16(nr);
+        rows16_f32(g, n0, nr, outT);
+        const __m512 bias = g->bias ? load16_f32(g->bias, g->bdt, n0, m) : _mm512_setzero_ps();
+        for (int64_t b = 0; b < g->B; ++b) {
+            if (vec) {
+                __m512 v = _mm512_add_ps(_mm512_loadu_ps(outT[b]), bias);
+                if (g->act1) v = silu16_ps(v);
+                if (g->res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, (const float *)g->res + b * g->N + n0));
+                _mm512_mask_storeu_ps((float *)g->y + b * g->N + n0, m, v);
+                continue;
+            }
+            for (int64_t n = n0; n < n0 + nr; ++n) {
+                float v = outT[b][n - n0] + (g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f);
+                if (g->act1) v = activate(round_to(v, g->ydt), g->act1 - 1);
+                if (g->res) v = round_to(v, g->ydt) + load_as_f32(g->res, g->ydt, b * g->N + n);
+                store_as(g->y, g->ydt, b * g->N + n, v);
+            }
+        }
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void gemv_rows(const Gemv *g, int64_t lo, int64_t hi, const int wdt) {
+#ifdef __AVX512F__
+    if (F32_BATCHED(g, wdt)) {
+        gemv_rows_f32(g, lo, hi);
+        return;
+    }
+#endif
     float outs[16][MAXB];
     for (int64_t n0 = lo; n0 < hi; n0 += 16)
     for (int64_t n = n0, nr = hi - n0 < 16 ? hi - n0 : 16; n < n0 + nr; ++n) {
@@ -2242,10 +2308,48 @@ typedef struct {
     int act;
 } GatedUp;
 
+#ifdef __AVX512F__
+/* gated_up_chunk for F32_BATCHED: an input row's 16 gates and ups as vectors where the output is fp32 and the
+   activation SiLU (silu16_ps: silu_f32's bits); else the scalar steps from the transposed outputs */
+static void gated_up_f32(const GatedUp *j, int64_t lo, int64_t hi) {
+    const Gemv *g = &j->g, *u = &j->u;
+    float OG[MAXB][16], OU[MAXB][16];
+    const int vec = g->ydt == DT_F32 && j->act == ACT_SILU;
+    for (int64_t n0 = lo; n0 < hi; n0 += 16) {
+        const int nr = hi - n0 < 16 ? (int)(hi - n0) : 16;
+        const __mmask16 m = mask16(nr);
+        rows16_f32(g, n0, nr, OG);
+        rows16_f32(u, n0, nr, OU);
+        const __m512 bg = g->bias ? load16_f32(g->bias, g->bdt, n0, m) : _mm512_setzero_ps();
+        const __m512 bu = u->bias ? load16_f32(u->bias, u->bdt, n0, m) : _mm512_setzero_ps();
+        for (int64_t b = 0; b < g->B; ++b) {
+            if (vec) {
+                const __m512 a = silu16_ps(_mm512_add_ps(_mm512_loadu_ps(OG[b]), bg));
+                _mm512_mask_storeu_ps((float *)g->y + b * g->N + n0, m,
+                                      _mm512_mul_ps(a, _mm512_add_ps(_mm512_loadu_ps(OU[b]), bu)));
+                continue;
+            }
+            for (int64_t n = n0; n < n0 + nr; ++n) {
+                const float bgn = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
+                const float bun = u->bias ? load_as_f32(u->bias, u->bdt, n) : 0.0f;
+                const float a = round_to(activate(round_to(OG[b][n - n0] + bgn, g->ydt), j->act), g->ydt);
+                store_as(g->y, g->ydt, b * g->N + n, a * round_to(OU[b][n - n0] + bun, g->ydt));
+            }
+        }
+    }
+}
+#endif
+
 static void gated_up_chunk(const void *job, int64_t chunk) {
     const GatedUp *j = job;
     const Gemv *g = &j->g, *u = &j->u;
     const int64_t lo = chunk * g->rows, hi = lo + g->rows < g->N ? lo + g->rows : g->N;
+#ifdef __AVX512F__
+    if (F32_BATCHED(g, g->wdt)) {
+        gated_up_f32(j, lo, hi);
+        return;
+    }
+#endif
     float OG[16][MAXB], OU[16][MAXB];
     const int vsilu = g->ydt == DT_F32 && j->act == ACT_SILU;
     AMX_BEGIN(g);
@@ -2352,6 +2456,28 @@ static void qkv_rope_chunk(const void *job, int64_t head) {
             }
         }
     }
+#ifdef __AVX512F__
+    if (!j->int4 && F32_BATCHED(g, g->wdt)) { /* the head's rows 16 at a time, transposed: acc[b] as vectors */
+        float outT[MAXB][16];
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            const int nr = D - d0 < 16 ? (int)(D - d0) : 16;
+            const __mmask16 m = mask16(nr);
+            rows16_f32(g, h * D + d0, nr, outT);
+            const __m512 bias = g->bias ? load16_f32(g->bias, g->bdt, h * D + d0, m) : _mm512_setzero_ps();
+            for (int64_t b = 0; b < B; ++b) {
+                if (g->ydt == DT_F32) {
+                    _mm512_mask_storeu_ps(acc[b] + d0, m, _mm512_add_ps(_mm512_loadu_ps(outT[b]), bias));
+                    continue;
+                }
+                for (int c = 0; c < nr; ++c)
+                    acc[b][d0 + c] = round_to(
+                        outT[b][c] + (g->bias ? load_as_f32(g->bias, g->bdt, h * D + d0 + c) : 0.0f), g->ydt);
+            }
+        }
+        qkv_rope_store(j, which, h, acc);
+        return;
+    }
+#endif
     for (int64_t d = 0; d < D && !j->int4; ++d) {
         const int64_t n = h * D + d;
         if (d % 16 == 0) {
