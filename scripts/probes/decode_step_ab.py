@@ -2,7 +2,7 @@
 kernels/native sources (A, default HEAD) against the working tree's (B), the same engine and program switching
 between them every few steps, so a noisy host's drift falls on both alike. Prints each side's step min / median /
 max (ms) per recipe, the per-round ratio of medians, and how many programs each side ran on the calling thread alone
-(program.c's contention fallback: a side that tripped it times one thread for the next 32 programs).
+(program.c's contention fallback: a side that tripped it times one thread for the next few programs).
 
     flock /tmp/bench.lock .venv/bin/python -m scripts.probes.decode_step_ab --recipes llama-small hybrid-1to7-small \\
         --batch 32 --context 16 --rounds 8 --steps 6
