@@ -87,6 +87,35 @@ def test_bf16_rows_bits_do_not_depend_on_the_batch(K):
         assert torch.equal(projection._linear_native(xs[:rows], w), alone[:rows])
 
 
+def test_fp32_batched_rows_bits_do_not_depend_on_the_batch():
+    """On AVX-512 an fp32 input row's products in a batch of 4-64 (8 weight rows x blocks of up to 3 input rows, one
+    fixed reduction tree) carry the same bits whatever the batch and whichever block the row fell in; and the fused
+    epilogues (bias, residual, the gated MLP's SiLU) give each row the bits of the same row in another batch"""
+    if "AVX-512" not in native.cpu_paths():
+        pytest.skip("the promise is the AVX-512 fp32 block path's")
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(1037, 771, generator=g), torch.randn(1037, generator=g)
+    xs, res = torch.randn(64, 771, generator=g), torch.randn(64, 1037, generator=g)
+    full = projection._linear_native(xs, w, b, res)
+    for rows in (4, 5, 17, 33):
+        for lo in (0, 64 - rows):  # the rows at the front and at the back of the 64 (other blocks of three)
+            part = projection._linear_native(xs[lo:lo + rows], w, b, res[lo:lo + rows])
+            assert torch.equal(part, full[lo:lo + rows])
+    wg, wu = torch.randn(130, 771, generator=g), torch.randn(130, 771, generator=g)
+
+    def gated(x):
+        y = torch.empty(x.shape[0], 130)
+        assert native.library().hl_gated_up(wg.data_ptr(), None, None, wu.data_ptr(), None, None, 0, -1,
+                                            x.data_ptr(), 0, y.data_ptr(), 0, x.shape[0], 130, 771) == 0
+        return y
+
+    full = gated(xs)
+    ref = torch.nn.functional.silu(xs @ wg.T) * (xs @ wu.T)
+    assert (full - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    for rows in (4, 17):
+        assert torch.equal(gated(xs[64 - rows:].contiguous()), full[64 - rows:])
+
+
 @pytest.mark.parametrize("rows", [2, 7, 64])
 def test_linear_int8_row_scales(rows):
     g = torch.Generator().manual_seed(0)

@@ -210,8 +210,8 @@ def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
 
 def solo_runs() -> int:
     """Decode programs run on the calling thread alone since the library loaded: after a step that spent a quarter of
-    its time waiting for workers another process kept off their cores, the next 32 run without them
-    (kernels/native/program.c)."""
+    its time waiting for workers another process kept off their cores, the next 32 (4 for steps of more than 8
+    rows) run without them (kernels/native/program.c)."""
     return int(library().hl_program_solo_runs())
 
 

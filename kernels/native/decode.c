@@ -322,6 +322,54 @@ static inline float activate(float v, int act) {
     }
 }
 
+#ifdef __AVX512F__
+/* exp of 16 fp32 lanes: n = round(x log2 e), r = x - n ln 2 (two-part ln 2), a degree-6 polynomial (Cephes' expf
+   coefficients), scaled by 2^n (vscalefps: overflow to inf, underflow through the denormals to 0); NaN stays NaN
+   (an integer test: -ffast-math may drop a float one). At most 1.25 ulp from exp over every float whose exp is
+   finite (libm's expf: 0.5). */
+static inline __m512 exp16_ps(__m512 x0) {
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(_mm512_castps_si512(x0), _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512 x = _mm512_max_ps(_mm512_min_ps(x0, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_mask_mov_ps(_mm512_scalef_ps(p, n), nan, x0);
+}
+
+static inline __m512 silu16_ps(__m512 v) {
+    return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16_ps(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+}
+#endif
+
+/* SiLU in place over fp32 v[0..n), v = x * scale + bias first (the gated MLP's gate row). Where AVX-512 is, 16 lanes
+   of exp16_ps (the last 1-15 masked: a value's bits never depend on where it fell): a batched step's libm expf
+   calls were ~4 ns each, 0.14 of a 1.4 ms gated MLP product at 32 rows on the 2-vCPU Zen 4, and the conv and gated
+   norm of a Mamba-2 layer were mostly expf. Only fp32 outputs take it: bf16 rounds libm's expf where torch's eager
+   ops round (tests/test_native_decode.py: bf16 sub-layers bit-equal to eager); fp32 SiLU moves by <= ~3 ulp. */
+static void silu_f32(float *v, int64_t n, float scale, float bias) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 sc = _mm512_set1_ps(scale), bi = _mm512_set1_ps(bias);
+    for (; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(v + i, m, silu16_ps(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, v + i), sc, bi)));
+    }
+#endif
+    for (; i < n; ++i) {
+        const float x = v[i] * scale + bias;
+        v[i] = x / (1.0f + expf(-x));
+    }
+}
+
 /* ---- matrix-vector products ------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -655,69 +703,121 @@ static inline void hsum4_ps(const __m512 v[4], float out[4][MAXB], int64_t b) {
 #endif
 
 #ifdef __AVX512F__
-/* fp32 weights against several fp32 input rows on AVX-512 (a batched decode step, compute-bound): R (4 or 8)
-   weight rows against NB (1..3 with 8 rows, a constant: the R NB accumulators stay in registers, 24 of the 32)
-   input rows, 16 lanes a step, the NB input vectors loaded once for the R rows and each weight vector once for the
-   NB input rows (11 loads per 24 FMAs). fp32 accumulation over K in each lane, then _mm512_reduce_add_ps's tree:
-   no bit-equality with the one-row path (whose four accumulators sum in another order). */
-static inline __attribute__((always_inline)) void blockR_f32_nb(const float *const *w, const float *x, int64_t K,
-                                                                float out[][MAXB], int64_t b0, const int R,
-                                                                const int NB) {
+/* out[0..8) = the sums of v[0..8)'s 16 lanes, by one fixed tree for the eight (256-bit halves of row pairs, then
+   128-bit quarters, then within 128-bit lanes): 17 shuffles and 8 adds where hsum4_ps twice took ~60 ops */
+static inline __m256 hsum8_ps(const __m512 v[8]) {
+    __m512 t[4], q[2];
+    for (int i = 0; i < 4; ++i) /* [v0.q0 + v0.q2, v0.q1 + v0.q3, v1.q0 + v1.q2, v1.q1 + v1.q3] for v[2i], v[2i+1] */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; ++i) /* 128-bit lane l: row 4i + l's four partial sums */
+        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lane l: [row l (0 + 2), row l (1 + 3), row l + 4 (0 + 2), row l + 4 (1 + 3)] */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane l: [row l, row l + 4, (the same twice)] */
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(z, z, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_castps512_ps256(
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), f));
+}
+
+/* fp32 weights against several fp32 input rows on AVX-512 (a batched decode step, compute-bound): 8 weight rows
+   against NB (1..3, a constant: the 24 accumulators stay in registers, of the 32) input rows, 16 lanes a step, the
+   NB input vectors loaded once for the 8 rows and each weight vector once for the NB input rows (11 loads per 24
+   FMAs). fp32 accumulation over K in each lane, then hsum8_ps's tree: the sums of input row b0 + j land in
+   outT[b0 + j][0..8) (transposed: the caller's epilogue takes a row's 16 outputs as one vector). A row's bits do not
+   depend on the batch or on the block it fell in; they differ from the one-row path's (another order of sums). pf
+   (or NULL): pf_len bytes of the weights to come, one 64-byte line a step prefetched into L2 (rows16_f32). */
+static inline __attribute__((always_inline)) void block8_f32_nb(const float *const *w, const float *x, int64_t K,
+                                                                float *outT, int64_t b0, const int NB,
+                                                                const char *pf, int64_t pf_len) {
     const int64_t K16 = K & ~(int64_t)15;
     const float *xr = x + b0 * K;
-    __m512 a[8][3];
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NB; ++j) a[r][j] = _mm512_setzero_ps();
+    __m512 a[3][8];
+    for (int r = 0; r < 8; ++r)
+        for (int j = 0; j < NB; ++j) a[j][r] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k < K16; k += 16) {
         __m512 xv[3];
         for (int j = 0; j < NB; ++j) xv[j] = _mm512_loadu_ps(xr + j * K + k);
-        for (int r = 0; r < R; ++r) {
-            const __m512 wv = _mm512_loadu_ps(w[r] + k);
-            for (int j = 0; j < NB; ++j) a[r][j] = _mm512_fmadd_ps(wv, xv[j], a[r][j]);
+        if (pf && 4 * k < pf_len) _mm_prefetch(pf + 4 * k, _MM_HINT_T1);
+        for (int r = 0; r < 8; ++r) {
+            /* the empty asm keeps wv in a register: without it GCC 12 folded the load into each of the NB FMAs
+               (27 loads per 24 FMAs, not 11); fp32 2048x768 at 32 rows, 2 threads, L3-resident weights: median
+               121 -> 147 GFLOP/s, alternating in one process */
+            __m512 wv = _mm512_loadu_ps(w[r] + k);
+            __asm__("" : "+v"(wv));
+            for (int j = 0; j < NB; ++j) a[j][r] = _mm512_fmadd_ps(wv, xv[j], a[j][r]);
         }
     }
     if (k < K) {
         const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
         __m512 xv[3];
         for (int j = 0; j < NB; ++j) xv[j] = _mm512_maskz_loadu_ps(m, xr + j * K + k);
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < 8; ++r) {
             const __m512 wv = _mm512_maskz_loadu_ps(m, w[r] + k);
-            for (int j = 0; j < NB; ++j) a[r][j] = _mm512_fmadd_ps(wv, xv[j], a[r][j]);
+            for (int j = 0; j < NB; ++j) a[j][r] = _mm512_fmadd_ps(wv, xv[j], a[j][r]);
         }
     }
-    for (int r = 0; r < R; r += 4)
-        for (int j = 0; j < NB; ++j) {
-            const __m512 v[4] = {a[r][j], a[r + 1][j], a[r + 2][j], a[r + 3][j]};
-            hsum4_ps(v, (float(*)[MAXB])out[r], b0 + j);
-        }
+    for (int j = 0; j < NB; ++j) _mm256_storeu_ps(outT + (b0 + j) * 16, hsum8_ps(a[j]));
 }
 
 /* 8 fp32 weight rows against input rows b0..b0+nb-1 (nb 1..3) */
-static inline void block8_f32(const float *const *w, const float *x, int64_t K, float out[][MAXB], int64_t b0,
-                              int nb) {
-    if (nb == 3) blockR_f32_nb(w, x, K, out, b0, 8, 3);
-    else if (nb == 2) blockR_f32_nb(w, x, K, out, b0, 8, 2);
-    else blockR_f32_nb(w, x, K, out, b0, 8, 1);
+static inline void block8_f32(const float *const *w, const float *x, int64_t K, float *outT, int64_t b0, int nb,
+                              const char *pf, int64_t pf_len) {
+    if (nb == 3) block8_f32_nb(w, x, K, outT, b0, 3, pf, pf_len);
+    else if (nb == 2) block8_f32_nb(w, x, K, outT, b0, 2, pf, pf_len);
+    else block8_f32_nb(w, x, K, outT, b0, 1, pf, pf_len);
 }
 
-/* rows n0..n0+nr-1 (nr <= 16) of an fp32 W against all B input rows: eight rows at a time (a short last block
-   repeats its last row; its sums are dropped) against the input rows in blocks of at most 3, as even as they split
-   (2 + 2 for 4). The eight weight rows (8 K floats: 24 KB at K 768) stay in L1 while the input rows stream past
-   them from L2; with the loops the other way round (the 16 rows against one block of input rows at a time) fp32
-   2048x768 at 64 rows took 1.96 ms, this order with 4-row blocks 1.69, with 8-row blocks 1.67 (Zen 4, 2 threads;
-   the old 4x3 8-lane block 3.4 ms). */
-static inline void rows16_f32(const Gemv *g, int64_t n0, int nr, float out[16][MAXB]) {
+/* rows n0..n0+nr-1 (nr <= 16) of an fp32 W against all B input rows into outT[b][0..nr): eight rows at a time (a
+   short last block repeats its last row; its sums are dropped) against the input rows in blocks of at most 3, as
+   even as they split (2 + 2 for 4). The eight weight rows (8 K floats: 24 KB at K 768) stay in L1 while the input
+   rows stream past them from L2; with the loops the other way round (the 16 rows against one block of input rows
+   at a time) fp32 2048x768 at 64 rows took 1.96 ms, this order with 4-row blocks 1.69, with 8-row blocks 1.67
+   (Zen 4, 2 threads; the old 4x3 8-lane block 3.4 ms).
+   Weights that stream from memory (P_stream): while eight rows meet the input blocks, the next eight rows (the
+   next 8 K floats of W) are prefetched into L2, a slice per input block, one line a step; the first pass over
+   eight rows otherwise waited on their lines (fp32 3352x768 at 32 rows, 1 thread, weights from DRAM: median
+   57.8 -> 64.3 GFLOP/s; 32000x768 55.9 -> 64.4, alternating in one process).
+   Transposed outputs (F32_BATCHED's epilogues store an input row's 16 outputs as one vector): against hsum4_ps into
+   [row][b] and scalar stores down the columns of y, 32 rows, alternating in one process: 1 thread, 3352x768 from
+   DRAM median 77.6 -> 85.6 GFLOP/s, 32000x768 78.5 -> 87.3, 256x768 from L2 88 -> 100; 2 threads, 2048x768 119 ->
+   138, 32000x768 149 -> 163; the batch-32 step 49.2 -> 45.4 ms (llama-small), 47.9 -> 44.7 (hybrid-1to7-small). */
+static inline void rows16_f32(const Gemv *g, int64_t n0, int nr, float outT[MAXB][16]) {
     const int64_t K = g->K, B = g->B, nblk = (B + 2) / 3;
     const float *w[16];
     for (int r = 0; r < 16; ++r) w[r] = (const float *)g->w + (n0 + (r < nr ? r : nr - 1)) * K;
-    for (int r = 0; r < nr; r += 8)
+    const char *wend = (const char *)((const float *)g->w + g->N * K);
+    const int64_t per = (8 * K * 4 + nblk - 1) / nblk; /* bytes of the next rows to prefetch per input block */
+    for (int r = 0; r < nr; r += 8) {
+        const char *next = (const char *)(w[r] + 8 * K);
         for (int64_t i = 0, b0 = 0; i < nblk; ++i) {
             const int nb = (int)((B - b0) / (nblk - i) + ((B - b0) % (nblk - i) != 0));
-            block8_f32(w + r, g->x, K, (float(*)[MAXB])out[r], b0, nb);
+            const char *pf = next + i * per, *pe = pf + per < wend ? pf + per : wend;
+            block8_f32(w + r, g->x, K, &outT[0][r], b0, nb, P_stream && pf < pe ? pf : NULL, pe - pf);
             b0 += nb;
         }
+    }
 }
+
+/* 16 values p[i..i+16) of dtype dt as fp32 (lanes past m zero) */
+static inline __m512 load16_f32(const void *p, int dt, int64_t i, __mmask16 m) {
+    if (dt == DT_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+    float t[16] = {0};
+    for (int l = 0; l < 16; ++l)
+        if (m >> l & 1) t[l] = load_as_f32(p, dt, i + l);
+    return _mm512_loadu_ps(t);
+}
+
+static inline __mmask16 mask16(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+#define F32_BATCHED(g, wdt) ((wdt) == DT_F32 && (g)->B >= MULTI_ROWS)
+#else
+#define F32_BATCHED(g, wdt) 0
 #endif
 
 #ifdef __AVX512BF16__
@@ -1014,8 +1114,9 @@ static inline __attribute__((always_inline)) void dot_rows(const Gemv *g, int64_
     else if (g->B - b == 1) block_4xNB(w, g->x, K, out, b, 1);
 }
 
-/* rows n0..n0+nr-1 (nr <= 16) against every input row: 16 at a time by the tile unit where it takes the op,
-   else (fp32 weights against several input rows on AVX-512) rows16_f32, else dot_rows four at a time */
+/* rows n0..n0+nr-1 (nr <= 16) against every input row: 16 at a time by the tile unit where it takes the op, else
+   dot_rows four at a time (fp32 weights against several input rows on AVX-512, F32_BATCHED, take rows16_f32 in
+   each caller instead: its outputs come transposed) */
 static inline __attribute__((always_inline)) void dot_rows16(const Gemv *g, int64_t n0, int nr, float out[16][MAXB],
                                                              const int wdt) {
 #ifdef AMX_PATH
@@ -1024,16 +1125,46 @@ static inline __attribute__((always_inline)) void dot_rows16(const Gemv *g, int6
         return;
     }
 #endif
-#ifdef __AVX512F__
-    if (wdt == DT_F32 && g->B >= MULTI_ROWS) {
-        rows16_f32(g, n0, nr, out);
-        return;
-    }
-#endif
     for (int r = 0; r < nr; r += 4) dot_rows(g, n0 + r, nr - r < 4 ? nr - r : 4, (float(*)[MAXB])out[r], wdt);
 }
 
+#ifdef __AVX512F__
+/* gemv_rows for F32_BATCHED: 16 rows' outputs of an input row as one vector (bias, SiLU, residual, store), where
+   the output is fp32 and the activation none or SiLU; else gemv_rows' scalar steps from the transposed outputs */
+static void gemv_rows_f32(const Gemv *g, int64_t lo, int64_t hi) {
+    float outT[MAXB][16];
+    const int vec = g->ydt == DT_F32 && (!g->act1 || g->act1 - 1 == ACT_SILU);
+    for (int64_t n0 = lo; n0 < hi; n0 += 16) {
+        const int nr = hi - n0 < 16 ? (int)(hi - n0) : 16;
+        const __mmask16 m = mask16(nr);
+        rows16_f32(g, n0, nr, outT);
+        const __m512 bias = g->bias ? load16_f32(g->bias, g->bdt, n0, m) : _mm512_setzero_ps();
+        for (int64_t b = 0; b < g->B; ++b) {
+            if (vec) {
+                __m512 v = _mm512_add_ps(_mm512_loadu_ps(outT[b]), bias);
+                if (g->act1) v = silu16_ps(v);
+                if (g->res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, (const float *)g->res + b * g->N + n0));
+                _mm512_mask_storeu_ps((float *)g->y + b * g->N + n0, m, v);
+                continue;
+            }
+            for (int64_t n = n0; n < n0 + nr; ++n) {
+                float v = outT[b][n - n0] + (g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f);
+                if (g->act1) v = activate(round_to(v, g->ydt), g->act1 - 1);
+                if (g->res) v = round_to(v, g->ydt) + load_as_f32(g->res, g->ydt, b * g->N + n);
+                store_as(g->y, g->ydt, b * g->N + n, v);
+            }
+        }
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void gemv_rows(const Gemv *g, int64_t lo, int64_t hi, const int wdt) {
+#ifdef __AVX512F__
+    if (F32_BATCHED(g, wdt)) {
+        gemv_rows_f32(g, lo, hi);
+        return;
+    }
+#endif
     float outs[16][MAXB];
     for (int64_t n0 = lo; n0 < hi; n0 += 16)
     for (int64_t n = n0, nr = hi - n0 < 16 ? hi - n0 : 16; n < n0 + nr; ++n) {
@@ -1848,11 +1979,70 @@ typedef struct {
 
 #define CONV_BLOCK 256 /* channels a chunk takes: a one-sequence step is still split across the threads */
 
+#ifdef __AVX512F__
+/* conv_step_chunk's fp32 width-4 conv (Mamba-2's) for channels c..c+n (n <= 16) of input row b, 16 lanes: the
+   channels' 3 state values and 4 weights de-interleaved by permutes, y = a chain of FMAs from the bias over state
+   0..2 then x (the scalar loop's order; where GCC fused its products differently y moves by an ulp), the shifted
+   state interleaved back (the same bits). A batch-32 hybrid-1to7-small step's conv took 223 us a layer in the
+   scalar loop (32 x 1792 channels) on the 2-vCPU Zen 4. */
+static void conv4_f32_x16(const ConvStep *j, int64_t b, int64_t row, int64_t c, int64_t n) {
+    float *st = (float *)j->state + (row * j->C + c) * 3;
+    const float *w = (const float *)j->w + c * 4;
+    const int64_t n3 = 3 * n, n4 = 4 * n;
+    const __m512 S0 = _mm512_maskz_loadu_ps(mask16(n3), st), S1 = _mm512_maskz_loadu_ps(mask16(n3 - 16), st + 16),
+                 S2 = _mm512_maskz_loadu_ps(mask16(n3 - 32), st + 32);
+    __m512 s[3], wk[4];
+    for (int k = 0; k < 3; ++k) { /* s[k][i] = st[3i + k]: from S0 | S1 below 32, from S2 above (the low 4 bits) */
+        const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                                  11, 12, 13, 14, 15),
+                                                                _mm512_set1_epi32(3)), _mm512_set1_epi32(k));
+        const __mmask16 hi = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(32));
+        s[k] = _mm512_mask_permutexvar_ps(_mm512_permutex2var_ps(S0, idx, S1), hi, idx, S2);
+    }
+    const __m512 W0 = _mm512_maskz_loadu_ps(mask16(n4), w), W1 = _mm512_maskz_loadu_ps(mask16(n4 - 16), w + 16),
+                 W2 = _mm512_maskz_loadu_ps(mask16(n4 - 32), w + 32), W3 = _mm512_maskz_loadu_ps(mask16(n4 - 48), w + 48);
+    for (int k = 0; k < 4; ++k) { /* wk[k][i] = w[4i + k]: W0 | W1 for i < 8, W2 | W3 above */
+        const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                                 11, 12, 13, 14, 15), 2),
+                                             _mm512_set1_epi32(k));
+        wk[k] = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_permutex2var_ps(W0, idx, W1),
+                                     _mm512_permutex2var_ps(W2, idx, W3));
+    }
+    const __mmask16 m = mask16(n);
+    const __m512 x = _mm512_maskz_loadu_ps(m, (const float *)j->x + b * j->xs + c);
+    __m512 acc = j->bias ? _mm512_maskz_loadu_ps(m, (const float *)j->bias + c) : _mm512_setzero_ps();
+    for (int k = 0; k < 3; ++k) acc = _mm512_fmadd_ps(s[k], wk[k], acc);
+    acc = _mm512_fmadd_ps(x, wk[3], acc);
+    if (j->silu) acc = silu16_ps(acc);
+    _mm512_mask_storeu_ps((float *)j->y + b * j->C + c, m, acc);
+    const __m512 src[3] = {s[1], s[2], x}; /* the new state: st[3i + k] = src[k][i] */
+    /* position p = 16 o + l of the three output vectors: lane p / 3 of src[p % 3] (src[1]'s as index + 16, src[2]'s
+       by the second permute, its lanes in from_x) */
+    static const int32_t ti[3][16] = {{0, 16, 0, 1, 17, 1, 2, 18, 2, 3, 19, 3, 4, 20, 4, 5},
+                                      {21, 5, 6, 22, 6, 7, 23, 7, 8, 24, 8, 9, 25, 9, 10, 26},
+                                      {10, 11, 27, 11, 12, 28, 12, 13, 29, 13, 14, 30, 14, 15, 31, 15}};
+    static const __mmask16 from_x[3] = {0x4924, 0x2492, 0x9249};
+    for (int o = 0; o < 3; ++o) {
+        const __m512i idx = _mm512_loadu_si512(ti[o]);
+        const __m512 out = _mm512_mask_permutexvar_ps(_mm512_permutex2var_ps(src[0], idx, src[1]), from_x[o], idx, src[2]);
+        _mm512_mask_storeu_ps(st + 16 * o, mask16(n3 - 16 * o), out);
+    }
+}
+#endif
+
 static void conv_step_chunk(const void *job, int64_t item) {
     const ConvStep *j = job;
     const int64_t nblk = (j->C + CONV_BLOCK - 1) / CONV_BLOCK, b = item / nblk, c0 = (item % nblk) * CONV_BLOCK;
     const int64_t c1 = c0 + CONV_BLOCK < j->C ? c0 + CONV_BLOCK : j->C;
     const int64_t row = j->slots ? j->slots[b] : b, K1 = j->K - 1;
+#ifdef __AVX512F__
+    if (j->K == 4 && j->sdt == DT_F32 && j->xdt == DT_F32 && j->wdt == DT_F32 && (!j->bias || j->bdt == DT_F32)) {
+        for (int64_t c = c0; c < c1; c += 16) conv4_f32_x16(j, b, row, c, c1 - c < 16 ? c1 - c : 16);
+        return;
+    }
+#endif
+    const int vsilu = j->silu && j->xdt == DT_F32; /* SiLU over the block at once after it (silu_f32) */
+    float *yf = (float *)j->y + b * j->C;
     for (int64_t c = c0; c < c1; ++c) {
         const int64_t s0 = (row * j->C + c) * K1;
         float xin = load_as_f32(j->x, j->xdt, b * j->xs + c);
@@ -1874,10 +2064,11 @@ static void conv_step_chunk(const void *job, int64_t item) {
             if (j->sdt == DT_BF16) ((uint16_t *)j->state)[s0 + K1 - 1] = f32_to_bf16(xin);
             else ((float *)j->state)[s0 + K1 - 1] = xin;
         }
-        if (j->silu) acc = acc / (1.0f + expf(-acc));
+        if (j->silu && !vsilu) acc = acc / (1.0f + expf(-acc));
         if (j->xdt == DT_BF16) ((uint16_t *)j->y)[b * j->C + c] = f32_to_bf16(acc);
-        else ((float *)j->y)[b * j->C + c] = acc;
+        else yf[c] = acc;
     }
+    if (vsilu) silu_f32(yf + c0, c1 - c0, 1.0f, 0.0f);
 }
 
 int hl_conv_step(void *state, int sdt, const int64_t *slots, const void *x, int xdt, int64_t xs, const void *w,
@@ -2280,26 +2471,69 @@ typedef struct {
     int act;
 } GatedUp;
 
+#ifdef __AVX512F__
+/* gated_up_chunk for F32_BATCHED: an input row's 16 gates and ups as vectors where the output is fp32 and the
+   activation SiLU (silu16_ps: silu_f32's bits); else the scalar steps from the transposed outputs */
+static void gated_up_f32(const GatedUp *j, int64_t lo, int64_t hi) {
+    const Gemv *g = &j->g, *u = &j->u;
+    float OG[MAXB][16], OU[MAXB][16];
+    const int vec = g->ydt == DT_F32 && j->act == ACT_SILU;
+    for (int64_t n0 = lo; n0 < hi; n0 += 16) {
+        const int nr = hi - n0 < 16 ? (int)(hi - n0) : 16;
+        const __mmask16 m = mask16(nr);
+        rows16_f32(g, n0, nr, OG);
+        rows16_f32(u, n0, nr, OU);
+        const __m512 bg = g->bias ? load16_f32(g->bias, g->bdt, n0, m) : _mm512_setzero_ps();
+        const __m512 bu = u->bias ? load16_f32(u->bias, u->bdt, n0, m) : _mm512_setzero_ps();
+        for (int64_t b = 0; b < g->B; ++b) {
+            if (vec) {
+                const __m512 a = silu16_ps(_mm512_add_ps(_mm512_loadu_ps(OG[b]), bg));
+                _mm512_mask_storeu_ps((float *)g->y + b * g->N + n0, m,
+                                      _mm512_mul_ps(a, _mm512_add_ps(_mm512_loadu_ps(OU[b]), bu)));
+                continue;
+            }
+            for (int64_t n = n0; n < n0 + nr; ++n) {
+                const float bgn = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
+                const float bun = u->bias ? load_as_f32(u->bias, u->bdt, n) : 0.0f;
+                const float a = round_to(activate(round_to(OG[b][n - n0] + bgn, g->ydt), j->act), g->ydt);
+                store_as(g->y, g->ydt, b * g->N + n, a * round_to(OU[b][n - n0] + bun, g->ydt));
+            }
+        }
+    }
+}
+#endif
+
 static void gated_up_chunk(const void *job, int64_t chunk) {
     const GatedUp *j = job;
     const Gemv *g = &j->g, *u = &j->u;
     const int64_t lo = chunk * g->rows, hi = lo + g->rows < g->N ? lo + g->rows : g->N;
+#ifdef __AVX512F__
+    if (F32_BATCHED(g, g->wdt)) {
+        gated_up_f32(j, lo, hi);
+        return;
+    }
+#endif
     float OG[16][MAXB], OU[16][MAXB];
+    const int vsilu = g->ydt == DT_F32 && j->act == ACT_SILU;
     AMX_BEGIN(g);
     for (int64_t n0 = lo; n0 < hi; n0 += 16)
     for (int64_t n = n0, nr = hi - n0 < 16 ? hi - n0 : 16; n < n0 + nr; ++n) {
+        const float sg = g->wdt == DT_I8 ? g->scale[n] : 1.0f, su = u->wdt == DT_I8 ? u->scale[n] : 1.0f;
+        const float bg = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
+        const float bu = u->bias ? load_as_f32(u->bias, u->bdt, n) : 0.0f;
         if (n == n0) {
             if (g->wdt == DT_F32) dot_rows16(g, n0, (int)nr, OG, DT_F32), dot_rows16(u, n0, (int)nr, OU, DT_F32);
             else if (g->wdt == DT_BF16)
                 dot_rows16(g, n0, (int)nr, OG, DT_BF16), dot_rows16(u, n0, (int)nr, OU, DT_BF16);
             else dot_rows16(g, n0, (int)nr, OG, DT_I8), dot_rows16(u, n0, (int)nr, OU, DT_I8);
+            if (vsilu) /* each gate row's activations at once (silu_f32): OG then holds them */
+                for (int64_t r = 0; r < nr; ++r)
+                    silu_f32(OG[r], g->B, g->wdt == DT_I8 ? g->scale[n0 + r] : 1.0f,
+                             g->bias ? load_as_f32(g->bias, g->bdt, n0 + r) : 0.0f);
         }
         const float *og = OG[n - n0], *ou = OU[n - n0];
-        const float sg = g->wdt == DT_I8 ? g->scale[n] : 1.0f, su = u->wdt == DT_I8 ? u->scale[n] : 1.0f;
-        const float bg = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
-        const float bu = u->bias ? load_as_f32(u->bias, u->bdt, n) : 0.0f;
         for (int64_t b = 0; b < g->B; ++b) {
-            const float a = round_to(activate(round_to(og[b] * sg + bg, g->ydt), j->act), g->ydt);
+            const float a = vsilu ? og[b] : round_to(activate(round_to(og[b] * sg + bg, g->ydt), j->act), g->ydt);
             store_as(g->y, g->ydt, b * g->N + n, a * round_to(ou[b] * su + bu, g->ydt));
         }
     }
@@ -2385,6 +2619,28 @@ static void qkv_rope_chunk(const void *job, int64_t head) {
             }
         }
     }
+#ifdef __AVX512F__
+    if (!j->int4 && F32_BATCHED(g, g->wdt)) { /* the head's rows 16 at a time, transposed: acc[b] as vectors */
+        float outT[MAXB][16];
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            const int nr = D - d0 < 16 ? (int)(D - d0) : 16;
+            const __mmask16 m = mask16(nr);
+            rows16_f32(g, h * D + d0, nr, outT);
+            const __m512 bias = g->bias ? load16_f32(g->bias, g->bdt, h * D + d0, m) : _mm512_setzero_ps();
+            for (int64_t b = 0; b < B; ++b) {
+                if (g->ydt == DT_F32) {
+                    _mm512_mask_storeu_ps(acc[b] + d0, m, _mm512_add_ps(_mm512_loadu_ps(outT[b]), bias));
+                    continue;
+                }
+                for (int c = 0; c < nr; ++c)
+                    acc[b][d0 + c] = round_to(
+                        outT[b][c] + (g->bias ? load_as_f32(g->bias, g->bdt, h * D + d0 + c) : 0.0f), g->ydt);
+            }
+        }
+        qkv_rope_store(j, which, h, acc);
+        return;
+    }
+#endif
     for (int64_t d = 0; d < D && !j->int4; ++d) {
         const int64_t n = h * D + d;
         if (d % 16 == 0) {
@@ -2504,9 +2760,13 @@ static void gated_rmsnorm_row(const void *job, int64_t b) {
     float buf[8192];
     for (int64_t g0 = 0; g0 < d; g0 += gs) {
         double ss = 0.0;
+        if (dt == DT_F32) { /* the gates first, at once (silu_f32) */
+            memcpy(buf, (const float *)z + b * zs + g0, (size_t)gs * sizeof(float));
+            silu_f32(buf, gs, 1.0f, 0.0f);
+        }
         for (int64_t i = 0; i < gs; ++i) {
             const float zv = load_as_f32(z, dt, b * zs + g0 + i);
-            const float gate = zv / (1.0f + expf(-zv));
+            const float gate = dt == DT_F32 ? buf[i] : zv / (1.0f + expf(-zv));
             const float yv = load_as_f32(y, dt, b * d + g0 + i);
             const float v = norm_before_gate ? yv : gate * yv;
             buf[i] = norm_before_gate ? gate : v;

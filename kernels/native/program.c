@@ -166,9 +166,18 @@ static int gather_inputs(const HlStep *st) {
    1.08-1.13 / 1.32 / 1.21-1.22 (llama / mamba2 / 7:1 hybrid d512), and the contended medians from 9.4 / 7.9 / 15.8
    ms to 7.2-8.0 / 5.9-7.3 / 8.8-9.0. A host that stalls a worker for a moment triggers it too (3-53 of 200 quiet
    steps ran alone here, at no visible cost to the quiet medians); requiring two stalls in a row, or spans that
-   start at 8 and double, kept the quiet runs on two threads but lost the contended goal (1.36-2.2). */
+   start at 8 and double, kept the quiet runs on two threads but lost the contended goal (1.36-2.2).
+   A step of more than SOLO_FEW_ROWS rows sends only the next SOLO_STEPS_WIDE: such a batch is compute-bound, so a
+   program alone takes twice as long, and 32 of them after one false trigger (a stall of the host's, e.g. just after
+   another process freed 7 GB) cost ~1.4 s at 32 rows: llama-small's 32-request loop (benchmarks.vllm_cpu.
+   ours_same_way) read 502-505 tok/s after such a process (47 and 81 programs alone), 650-667 with the fallback off;
+   32 against 4 programs, alternating on a noisy host: 439-599 (32-102 alone) against 523-669 (8-12 alone). A span
+   capped at 300 ms instead, whatever the batch, read 632-677 there but cut batch-1 spans short under real
+   contention (benchmarks.contention's goal failed in 2 of 3 runs, the 32-program span's in 0 of 3, alternating). */
 #define SOLO_WAIT 0.25
 #define SOLO_STEPS 32
+#define SOLO_FEW_ROWS 8
+#define SOLO_STEPS_WIDE 4
 static int64_t P_solo_left = 0, P_solo_runs = 0;
 
 /* how many programs ran on the caller alone since the library loaded (kernels.native.solo_runs) */
@@ -193,7 +202,8 @@ int64_t hl_program_run(const HlOp *ops, int64_t nops, const HlStep *st, double *
         if (times) times[k] += now_us() - t0;
     }
     atomic_store_explicit(&P.hot, 0, memory_order_relaxed);
-    if (!P_solo && P_waited_us > SOLO_WAIT * (now_us() - t_run)) P_solo_left = SOLO_STEPS;
+    if (!P_solo && P_waited_us > SOLO_WAIT * (now_us() - t_run))
+        P_solo_left = st->n > SOLO_FEW_ROWS ? SOLO_STEPS_WIDE : SOLO_STEPS;
     P_solo = 0;
     return rc;
 }
