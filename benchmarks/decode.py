@@ -42,6 +42,7 @@ context; it also times ours the way it times vLLM (both request loops end to end
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -147,10 +148,12 @@ def vllm_runs(args, dtype: torch.dtype) -> list[dict]:
     for name, b, ctx in tqdm(todo, desc="vLLM decode", unit="row"):
         torch.manual_seed(0)  # the same seed-0 weights the decode rows build
         model = HybridLM(recipes.get(name)).eval()
+        # ours first: straight after vLLM's process exits (several GB freed) this VM's host stalled our loop for
+        # seconds (llama-small 502-505 against 650-667 tok/s in a probe), a cost of the order, not of either engine
+        with torch.inference_mode():  # (a copy: vLLM's export is written from the fp32 weights)
+            mine = ours_same_way(copy.deepcopy(model).to(dtype), b, ctx, args.vllm_new_tokens)
         theirs = vllm_decode(name, model, args.vllm_python, work, b, ctx, args.vllm_new_tokens,
                              str(dtype).removeprefix("torch."))
-        with torch.inference_mode():
-            mine = ours_same_way(model.to(dtype), b, ctx, args.vllm_new_tokens)
         rows.append({"model": name, "batch": b, "prompt": ctx, **theirs,
                      "ours_tok/s": mine["tok/s"], "ours_min": mine["min"], "ours_max": mine["max"],
                      "ours/vllm": round(mine["tok/s"] / theirs["tok/s"], 3)})
