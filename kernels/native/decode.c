@@ -667,9 +667,15 @@ static inline __attribute__((always_inline)) void block_4xNB(const float *const 
     int64_t k = 0;
     for (; k < K8; k += 8) {
         v8 xv[3];
-        for (int j = 0; j < NB; ++j) xv[j] = *(const v8u *)(x + (b0 + j) * K + k);
+        for (int j = 0; j < NB; ++j) {
+            xv[j] = *(const v8u *)(x + (b0 + j) * K + k);
+            __asm__("" : "+x"(xv[j]));
+        }
         for (int r = 0; r < 4; ++r) {
-            const v8 wv = *(const v8u *)(w[r] + k);
+            /* the empty asms keep wv and the xv in registers (as block8_f32_nb's wv): GCC 12 folded wv's load into
+               each of the NB FMAs (15 loads per 12 FMAs where 7 do), and with wv alone pinned, the xv's */
+            v8 wv = *(const v8u *)(w[r] + k);
+            __asm__("" : "+x"(wv));
             for (int j = 0; j < NB; ++j) a[r][j] += wv * xv[j];
         }
     }
