@@ -8,6 +8,7 @@ A CPU decode step reaches the whole-step program either from the model runner's 
 from __future__ import annotations
 
 import torch
+from hybrid.kernels import native
 
 import hybrid.model as model_mod
 from hybrid.layers import fused_decode
@@ -78,3 +79,13 @@ def eager_step_logits(monkeypatch, *, sublayers: bool = False) -> list[torch.Ten
 
     monkeypatch.setattr(model_mod.HybridLM, "logits", logits)
     return got
+
+
+def avx2_build():
+    """The native library built for a CPU without AVX-512 (-mno-avx512f), checked to be that build; None on a CPU
+    without AVX-512, where the library under test is that build already."""
+    if "AVX-512" not in native.cpu_paths():
+        return None
+    lib = native.build_variant("avx2", ("-mno-avx512f",))
+    assert lib.hl_cpu_paths() == 1  # AVX2 only
+    return lib
