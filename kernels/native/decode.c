@@ -390,6 +390,14 @@ static inline float load_as_f32(const void *p, int dt, int64_t i) {
     return dt == DT_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* A product's output i: the activation (act1 - 1; 0: none) of the value rounded to ydt, then the residual added to
+   the rounded value (bf16: torch's two ops, each rounded), stored. */
+static inline void store_out(void *y, int ydt, const void *res, int act1, int64_t i, float v) {
+    if (act1) v = activate(round_to(v, ydt), act1 - 1);
+    if (res) v = round_to(v, ydt) + load_as_f32(res, ydt, i);
+    store_as(y, ydt, i, v);
+}
+
 /* The weights of a row, 8 at a time, as fp32 vectors: one definition per storage dtype so every inner loop is
    specialised at compile time (a dtype switch inside the loop cost a third of the bandwidth). */
 static inline v8 load_w8(const void *w, int wdt, int64_t i) {
@@ -1154,10 +1162,8 @@ static void gemv_rows_f32(const Gemv *g, int64_t lo, int64_t hi) {
                 continue;
             }
             for (int64_t n = n0; n < n0 + nr; ++n) {
-                float v = outT[b][n - n0] + (g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f);
-                if (g->act1) v = activate(round_to(v, g->ydt), g->act1 - 1);
-                if (g->res) v = round_to(v, g->ydt) + load_as_f32(g->res, g->ydt, b * g->N + n);
-                store_as(g->y, g->ydt, b * g->N + n, v);
+                store_out(g->y, g->ydt, g->res, g->act1, b * g->N + n,
+                          outT[b][n - n0] + (g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f));
             }
         }
     }
@@ -1178,13 +1184,7 @@ static inline __attribute__((always_inline)) void gemv_rows(const Gemv *g, int64
         const float *out = outs[n - n0];
         const float sc = wdt == DT_I8 ? g->scale[n] : 1.0f;
         const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
-        for (int64_t b = 0; b < g->B; ++b) {
-            float v = out[b] * sc + bias;
-            if (g->act1) v = activate(round_to(v, g->ydt), g->act1 - 1);
-            /* bf16: the product rounded, then the residual added and rounded again (torch's two ops) */
-            if (g->res) v = round_to(v, g->ydt) + load_as_f32(g->res, g->ydt, b * g->N + n);
-            store_as(g->y, g->ydt, b * g->N + n, v);
-        }
+        for (int64_t b = 0; b < g->B; ++b) store_out(g->y, g->ydt, g->res, g->act1, b * g->N + n, out[b] * sc + bias);
     }
 }
 
@@ -1691,12 +1691,7 @@ static void int4_gemv_chunk(const void *job, int64_t chunk) {
         for (int r = 0; r < nr; ++r) {
             const int64_t n = nb * bn + r;
             const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
-            for (int64_t b = 0; b < B; ++b) {
-                float v = out[b][r] + bias;
-                if (g->act1) v = activate(round_to(v, g->ydt), g->act1 - 1);
-                if (g->res) v = round_to(v, g->ydt) + load_as_f32(g->res, g->ydt, b * N + n);
-                store_as(g->y, g->ydt, b * N + n, v);
-            }
+            for (int64_t b = 0; b < B; ++b) store_out(g->y, g->ydt, g->res, g->act1, b * N + n, out[b][r] + bias);
         }
     }
 }
@@ -3189,12 +3184,7 @@ static void q_gemv_chunk(const void *job, int64_t chunk) {
         if ((n - lo) % 4 == 0) q_rows(&g->m, &g->a, n, hi - n < 4 ? hi - n : 4, g->ydt, outs); /* 4 at a time */
         const float *out = outs[(n - lo) % 4];
         const float bias = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
-        for (int64_t b = 0; b < g->a.B; ++b) {
-            float v = exact(out[b] + bias);
-            if (g->act1) v = activate(round_to(v, g->ydt), g->act1 - 1);
-            if (g->res) v = round_to(v, g->ydt) + load_as_f32(g->res, g->ydt, b * N + n);
-            store_as(g->y, g->ydt, b * N + n, v);
-        }
+        for (int64_t b = 0; b < g->a.B; ++b) store_out(g->y, g->ydt, g->res, g->act1, b * N + n, exact(out[b] + bias));
     }
 }
 
