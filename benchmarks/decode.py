@@ -27,7 +27,8 @@ from an empty context). ``--llama-cpp DIR`` (a built llama.cpp tree) makes those
         --quantize int4wo --llama-cpp /path/to/llama.cpp
 
 ``--rounds R`` then times ours and llama-bench alternately, R rounds per recipe (batch 1), and reports each round's
-ratio: on a host whose speed drifts, a ratio within a round is the one to read.
+ratio: on a host whose speed drifts, a ratio within a round is the one to read. Each round also measures the read
+bandwidth (512 MiB, best of 3) between the two engines and reports each engine's step against that round's floor.
 
 ``--vllm-python PY`` (a venv with vLLM's CPU build: ``scripts/check_serving.sh`` makes one) times vLLM decoding
 the same seed-0 models (benchmarks/vllm_cpu.py: B requests of ``--decode-contexts`` prompt ids, their decode
@@ -228,27 +229,37 @@ def _calls(args) -> tuple[int, int]:
 
 
 def interleaved_rounds(args, llama_rows: list[dict], models: dict, threads: int) -> list[dict]:
-    """Per recipe with a llama.cpp row: ``args.rounds`` rounds of llama-bench's tg64 then our batch-1 decode at the
-    first ``--decode-contexts`` length (a fresh engine each round); each round's ratio of the two rates, and their
-    median, min and max."""
+    """Per recipe with a llama.cpp row: ``args.rounds`` rounds of llama-bench's tg64, the machine's read bandwidth,
+    then our batch-1 decode at the first ``--decode-contexts`` length (a fresh engine each round); each round's ratio
+    of the two rates, and their median, min and max. The read bandwidth measured in the round gives both engines'
+    step against the floor of that moment (floor/step: 1.0 is the step at the floor; this host's bandwidth drifts by
+    1.5x within minutes, so a floor measured once at the start says little about a step timed later)."""
     rows = []
     todo = [(lr, r) for lr in llama_rows if lr["model"] in models for r in range(args.rounds)]
-    per: dict[str, list[tuple[float, float]]] = {}
+    per: dict[str, list[tuple[float, float, float, float]]] = {}
     for lr, _ in tqdm(todo, desc="interleaved rounds", unit="round"):
         theirs = llama_bench_decode(args.llama_bench, lr["gguf"], threads)["tok/s"]
+        bandwidth = read_bandwidth(512, 3)[0]
         calls, warm = _calls(args)
-        engine = decode_engine(models[lr["model"]], 1, args.decode_contexts[0], steps=calls, compile=False,
+        model = models[lr["model"]]
+        engine = decode_engine(model, 1, args.decode_contexts[0], steps=calls, compile=False,
                                warmup=warm, multi_step=args.multi_step)
         ours = decode_speed(engine, calls)[0]["decode_tok/s"]
         del engine
-        per.setdefault(lr["model"], []).append((ours, theirs))
-    for name, pairs in per.items():
-        ratios = sorted(o / t for o, t in pairs)
-        rows.append({"model": name, "rounds": len(pairs),
-                     "ours tok/s": " ".join(f"{o:.1f}" for o, _ in pairs),
-                     "llama.cpp tok/s": " ".join(f"{t:.0f}" for _, t in pairs),
+        floor_s = decode_step_bytes(model, 1, args.decode_contexts[0]) / bandwidth
+        per.setdefault(lr["model"], []).append((ours, theirs, bandwidth, floor_s))
+    for name, runs in per.items():
+        ratios = sorted(o / t for o, t, _, _ in runs)
+        rows.append({"model": name, "rounds": len(runs),
+                     "ours tok/s": " ".join(f"{o:.1f}" for o, _, _, _ in runs),
+                     "llama.cpp tok/s": " ".join(f"{t:.0f}" for _, t, _, _ in runs),
                      "ratio_med": round(statistics.median(ratios), 3), "ratio_min": round(ratios[0], 3),
-                     "ratio_max": round(ratios[-1], 3)})
+                     "ratio_max": round(ratios[-1], 3),
+                     "read GB/s": " ".join(f"{b / 1e9:.1f}" for _, _, b, _ in runs),
+                     "floor/step ours": " ".join(f"{f * o:.2f}" for o, _, _, f in runs),
+                     "floor/step llama.cpp": " ".join(f"{f * t:.2f}" for _, t, _, f in runs),
+                     "floor/step_med ours": round(statistics.median(f * o for o, _, _, f in runs), 3),
+                     "floor/step_med llama.cpp": round(statistics.median(f * t for _, t, _, f in runs), 3)})
     return rows
 
 
@@ -462,7 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     interleaved = interleaved_rounds(args, llama_rows, models, threads) if args.rounds > 1 else []
     if interleaved:
         print(f"\n## batch-1 decode, ours and llama-bench alternately ({args.rounds} rounds; ratio = ours / "
-              "llama.cpp tokens/s within a round)\n" + format_table(interleaved), flush=True)
+              "llama.cpp tokens/s within a round; floor/step: the step's bytes over the read bandwidth measured in "
+              "the round, against each engine's step)\n" + format_table(interleaved), flush=True)
 
     prefill = []
     for name in tqdm(args.recipes if args.contexts else [], desc="prefill", unit="model"):

@@ -64,6 +64,13 @@ def test_interleaved_rounds_pair_each_llama_bench_run_with_one_of_ours(monkeypat
         return {"tok/s": 100.0 * 2 ** (len(calls) - 1)}
 
     monkeypatch.setattr(bench, "llama_bench_decode", fake_bench)
+    reads = []
+
+    def fake_read(mib, repeats):  # each round's bandwidth: 1, 2, 4 GB/s
+        reads.append(mib)
+        return 1e9 * 2 ** (len(reads) - 1), "fake"
+
+    monkeypatch.setattr(bench, "read_bandwidth", fake_read)
     torch.manual_seed(0)
     models = {"llama-tiny": HybridLM(recipes.get("llama-tiny")).eval()}
     args = argparse.Namespace(rounds=3, llama_bench="llama-bench", decode_contexts=[8], decode_steps=2, warmup=1,
@@ -77,3 +84,11 @@ def test_interleaved_rounds_pair_each_llama_bench_run_with_one_of_ours(monkeypat
     ratios = sorted(o / t for o, t in zip(ours, (100.0, 200.0, 400.0), strict=True))
     got = (row["ratio_min"], row["ratio_med"], row["ratio_max"])
     assert got == pytest.approx(tuple(ratios), rel=2e-3)  # (the printed rates are rounded to 0.1 tok/s)
+    # each round's floor from that round's bandwidth: floor/step = step bytes / bandwidth * tokens per second
+    assert len(reads) == 3
+    step_bytes = decode_step_bytes(models["llama-tiny"], 1, 8)
+    theirs = [step_bytes / (1e9 * 2 ** i) * 100.0 * 2 ** i for i in range(3)]
+    assert [float(v) for v in row["floor/step llama.cpp"].split()] == pytest.approx(theirs, abs=6e-3)
+    mine = [step_bytes / (1e9 * 2 ** i) * o for i, o in enumerate(ours)]
+    assert [float(v) for v in row["floor/step ours"].split()] == pytest.approx(mine, rel=2e-3, abs=6e-3)
+    assert row["floor/step_med ours"] == pytest.approx(sorted(mine)[1], rel=2e-3, abs=1e-3)

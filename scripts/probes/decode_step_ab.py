@@ -51,13 +51,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     libs = {"A": load("hybrid_decode_ab_base", rev_source(args.base), args.threads),
             "B": load("hybrid_decode", native.source(), args.threads)}
     for name in args.recipes:
         torch.manual_seed(0)
-        model = HybridLM(recipes.get(name)).eval()
+        model = HybridLM(recipes.get(name)).eval().to(getattr(torch, args.dtype))
         engine = decode_engine(model, args.batch, args.context, steps=args.rounds * (args.steps + 1) * 2 + 4,
                                compile=False, warmup=2)
         prog = fused_decode.whole_program(model, engine.runner.cache)
@@ -78,7 +79,8 @@ def main() -> None:
                 times[key] += ts
                 med[key] = statistics.median(ts)
             ratios.append(med["A"] / med["B"])
-        print(f"\n## {name}, batch {args.batch}, context {args.context}: A = {args.base}, B = working tree")
+        print(f"\n## {name} {args.dtype}, batch {args.batch}, context {args.context}: A = {args.base}, "
+              "B = working tree")
         for key, ts in times.items():
             print(f"  {key}: step ms min/med/max {min(ts):.2f} / {statistics.median(ts):.2f} / {max(ts):.2f}  "
                   f"(programs run on one thread, contention: {libs[key].hl_program_solo_runs() - solo0[key]})")

@@ -45,11 +45,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=16)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for name in args.recipes:
         torch.manual_seed(0)
-        model = HybridLM(recipes.get(name)).eval()
+        model = HybridLM(recipes.get(name)).eval().to(getattr(torch, args.dtype))
+        wbytes = torch.finfo(getattr(torch, args.dtype)).bits // 8
         engine = decode_engine(model, args.batch, args.context, steps=2 * args.steps + 4, compile=False, warmup=3)
         prog = fused_decode.whole_program(model, engine.runner.cache)
         ops = prog.whole
@@ -84,7 +86,11 @@ def main() -> None:
             print(f"  {k:16s} {t:8.2f} ms  {100 * t / prog_ms:5.1f}%")
         print("  by op/shape:")
         for g, (t, c) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
-            print(f"    {g:40s} x{c:3d} {t:8.2f} ms  {t / c * 1e3:8.1f} us each")
+            rate = ""
+            if g.startswith(("gemv [", "gated_up [")):  # the weight bytes this shape reads a step, per second
+                n, k = (int(v) for v in g[g.index("[") + 1:-1].replace("2x", "").split(", "))
+                rate = f"  {(2 if g.startswith('gated') else 1) * n * k * wbytes * c / t / 1e6:6.1f} GB/s"
+            print(f"    {g:40s} x{c:3d} {t:8.2f} ms  {t / c * 1e3:8.1f} us each{rate}")
         del engine
 
 
