@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from . import cpu_scan, cuda_backend, dispatch, native, triton_support
+from . import cpu_scan, cuda_backend, dispatch, host_memory, native, triton_support
 
 
 def _version(dist: str) -> str:
@@ -36,6 +36,7 @@ def report() -> str:
                  "sub-layers): " + ("in use" if native_note is None else f"not in use ({native_note}); torch runs"))
     if native_note is None:
         lines.append("native instruction paths: " + (", ".join(native.cpu_paths()) or "portable C only"))
+        lines.append("decode weights moved onto 2 MiB pages: " + host_memory.huge_pages_note())
     forced = os.environ.get("HYBRID_BACKEND")
     lines.append(f"HYBRID_BACKEND={forced or '<unset>'}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from ..kernels import dispatch, native
+from ..kernels import dispatch, host_memory, native
 from ..kernels.native import DTYPE_CODES
 from ..kernels.native.ops import ACTIVATIONS
 from ..kernels.packing import host_values
@@ -441,6 +441,7 @@ class DecodeProgram:
 
     def __init__(self, model, cache):
         _check_abi()
+        self.huge_page_bytes = _weights_on_huge_pages(model)
         self.dtype = model.embed.weight.dtype
         self.d_model = model.config.d_model
         self.vocab = model.config.vocab_size
@@ -586,6 +587,21 @@ class DecodeProgram:
 
 
 _programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> (model ref, DecodeProgram)
+_MOVED_ATTR = "_hybrid_huge_page_bytes"
+
+
+def _weights_on_huge_pages(model) -> int:
+    """Once per model, before its first program binds any pointer: the weights a decode step streams (every
+    matrix but an untied embedding's, whose rows are only looked up) moved onto 2 MiB pages
+    (kernels.host_memory.huge_page_weights; the values unchanged). Returns the bytes on huge pages."""
+    moved = getattr(model, _MOVED_ATTR, None)
+    if moved is None:
+        skip = model.embed.weight if model.lm_head is not None else None
+        weights = [t for t in (*model.parameters(), *model.buffers())
+                   if t is not skip and t.dim() >= 2 and t.numel() * t.element_size() >= 65536]
+        moved = host_memory.huge_page_weights(weights)
+        object.__setattr__(model, _MOVED_ATTR, moved)
+    return moved
 
 
 def _plain_embedding(emb, rows: int) -> bool:
