@@ -18,6 +18,7 @@
 
 #define _GNU_SOURCE
 #include <linux/futex.h>
+#include <fcntl.h>
 #include <float.h>
 #include <math.h>
 #include <pthread.h>

@@ -176,9 +176,34 @@ static int gather_inputs(const HlStep *st) {
    contention (benchmarks.contention's goal failed in 2 of 3 runs, the 32-program span's in 0 of 3, alternating). */
 #define SOLO_WAIT 0.25
 #define SOLO_STEPS 32
+/* A trigger counts only where the machine is oversubscribed (oversubscribed() below): a host that stalls a vCPU
+   (this VM's steal, seconds-long phases of it) looks like contention from inside, but with no other runnable thread
+   in the guest two threads stay the better bet. Before this check, one such stall in a 64-token batch-1 run sent
+   32 of its programs to one thread: benchmarks.decode's bf16 llama-d512 rounds read 292-309 tok/s against 409-437
+   in the rounds it missed (the same run, llama.cpp 458-491 throughout). */
 #define SOLO_FEW_ROWS 8
 #define SOLO_STEPS_WIDE 4
 static int64_t P_solo_left = 0, P_solo_runs = 0;
+
+/* 1 when the guest's other runnable threads (/proc/loadavg's running count, less the caller) leave fewer free CPUs
+   than the pool's workers need; 0 when they do not; -1 where it cannot tell (no /proc: then a trigger counts). A
+   worker spinning at that moment counts as another thread (the old behaviour: go alone); a CPU-bound process beside
+   us is runnable whenever it is read. */
+static int oversubscribed(void) {
+    const int fd = open("/proc/loadavg", O_RDONLY);
+    if (fd < 0) return -1;
+    char buf[128];
+    const ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    const char *p = buf; /* "0.52 0.58 0.59 3/122 10061": the fourth field's first number */
+    for (int f = 0; f < 3 && p; ++f)
+        if ((p = strchr(p, ' '))) ++p;
+    const long running = p ? strtol(p, NULL, 10) : 0, cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (running < 1 || cpus < 1) return -1;
+    return running - 1 > cpus - 1 - P.nworkers;
+}
 
 /* how many programs ran on the caller alone since the library loaded (kernels.native.solo_runs) */
 int64_t hl_program_solo_runs(void) { return P_solo_runs; }
@@ -202,7 +227,7 @@ int64_t hl_program_run(const HlOp *ops, int64_t nops, const HlStep *st, double *
         if (times) times[k] += now_us() - t0;
     }
     atomic_store_explicit(&P.hot, 0, memory_order_relaxed);
-    if (!P_solo && P_waited_us > SOLO_WAIT * (now_us() - t_run))
+    if (!P_solo && P_waited_us > SOLO_WAIT * (now_us() - t_run) && oversubscribed() != 0)
         P_solo_left = st->n > SOLO_FEW_ROWS ? SOLO_STEPS_WIDE : SOLO_STEPS;
     P_solo = 0;
     return rc;
