@@ -24,6 +24,9 @@ from .linear import Linear
 from .mamba2 import init_dt_bias
 from .norm import GatedRMSNorm
 
+# Tokens of a long prompt the inference forward takes at once (rounded down to whole chunks): see forward.
+_TOKEN_BLOCK = 2048
+
 
 class GatedDeltaNet(nn.Module):
     kind = "gated_deltanet"
@@ -93,12 +96,32 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(y.reshape(*o.shape[:-2], self.value_dim))
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
+        L = u.shape[1]
+        block = max(self.cfg.chunk_size, _TOKEN_BLOCK // self.cfg.chunk_size * self.cfg.chunk_size)
+        if torch.is_grad_enabled() or L <= block:
+            return self._forward_span(u, None, None)[0]
+        # Inference on a long prompt: the whole layer a block of tokens at a time, the conv and recurrent states
+        # carried from block to block. Every whole-prompt temporary (the [L, 4632] projection, the conv output,
+        # the fp32 q/k, the gate, the norm's fp32 copies) was a fresh allocation of hundreds of MB that the
+        # elementwise passes page-faulted in and then streamed from memory; block-sized they stay in the cache
+        # and the allocator reuses them. Blocks are whole chunks, so the recurrence sees the same chunks.
+        out = torch.empty(*u.shape[:-1], self.out_proj.out_features, dtype=u.dtype, device=u.device)
+        conv, S = None, None
+        for s in range(0, L, block):
+            e = min(L, s + block)
+            out[:, s:e], conv, S = self._forward_span(u[:, s:e], conv, S)
+        return out
+
+    def _forward_span(self, u, conv, S):
+        """u [B, l, d_model] from the conv state ``conv`` and recurrent state ``S`` (None: zeros) -> (y, the conv
+        state and the recurrent state after it)."""
         qkv, z, b, a = self.split_projection(self.in_proj(u))
-        qkv, _ = kernels.causal_conv1d(qkv, self.conv1d.weight[:, 0], self.conv1d.bias, activation="silu")
+        qkv, conv = kernels.causal_conv1d(qkv, self.conv1d.weight[:, 0], self.conv1d.bias, initial_state=conv,
+                                          activation="silu")
         q, k, v = self.split_qkv(qkv)
         g, beta = self.gates(b, a)
-        o, _ = kernels.gated_delta_chunk(q, k, v, g, beta, chunk_size=self.cfg.chunk_size)
-        return self._out(o, z)
+        o, S = kernels.gated_delta_chunk(q, k, v, g, beta, initial_state=S, chunk_size=self.cfg.chunk_size)
+        return self._out(o, z), conv, S
 
     def step(self, state, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
              slots: torch.Tensor | None = None) -> torch.Tensor:
