@@ -162,6 +162,22 @@ def _chunks_first(x, s, e, n, C):
     return out.view(n, b * Hx, C, X)
 
 
+def _ut_solve_torch(A, X):
+    # T = (I + strictly_lower(A))^-1 explicitly, then T X as a matmul: the solve on the [C, C] identity and one
+    # batched [C, C] x [C, W] product cost ~0.6x the solve on the W columns (2K block, 2 threads: 25 against
+    # 42 ms), the triangular solve being the slow kernel of the two
+    eye = torch.eye(A.shape[-1], device=A.device).expand(A.shape)
+    return torch.matmul(torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True), X)
+
+
+def ut_solve(A: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """The UT transform's systems: (I + strictly_lower(A))^-1 X for fp32 A [..., C, C] (the diagonal and above
+    not read) and X [..., C, W]. Inference only; X may be overwritten (the native forward substitution solves
+    in place and returns X)."""
+    _, fn = dispatch.choose("gated_delta_ut", A.device.type)
+    return fn(A, X)
+
+
 def _block_inference(q, k, v, g, beta, S, C):
     """:func:`_block` without autograd, chunks first and in place: q/k [n, b, Hk, C, K] fp32 on the key heads
     (q scaled), v [n, b * H, C, V], g/beta [n, b * H, C], all the caller's own copies (overwritten); S
@@ -192,11 +208,7 @@ def _block_inference(q, k, v, g, beta, S, C):
     rhs = torch.empty(n, bH, C, V + K, device=q.device)  # [beta V | beta K exp(c)]
     torch.mul(v, beta[..., None], out=rhs[..., :V])
     torch.mul(k[:, :, :, None], per_head(beta.mul_(ec))[..., None], out=per_head(rhs)[..., V:])
-    # T = (I + strictly_lower(..))^-1 explicitly, then [U | W] = T rhs as a matmul: the solve on the [C, C]
-    # identity and one batched [C, C] x [C, V + K] product cost ~0.6x the solve on the V + K columns (2K block,
-    # 2 threads: 25 against 42 ms), the triangular solve being the slow kernel of the two
-    eye = torch.eye(C, device=q.device).expand(n, bH, C, C)
-    uw = torch.matmul(torch.linalg.solve_triangular(ut, eye, upper=False, unitriangular=True), rhs)  # [U | W]
+    uw = ut_solve(ut, rhs)  # [U | W]
     del ut, rhs
     wq = torch.empty(n, bH, 2 * C, K, device=q.device)  # per chunk the [2C, K] operand [W; Q e^c]
     wq[:, :, :C] = uw[..., V:]
@@ -430,6 +442,10 @@ dispatch.register("gated_delta_l2norm", "torch", _l2norm_heads_torch)
 dispatch.register("gated_delta_l2norm", "native", native_ops.l2norm_heads, native.available,
                   native_ops.supports_l2norm_heads)
 dispatch.register("gated_delta_gates", "torch", _gates_torch)
+dispatch.register("gated_delta_ut", "torch", _ut_solve_torch)
+# prefill on the CPU: linear_attention.c's forward substitution, one (chunk, head) system a pool chunk
+dispatch.register("gated_delta_ut", "native", native_ops.gdn_ut_solve, native.available,
+                  native_ops.supports_gdn_ut_solve)
 dispatch.register("gated_delta_gates", "native", native_ops.gdn_gates, native.available, native_ops.supports_gdn_gates)
 _fla = cuda_backend.probe("fla")
 dispatch.register("gated_delta_chunk", "cuda", _fla_chunk, _fla)

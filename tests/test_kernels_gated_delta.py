@@ -40,6 +40,16 @@ def test_chunk_size_and_block_change_nothing(monkeypatch):
     assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
 
 
+def test_chunked_matches_recurrence_wide_heads():
+    """Heads wide enough that the UT systems' V + K columns take the native solve's 64-column vector passes (and
+    its scalar columns past them)."""
+    q, k, v, g, beta, s0 = _inputs(1, 130, 2, 4, 64, 96)
+    o_ref, s_ref = kernels.gated_delta_ref(q, k, v, g, beta, initial_state=s0)
+    with torch.inference_mode():
+        o, s = kernels.gated_delta_chunk(q, k, v, g, beta, initial_state=s0)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+
 def test_step_matches_recurrence_and_split_carries_state():
     q, k, v, g, beta, s0 = _inputs(3, 9, 2, 4, 16, 8)
     o_ref, s_ref = kernels.gated_delta_ref(q, k, v, g, beta, initial_state=s0)
@@ -138,6 +148,31 @@ def test_native_step_column_tiles_and_avx2_build(V):
             y = _native_step(lib, p, *args, slots, 0.3)
             assert rel_err(y, y_ref) < tol and rel_err(p[slots], expect) < tol, (name, sdt)
             assert torch.equal(p[[1, 4]], pool[[1, 4]]), (name, sdt)  # rows no slot names untouched
+
+
+@pytest.mark.parametrize("C,W", [(64, 256), (16, 96), (7, 40), (66, 64)])
+def test_native_ut_solve_equals_triangular_solve(C, W):
+    """linear_attention.c's forward substitution of the UT systems (64-column AVX-512 passes in 4-row blocks, the
+    rows and columns past them one at a time) in this CPU's build and the AVX2 one, and the torch path, against a
+    float64 triangular solve; only A's strictly lower part is read."""
+    from hybrid.kernels import gated_delta, native
+
+    if native.available():
+        pytest.skip(f"native ops unavailable: {native.available()}")
+    torch.manual_seed(0)
+    k = l2norm(torch.randn(3, C, 32))
+    A = (k @ k.transpose(-1, -2)) * torch.rand(3, C, 1)  # beta K K^T's form, the upper part left in (not read)
+    X = torch.randn(3, C, W)
+    ref = torch.linalg.solve_triangular(A.double().tril(-1) + torch.eye(C, dtype=torch.float64), X.double(),
+                                        upper=False)
+    assert rel_err(gated_delta._ut_solve_torch(A, X.clone()), ref) < 1e-5
+    for name, lib in _native_builds().items():
+        Y = X.clone()
+        if lib is None:
+            assert native.ops.gdn_ut_solve(A, Y) is Y
+        else:
+            lib.hl_gdn_ut_solve(A.data_ptr(), Y.data_ptr(), 3, C, W)
+        assert rel_err(Y, ref) < 1e-5, name
 
 
 def _rounding_case(v_bits: torch.Tensor, K: int = 4):

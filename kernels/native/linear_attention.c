@@ -202,3 +202,81 @@ int hl_gla_decode(void *state, int sdt, const int64_t *slots, const void *qkv, i
                        (const char *)qkv + (kq + G) * esz, qkv_s, xdt, g, G, (float)(1.0 / sqrt((double)K)), y, B, H,
                        Hkv, K, V); /* Python's K ** -0.5, as eager's gla_step takes it */
 }
+
+/* ---- Gated DeltaNet prefill: the UT transform's forward substitution ---------------------------------------- */
+/* kernels/gated_delta.py's chunked form solves, per chunk and value head, (I + A) X' = X with A [C, C] strictly
+   lower (beta K K^T * decay; the diagonal and above are not read) for X = [beta V | beta K exp(c)] [C, W], in
+   place. torch's batched triangular solve ran at a fraction of the matmul speed, and its explicit inverse plus a
+   [C, C] x [C, W] product (the path this replaces) does twice the FLOPs at ~64 GFLOP/s; forward substitution
+   does C^2 W / 2 multiply-adds, and the 64 columns a pass takes ([C, 64] fp32: 16 KB at C = 64) stay in L1.
+   Row i is X_i - sum_{j < i} A_ij X'_j, summed in j order (one fused multiply-add per term). */
+typedef struct {
+    const float *A;
+    float *X;
+    int64_t C, W;
+} UtSolve;
+
+static void ut_solve_scalar(const float *A, float *X, int64_t C, int64_t W, int64_t c0, int64_t c1) {
+    for (int64_t i = 1; i < C; ++i)
+        for (int64_t j = 0; j < i; ++j) {
+            const float a = A[i * C + j];
+            for (int64_t c = c0; c < c1; ++c) X[i * W + c] = fmaf(-a, X[j * W + c], X[i * W + c]);
+        }
+}
+
+#ifdef __AVX512F__
+/* columns c0..c0+63 of one system: rows in blocks of 4 (16 accumulators of 16 lanes), each block first takes the
+   rows above it, then solves its own 4 x 4 triangle */
+static void ut_solve_cols64(const float *A, float *X, int64_t C, int64_t W, int64_t c0) {
+    int64_t i0 = 0;
+    for (; i0 + 4 <= C; i0 += 4) {
+        __m512 acc[4][4];
+        for (int r = 0; r < 4; ++r)
+            for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_loadu_ps(X + (i0 + r) * W + c0 + 16 * q);
+        for (int64_t j = 0; j < i0; ++j) {
+            const float *xj = X + j * W + c0;
+            const __m512 x0 = _mm512_loadu_ps(xj), x1 = _mm512_loadu_ps(xj + 16), x2 = _mm512_loadu_ps(xj + 32),
+                         x3 = _mm512_loadu_ps(xj + 48);
+            for (int r = 0; r < 4; ++r) {
+                const __m512 a = _mm512_set1_ps(A[(i0 + r) * C + j]);
+                acc[r][0] = _mm512_fnmadd_ps(a, x0, acc[r][0]);
+                acc[r][1] = _mm512_fnmadd_ps(a, x1, acc[r][1]);
+                acc[r][2] = _mm512_fnmadd_ps(a, x2, acc[r][2]);
+                acc[r][3] = _mm512_fnmadd_ps(a, x3, acc[r][3]);
+            }
+        }
+        for (int r = 1; r < 4; ++r)
+            for (int s = 0; s < r; ++s) {
+                const __m512 a = _mm512_set1_ps(A[(i0 + r) * C + i0 + s]);
+                for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_fnmadd_ps(a, acc[s][q], acc[r][q]);
+            }
+        for (int r = 0; r < 4; ++r)
+            for (int q = 0; q < 4; ++q) _mm512_storeu_ps(X + (i0 + r) * W + c0 + 16 * q, acc[r][q]);
+    }
+    for (; i0 < C; ++i0) /* the last C % 4 rows, one at a time */
+        for (int q = 0; q < 4; ++q) {
+            __m512 acc = _mm512_loadu_ps(X + i0 * W + c0 + 16 * q);
+            for (int64_t j = 0; j < i0; ++j)
+                acc = _mm512_fnmadd_ps(_mm512_set1_ps(A[i0 * C + j]), _mm512_loadu_ps(X + j * W + c0 + 16 * q), acc);
+            _mm512_storeu_ps(X + i0 * W + c0 + 16 * q, acc);
+        }
+}
+#endif
+
+static void ut_solve_chunk(const void *job, int64_t s) {
+    const UtSolve *j = job;
+    const float *A = j->A + s * j->C * j->C;
+    float *X = j->X + s * j->C * j->W;
+    int64_t c0 = 0;
+#ifdef __AVX512F__
+    for (; c0 + 64 <= j->W; c0 += 64) ut_solve_cols64(A, X, j->C, j->W, c0);
+#endif
+    if (c0 < j->W) ut_solve_scalar(A, X, j->C, j->W, c0, j->W);
+}
+
+/* count systems: A [count, C, C], X [count, C, W] (both contiguous fp32), X overwritten by the solutions; one
+   system a pool chunk */
+void hl_gdn_ut_solve(const float *A, float *X, int64_t count, int64_t C, int64_t W) {
+    UtSolve j = {A, X, C, W};
+    pool_run(ut_solve_chunk, &j, count);
+}

@@ -251,3 +251,22 @@ def gla_decay(x, normalizer, clamp_min=None) -> torch.Tensor:
     library().hl_gla_decay(x.data_ptr(), DTYPE_CODES[x.dtype], g.data_ptr(), x.numel(), float(normalizer),
                            0.0 if clamp_min is None else float(clamp_min), int(clamp_min is not None))
     return g
+
+
+def supports_gdn_ut_solve(A, X) -> str | None:
+    """contiguous fp32 A [..., C, C] and X [..., C, W] on the CPU, no autograd"""
+    if A.device.type != "cpu" or torch.compiler.is_compiling():
+        return "not on the CPU"
+    if torch.is_grad_enabled() and (A.requires_grad or X.requires_grad):
+        return "autograd"
+    if A.dtype != torch.float32 or X.dtype != torch.float32 or not (A.is_contiguous() and X.is_contiguous()):
+        return "not contiguous fp32"
+    if A.shape[-1] != A.shape[-2] or X.shape[:-1] != A.shape[:-1]:
+        return "shapes"
+    return None
+
+
+def gdn_ut_solve(A, X) -> torch.Tensor:
+    C, W = X.shape[-2:]
+    library().hl_gdn_ut_solve(A.data_ptr(), X.data_ptr(), X.numel() // (C * W) if C * W else 0, C, W)
+    return X
