@@ -165,7 +165,10 @@ def test_native_ut_solve_equals_triangular_solve(C, W):
     X = torch.randn(3, C, W)
     ref = torch.linalg.solve_triangular(A.double().tril(-1) + torch.eye(C, dtype=torch.float64), X.double(),
                                         upper=False)
-    assert rel_err(gated_delta._ut_solve_torch(A, X.clone()), ref) < 1e-5
+    for solve in (gated_delta._ut_solve_torch, gated_delta.ut_solve):  # two right-hand sides: each solved
+        with torch.inference_mode():
+            x1, x2 = solve(A, X[..., :W // 2].clone(), X[..., W // 2:].clone())
+        assert rel_err(torch.cat([x1, x2], -1), ref) < 1e-5, solve
     for name, lib in _native_builds().items():
         Y = X.clone()
         if lib is None:
