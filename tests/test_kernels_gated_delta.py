@@ -178,6 +178,33 @@ def test_native_ut_solve_equals_triangular_solve(C, W):
         assert rel_err(Y, ref) < 1e-5, name
 
 
+@pytest.mark.parametrize("C,K,V,rep", [(64, 128, 128, 2), (16, 24, 40, 3), (7, 16, 8, 1)])
+def test_native_chunk_prep_equals_torch(C, K, V, rep):
+    """linear_attention.c's pass that builds the walk's operands (the UT solve included) against the torch path's
+    ops, in this CPU's build and the AVX2 one: vector rows and scalar tails, one to three value heads a key head."""
+    from hybrid.kernels import gated_delta, native
+
+    if native.available():
+        pytest.skip(f"native ops unavailable: {native.available()}")
+    torch.manual_seed(0)
+    n, Hk = 3, 2
+    q, k = l2norm(torch.randn(n, Hk, C, K)) * K ** -0.5, l2norm(torch.randn(n, Hk, C, K))
+    c = (-F.softplus(torch.randn(n, Hk * rep, C)) * 2.0).cumsum(-1)  # some decays past the e^-80 floor
+    beta, v = torch.rand(n, Hk * rep, C), torch.randn(n, Hk * rep, C, V)
+    kk, qk = k @ k.transpose(-1, -2), q @ k.transpose(-1, -2)
+    with torch.inference_mode():
+        ref = gated_delta._chunk_prep_torch(q, k, kk, qk, c, beta, v.clone())
+        for name, lib in _native_builds().items():
+            if lib is None:
+                out = native.ops.gdn_chunk_prep(q, k, kk, qk, c, beta, v.clone())
+            else:
+                out = (v.clone(), *(torch.empty(n, Hk * rep, C, K) for _ in range(3)), torch.empty(n, Hk * rep, C, C))
+                assert lib.hl_gdn_chunk_prep(*(t.data_ptr() for t in (q, k, kk, qk, c, beta, *out)), n, Hk, rep, C,
+                                             K, V) == 0
+            for what, x, y in zip(("U", "W", "qe", "kend", "attn"), out, ref, strict=True):
+                assert rel_err(x, y) < 1e-5, (name, what)
+
+
 def _rounding_case(v_bits: torch.Tensor, K: int = 4):
     """A step whose new state row 0 is v exactly in fp32 (k = e_0, no decay, beta = 1, row 0 zero), so the stored
     row is v rounded once by the kernel: (q, k, v, g, beta, bf16 pool)."""

@@ -92,10 +92,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hl_gdn_gates.argtypes = [p, i64, p, i64, i32, p, i32, p, i32, p, p, i64, i64]
     lib.hl_gla_decay.argtypes = [p, i32, p, i64, f32, f32, i32]
     lib.hl_gdn_ut_solve.argtypes = [p, p, i64, i64, i64]
+    lib.hl_gdn_chunk_prep.argtypes = [p, p, p, p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64]
     for fn in (lib.hl_l2norm_heads, lib.hl_gdn_gates, lib.hl_gla_decay, lib.hl_gdn_ut_solve):
         fn.restype = None
     for fn in (lib.hl_ssd_step, lib.hl_gdn_step, lib.hl_conv_step, lib.hl_paged_decode, lib.hl_gated_up,
-               lib.hl_qkv_rope):
+               lib.hl_qkv_rope, lib.hl_gdn_chunk_prep):
         fn.restype = i32
     for fn in (lib.hl_rmsnorm, lib.hl_gated_rmsnorm, lib.hl_mamba2_dt):
         fn.restype = None

@@ -280,3 +280,101 @@ void hl_gdn_ut_solve(const float *A, float *X, int64_t count, int64_t C, int64_t
     UtSolve j = {A, X, C, W};
     pool_run(ut_solve_chunk, &j, count);
 }
+
+/* ---- Gated DeltaNet prefill: a chunk's operands for the walk ---------------------------------------------- */
+/* kernels/gated_delta.py's _block_inference between the products K K^T, Q K^T (torch's batched matmuls) and the
+   walk, for one chunk and key head and the value heads it serves, in one pass while they are in cache (torch took
+   ~7 elementwise passes over [n, H, C, C] and [n, H, C, K] tensors, ~13% of a bf16 layer): with c the running log
+   decay and G_ij = exp(clamp(c_i - c_j, -80, 0)) below the diagonal,
+     the UT system A = strictly_lower(K K^T * G) * beta_i (on the stack) and U = beta V, W = K beta e^c solved
+     through it (ut_solve_chunk's forward substitution), attn = lower(Q K^T * G), qe = Q e^c, kend = K e^(c_C - c).
+   Layouts (contiguous fp32): q, k [n, Hk, C, K] (q scaled), kk, qk [n, Hk, C, C], c, beta [n, H, C], v
+   [n, H, C, V] (overwritten by U), W, qe, kend [n, H, C, K], attn [n, H, C, C]; H = Hk * rep (b folded into the
+   heads). */
+typedef struct {
+    const float *q, *k, *kk, *qk, *c, *beta;
+    float *v, *W, *qe, *kend, *attn;
+    int64_t Hk, rep, C, K, V;
+} GdnPrep;
+
+/* row i of G: out[j] = exp(clamp(c_i - c_j, -80, 0)) for j <= i (the caller masks) */
+static void gdn_decay_row(const float *c, int64_t i, float *out) {
+    int64_t j = 0;
+#ifdef __AVX512F__
+    const __m512 ci = _mm512_set1_ps(c[i]);
+    for (; j + 16 <= i + 1; j += 16) {
+        __m512 d = _mm512_sub_ps(ci, _mm512_loadu_ps(c + j));
+        d = _mm512_min_ps(_mm512_max_ps(d, _mm512_set1_ps(-80.0f)), _mm512_setzero_ps());
+        _mm512_storeu_ps(out + j, exp16_ps(d));
+    }
+#endif
+    for (; j <= i; ++j) {
+        float d = c[i] - c[j];
+        d = d < -80.0f ? -80.0f : d > 0.0f ? 0.0f : d;
+        out[j] = expf(d);
+    }
+}
+
+/* y[x] = a[x] * s for x < n (y may be a). Explicit vectors: GCC kept the plain loops scalar, the rows of six
+   arrays possibly aliasing, and the pass took 3 of its 4.5 ms (a 1024-token block of gdn-small's heads). */
+static inline void gdn_scale_row(float *y, const float *a, float s, int64_t n) {
+    int64_t x = 0;
+#ifdef __AVX512F__
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; x + 16 <= n; x += 16) _mm512_storeu_ps(y + x, _mm512_mul_ps(_mm512_loadu_ps(a + x), sv));
+#endif
+    for (; x < n; ++x) y[x] = a[x] * s;
+}
+
+/* y[x] = a[x] * b[x] * s for x < n, then zeros up to m ((a * b) * s: torch's order of the UT system's products) */
+static inline void gdn_mul_row(float *y, const float *a, const float *b, float s, int64_t n, int64_t m) {
+    int64_t x = 0;
+#ifdef __AVX512F__
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; x + 16 <= n; x += 16)
+        _mm512_storeu_ps(y + x, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(a + x), _mm512_loadu_ps(b + x)), sv));
+#endif
+    for (; x < n; ++x) y[x] = a[x] * b[x] * s;
+    for (; x < m; ++x) y[x] = 0.0f;
+}
+
+static void gdn_prep_chunk(const void *job, int64_t t) {
+    const GdnPrep *j = job;
+    const int64_t C = j->C, K = j->K, V = j->V, rep = j->rep, H = j->Hk * rep;
+    const int64_t chunk = t / j->Hk, hk = t % j->Hk;
+    const float *q = j->q + t * C * K, *k = j->k + t * C * K, *kk = j->kk + t * C * C, *qk = j->qk + t * C * C;
+    float A[C * C], G[C], ec[C], eb[C];
+    for (int64_t r = 0; r < rep; ++r) {
+        const int64_t h = chunk * H + hk * rep + r;
+        const float *c = j->c + h * C, *beta = j->beta + h * C;
+        float *v = j->v + h * C * V, *W = j->W + h * C * K, *qe = j->qe + h * C * K, *kend = j->kend + h * C * K,
+              *attn = j->attn + h * C * C;
+        for (int64_t i = 0; i < C; ++i) {
+            ec[i] = expf(c[i]);
+            eb[i] = expf(c[C - 1] - c[i]);
+        }
+        for (int64_t i = 0; i < C; ++i) {
+            gdn_decay_row(c, i, G);
+            gdn_mul_row(A + i * C, kk + i * C, G, beta[i], i, i); /* strictly lower: the solve reads no more */
+            gdn_mul_row(attn + i * C, G, qk + i * C, 1.0f, i + 1, C);
+            gdn_scale_row(v + i * V, v + i * V, beta[i], V);
+            gdn_scale_row(W + i * K, k + i * K, beta[i] * ec[i], K);
+            gdn_scale_row(qe + i * K, q + i * K, ec[i], K);
+            gdn_scale_row(kend + i * K, k + i * K, eb[i], K);
+        }
+        UtSolve us = {A, v, C, V};
+        ut_solve_chunk(&us, 0);
+        us.X = W;
+        us.W = K;
+        ut_solve_chunk(&us, 0);
+    }
+}
+
+int hl_gdn_chunk_prep(const float *q, const float *k, const float *kk, const float *qk, const float *c,
+                      const float *beta, float *v, float *W, float *qe, float *kend, float *attn, int64_t n,
+                      int64_t Hk, int64_t rep, int64_t C, int64_t K, int64_t V) {
+    if (C > 128 || C < 1) return -1; /* the UT system lives on the stack */
+    GdnPrep j = {q, k, kk, qk, c, beta, v, W, qe, kend, attn, Hk, rep, C, K, V};
+    pool_run(gdn_prep_chunk, &j, n * Hk);
+    return 0;
+}

@@ -270,3 +270,32 @@ def gdn_ut_solve(A, X) -> torch.Tensor:
     C, W = X.shape[-2:]
     library().hl_gdn_ut_solve(A.data_ptr(), X.data_ptr(), X.numel() // (C * W) if C * W else 0, C, W)
     return X
+
+
+def supports_gdn_chunk_prep(q, k, kk, qk, c, beta, v) -> str | None:
+    """contiguous fp32 operands on the CPU, no autograd, chunks of at most 128"""
+    ts = (q, k, kk, qk, c, beta, v)
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
+        return "not on the CPU"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return "autograd"
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in ts):
+        return "not contiguous fp32"
+    if q.shape[-2] > 128:
+        return f"chunks of {q.shape[-2]}"
+    return None
+
+
+def gdn_chunk_prep(q, k, kk, qk, c, beta, v):
+    """linear_attention.c's hl_gdn_chunk_prep: q/k [n, Hk, C, K], kk/qk [n, Hk, C, C], c/beta [n, H, C], v
+    [n, H, C, V] (overwritten by U) -> (U, W, qe, kend [n, H, C, K], attn [n, H, C, C])."""
+    n, Hk, C, K = q.shape
+    H, V = v.shape[1], v.shape[-1]
+    W, qe, kend = (torch.empty(n, H, C, K) for _ in range(3))
+    attn = torch.empty(n, H, C, C)
+    rc = library().hl_gdn_chunk_prep(q.data_ptr(), k.data_ptr(), kk.data_ptr(), qk.data_ptr(), c.data_ptr(),
+                                     beta.data_ptr(), v.data_ptr(), W.data_ptr(), qe.data_ptr(), kend.data_ptr(),
+                                     attn.data_ptr(), n, Hk, H // Hk, C, K, V)
+    if rc != 0:
+        raise RuntimeError(f"hl_gdn_chunk_prep refused chunks of {C}")
+    return v, W, qe, kend, attn
