@@ -23,6 +23,7 @@ import statistics
 
 import torch
 from hybrid.eval.timing import prefill_flops
+from hybrid.kernels import host_memory
 from hybrid.recipes import get as get_recipe
 
 from hybrid import kernels
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     add_json(p)
     args = p.parse_args(argv)
     threads = set_threads(args.threads)
+    host_memory.keep_freed_memory()  # the CLI's and the other benchmarks' setting: large temporaries reuse memory
     print(f"threads={threads} cpu_flags={' '.join(cpu_flags())} torch={torch.__version__}", flush=True)
     rows = decode_rows(args.decode_batches, args.repeats) if args.decode_batches else []
     if not args.no_prefill:
