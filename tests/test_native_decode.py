@@ -390,6 +390,29 @@ def test_stream_prefetch_follows_the_weights_and_the_cache_and_changes_no_bits(m
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)) and tokens[0] == tokens[1]
 
 
+@pytest.mark.parametrize("recipe", ["llama-tiny", "hybrid-1to7-tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_streaming_paths_give_the_blocked_paths_bits(monkeypatch, recipe, dtype):
+    """With the weights streaming (P_stream) one input row's products, gated MLP up-projections and q/k/v go row
+    by row straight to their outputs; without, through the 16-row blocks: every batch-1 step's logits are the same
+    bits either way (a model this small fits the cache, so the streaming paths run only when forced here)."""
+    from hybrid.layers import fused_decode
+
+    torch.manual_seed(0)
+    model = HybridLM(recipes.get(recipe)).to(dtype).eval()
+    got = whole_step_logits(monkeypatch)
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(native, "streams_from_memory", lambda n, on=on: on)
+        fused_decode._programs.clear()  # a fresh program, which reads streams_from_memory
+        got.clear()
+        _greedy(model, [list(range(1, 12))], 6, max_seqs=1)
+        runs.append([t.clone() for t in got])
+    native.set_stream_prefetch(True)
+    assert len(runs[0]) == len(runs[1]) == 5
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
 @pytest.mark.parametrize("words", [1, 7, 32768, 32768 * 3 + 5])  # inside one 256 KB chunk, across chunks, tails
 def test_stream_read_reads_every_word_once(words):
     """The read-bandwidth probe (hl_stream_read) reads the whole buffer, every 8-byte word once: its checksum is the

@@ -2534,6 +2534,22 @@ static void gated_up_chunk(const void *job, int64_t chunk) {
     float OG[16][MAXB], OU[16][MAXB];
     const int vsilu = g->ydt == DT_F32 && j->act == ACT_SILU;
     AMX_BEGIN(g);
+    if (g->B == 1 && P_stream && !g->xt && !vsilu) {
+        /* one input row streaming from memory: gemv_rows' straight path (a gate row, its up row, the output), the
+           16-row blocks' bits (dot_row either way; an fp32 SiLU output keeps the blocks, whose silu_f32 runs 16
+           lanes at a time) */
+        for (int64_t n = lo; n < hi; ++n) {
+            float og, ou;
+            dot_row(g, n, &og, g->wdt);
+            dot_row(u, n, &ou, g->wdt);
+            const float sg = g->wdt == DT_I8 ? g->scale[n] : 1.0f, su = u->wdt == DT_I8 ? u->scale[n] : 1.0f;
+            const float bg = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
+            const float bu = u->bias ? load_as_f32(u->bias, u->bdt, n) : 0.0f;
+            const float a = round_to(activate(round_to(og * sg + bg, g->ydt), j->act), g->ydt);
+            store_as(g->y, g->ydt, n, a * round_to(ou * su + bu, g->ydt));
+        }
+        return;
+    }
     for (int64_t n0 = lo; n0 < hi; n0 += 16)
     for (int64_t n = n0, nr = hi - n0 < 16 ? hi - n0 : 16; n < n0 + nr; ++n) {
         const float sg = g->wdt == DT_I8 ? g->scale[n] : 1.0f, su = u->wdt == DT_I8 ? u->scale[n] : 1.0f;
@@ -2659,6 +2675,17 @@ static void qkv_rope_chunk(const void *job, int64_t head) {
         return;
     }
 #endif
+    if (!j->int4 && B == 1 && P_stream && !g->xt) { /* one input row streaming: row by row (gemv_rows' path) */
+        for (int64_t d = 0; d < D; ++d) {
+            const int64_t n = h * D + d;
+            float out;
+            dot_row(g, n, &out, g->wdt);
+            const float sc = g->wdt == DT_I8 ? g->scale[n] : 1.0f;
+            acc[0][d] = round_to(out * sc + (g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f), g->ydt);
+        }
+        qkv_rope_store(j, which, h, acc);
+        return;
+    }
     for (int64_t d = 0; d < D && !j->int4; ++d) {
         const int64_t n = h * D + d;
         if (d % 16 == 0) {
