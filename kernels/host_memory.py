@@ -164,15 +164,18 @@ def huge_page_weights(params) -> int:
     if madvise(base + start, span, _MADV_HUGEPAGE) != 0:
         arena.close()
         return 0
-    # normal tensors even when called under inference mode (the engine's step is): a model trained after it
-    # decoded must be able to save its weights for backward
-    with torch.inference_mode(False), torch.no_grad():
+    # each moved tensor of the kind it replaces: a normal tensor stays one even when this runs under inference mode
+    # (the engine's step does; a model trained after it decoded must still save its weights for backward), and an
+    # inference tensor (a model copied under inference mode) stays one (swapping a normal tensor in under it breaks
+    # its version counter: "Inference tensors do not track version counter" at its next use)
+    with torch.no_grad():
         for p, off in zip(todo, offsets, strict=True):
             t = p.data
-            # frombuffer keeps `arena` alive for as long as any of these tensors lives
-            moved = torch.frombuffer(arena, dtype=t.dtype, count=t.numel(), offset=start + off).view(t.shape)
-            moved.copy_(t)
-            p.data = moved
+            with torch.inference_mode(t.is_inference()):
+                # frombuffer keeps `arena` alive for as long as any of these tensors lives
+                moved = torch.frombuffer(arena, dtype=t.dtype, count=t.numel(), offset=start + off).view(t.shape)
+                moved.copy_(t)
+                p.data = moved
     return total
 
 

@@ -96,3 +96,27 @@ def greedy_tokens(model, prompt, n):
     engine = Engine(model, max_seqs=2, multi_step=4)
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=n))
     return list(engine.run()[rid].output)
+
+
+@needs_thp
+def test_an_inference_tensor_stays_one_and_decodes_on(monkeypatch):
+    """A model copied under inference mode has inference-tensor weights: the moved ones stay inference tensors, and
+    the model decodes on under inference mode (a normal tensor swapped in under one broke its version counter at
+    the next embedding lookup)."""
+    import copy
+
+    import hybrid
+
+    monkeypatch.delenv(host_memory.HUGE_ENV, raising=False)
+    torch.manual_seed(0)
+    model = HybridLM(recipes.get("llama-tiny")).eval()
+    with torch.inference_mode():
+        copied = copy.deepcopy(model)
+        p = torch.nn.Parameter(torch.randn(1030, 1021))
+        assert host_memory.huge_page_weights([p]) > 0 and p.is_inference() and p.data.is_inference()
+        assert torch.nn.functional.embedding(torch.tensor([1]), p).shape == (1, 1021)  # (the broken counter's error)
+        big = [n for n, t in copied.named_parameters() if t.dim() >= 2 and t.numel() * t.element_size() >= 65536]
+        first = hybrid.generate(copied, [[1, 2, 3]] * 2, max_new_tokens=4, ignore_eos=True, max_seqs=2)
+        assert not big or copied._hybrid_huge_page_bytes > 0
+        assert all(copied.get_parameter(n).is_inference() for n in big)
+        assert hybrid.generate(copied, [[1, 2, 3]] * 2, max_new_tokens=4, ignore_eos=True, max_seqs=2) == first
