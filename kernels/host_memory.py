@@ -56,9 +56,10 @@ def available() -> str | None:
     return "the C library is not glibc (no mallopt): freed memory is up to the allocator in use"
 
 
-def disabled_by_env() -> bool:
-    """Whether ``HYBRID_KEEP_FREED_MEMORY`` says no (0, false, no, off)."""
-    return os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off")
+def disabled_by_env(name: str = ENV) -> bool:
+    """Whether the environment variable ``name`` (default ``HYBRID_KEEP_FREED_MEMORY``) says no (0, false, no,
+    off)."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def keep_freed_memory(enabled: bool = True, *, respect_env: bool = True) -> bool:
@@ -116,6 +117,18 @@ def transparent_huge_pages() -> str:
         return "unknown (no /sys/kernel/mm/transparent_hugepage)"
 
 
+def huge_pages_unavailable() -> str | None:
+    """None where :func:`huge_page_weights` can ask the kernel for 2 MiB pages, else why not."""
+    if disabled_by_env(HUGE_ENV):
+        return f"{HUGE_ENV}=0"
+    mode = transparent_huge_pages()
+    if mode not in ("always", "madvise"):
+        return f"the kernel's transparent huge pages are {mode}"
+    if _madvise() is None:
+        return "madvise not reachable (not glibc)"
+    return None
+
+
 def huge_page_weights(params) -> int:
     """Move each of ``params`` (plain contiguous CPU tensors: nn.Parameters or tensors whose ``.data`` may be set;
     others are skipped) into one anonymous mapping the kernel is asked to back with 2 MiB pages, each at a 4 KiB
@@ -125,13 +138,9 @@ def huge_page_weights(params) -> int:
 
     import torch
 
-    if os.environ.get(HUGE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return 0
-    if transparent_huge_pages() not in ("always", "madvise"):
+    if huge_pages_unavailable() is not None:
         return 0
     madvise = _madvise()
-    if madvise is None:
-        return 0
     # plain tensors only: a tensor subclass (torchao's quantised weights) keeps its own inner tensors
     unique = [p for p in {id(p): p for p in params}.values() if type(p.data) is torch.Tensor]
     storages: dict[int, int] = {}
@@ -181,11 +190,8 @@ def huge_page_weights(params) -> int:
 
 def huge_pages_note() -> str:
     """What ``hybrid doctor`` says about the decode weights' pages."""
-    if os.environ.get(HUGE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return f"no ({HUGE_ENV}=0): 4 KiB pages"
-    mode = transparent_huge_pages()
-    if mode not in ("always", "madvise"):
-        return f"no: the kernel's transparent huge pages are {mode}"
-    if _madvise() is None:
-        return "no: madvise not reachable (not glibc)"
-    return f"yes, where the kernel has 2 MiB pages free (transparent huge pages: {mode}; {HUGE_ENV}=0 turns it off)"
+    why = huge_pages_unavailable()
+    if why is not None:
+        return f"no ({why}): 4 KiB pages"
+    return (f"yes, where the kernel has 2 MiB pages free (transparent huge pages: {transparent_huge_pages()}; "
+            f"{HUGE_ENV}=0 turns it off)")
