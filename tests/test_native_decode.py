@@ -4,6 +4,7 @@ the eager layers and the full forward."""
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import torch
 from decode_hooks import avx2_build, eager_step_logits, no_whole_step, whole_step_logits
 from hybrid.kernels import conv1d, native, paged_attention, projection, ssd, use_backend
 from hybrid.kernels.native import ops
+from hybrid.kernels.native.build import compiler as c_compiler
 
 from hybrid import Engine, HybridLM, recipes
 from hybrid.sampling import SamplingParams
@@ -424,6 +426,21 @@ def test_stream_read_reads_every_word_once(words):
         want ^= v
     assert native.library().hl_stream_read(buf.data_ptr(), words * 8) == want
     assert native.read_bandwidth(mib=64, repeats=2) > 0
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or c_compiler() is None,
+                    reason="needs an x86-64 host with a C compiler")
+def test_the_library_compiles_for_an_x86_64_without_avx(tmp_path):
+    """The kernels build on any x86-64 (their portable C paths), not only where AVX is: an empty asm pinning an
+    8-float vector to a ymm register ("+x") made the whole library fail to compile there (then every native path
+    was lost, silently: the build's failure falls back to torch). Compile only, no optimisation: the point is
+    that the compiler takes it."""
+    src = tmp_path / "hybrid_decode.c"
+    src.write_text(native.source())
+    cmd = [c_compiler(), "-O0", "-march=x86-64", "-w", "-fPIC", "-c", str(src), "-o",
+           str(tmp_path / "hybrid_decode.o")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
 
 
 def test_avx2_build_matches_reference():

@@ -672,6 +672,15 @@ static const float *row_f32(const Gemv *g, int64_t n, float *dst, const int wdt)
     return dst;
 }
 
+/* An 8-float vector held in a register at this point (an empty asm: the compiler cannot fold its load into the
+   instructions that use it). Only where a ymm register can hold it (AVX): elsewhere (plain x86-64, other
+   architectures) the "x" constraint is impossible and the library failed to build at all. */
+#ifdef __AVX__
+#define PIN_V8(v) __asm__("" : "+x"(v))
+#else
+#define PIN_V8(v) ((void)0)
+#endif
+
 static inline __attribute__((always_inline)) void block_4xNB(const float *const *w, const float *x, int64_t K,
                                                              float out[4][MAXB], int64_t b0, const int NB) {
     v8 a[4][3] = {{{0}}};
@@ -681,13 +690,13 @@ static inline __attribute__((always_inline)) void block_4xNB(const float *const 
         v8 xv[3];
         for (int j = 0; j < NB; ++j) {
             xv[j] = *(const v8u *)(x + (b0 + j) * K + k);
-            __asm__("" : "+x"(xv[j]));
+            PIN_V8(xv[j]);
         }
         for (int r = 0; r < 4; ++r) {
             /* the empty asms keep wv and the xv in registers (as block8_f32_nb's wv): GCC 12 folded wv's load into
                each of the NB FMAs (15 loads per 12 FMAs where 7 do), and with wv alone pinned, the xv's */
             v8 wv = *(const v8u *)(w[r] + k);
-            __asm__("" : "+x"(wv));
+            PIN_V8(wv);
             for (int j = 0; j < NB; ++j) a[r][j] += wv * xv[j];
         }
     }
