@@ -1183,6 +1183,18 @@ static void gemv_rows_f32(const Gemv *g, int64_t lo, int64_t hi) {
 }
 #endif
 
+/* One input row while the weights stream from memory (P_stream), no tile unit: dot_rows would take such rows one at
+   a time anyway (dot_row), so the products (gemv_rows), the gated MLP up-projection and q/k/v take each row
+   straight to its output, not through a 16-row block: the same bits; llama-d512's product shapes in one process on
+   the 2-vCPU Zen 4, 12 alternating rounds: bf16 28.9 -> 31.4 GB/s (in L3: 91 -> 106), fp32 30.6 -> 31.8 (in L3:
+   103 -> 112); the MLP and q/k/v on whole bf16 steps: llama-d512 1.083, hybrid-1to7-d512 1.038. */
+static inline int one_row_streaming(const Gemv *g) { return g->B == 1 && P_stream && !g->xt; }
+
+/* row n's sum as the product's value: times its int8 row scale, plus its bias */
+static inline float row_value(const Gemv *g, int64_t n, float sum) {
+    return sum * (g->wdt == DT_I8 ? g->scale[n] : 1.0f) + (g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f);
+}
+
 static inline __attribute__((always_inline)) void gemv_rows(const Gemv *g, int64_t lo, int64_t hi, const int wdt) {
 #ifdef __AVX512F__
     if (F32_BATCHED(g, wdt)) {
@@ -1190,16 +1202,11 @@ static inline __attribute__((always_inline)) void gemv_rows(const Gemv *g, int64
         return;
     }
 #endif
-    if (g->B == 1 && P_stream && !g->xt) {
-        /* One input row, the weights streaming from memory: dot_rows takes such rows one at a time anyway
-           (dot_row), so each goes straight to its output here, not through the 16-row block below. The same
-           bits; the products of llama-d512's shapes in one process on the 2-vCPU Zen 4, 12 alternating rounds:
-           bf16 28.9 -> 31.4 GB/s (in L3: 91 -> 106), fp32 30.6 -> 31.8 (in L3: 103 -> 112). */
+    if (one_row_streaming(g)) {
         for (int64_t n = lo; n < hi; ++n) {
             float out;
             dot_row(g, n, &out, wdt);
-            const float sc = wdt == DT_I8 ? g->scale[n] : 1.0f;
-            store_out(g->y, g->ydt, g->res, g->act1, n, out * sc + (g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f));
+            store_out(g->y, g->ydt, g->res, g->act1, n, row_value(g, n, out));
         }
         return;
     }
@@ -2543,19 +2550,13 @@ static void gated_up_chunk(const void *job, int64_t chunk) {
     float OG[16][MAXB], OU[16][MAXB];
     const int vsilu = g->ydt == DT_F32 && j->act == ACT_SILU;
     AMX_BEGIN(g);
-    if (g->B == 1 && P_stream && !g->xt && !vsilu) {
-        /* one input row streaming from memory: gemv_rows' straight path (a gate row, its up row, the output), the
-           16-row blocks' bits (dot_row either way; an fp32 SiLU output keeps the blocks, whose silu_f32 runs 16
-           lanes at a time) */
+    if (one_row_streaming(g) && !vsilu) { /* (an fp32 SiLU keeps the blocks: silu_f32 takes 16 lanes at a time) */
         for (int64_t n = lo; n < hi; ++n) {
             float og, ou;
             dot_row(g, n, &og, g->wdt);
             dot_row(u, n, &ou, g->wdt);
-            const float sg = g->wdt == DT_I8 ? g->scale[n] : 1.0f, su = u->wdt == DT_I8 ? u->scale[n] : 1.0f;
-            const float bg = g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f;
-            const float bu = u->bias ? load_as_f32(u->bias, u->bdt, n) : 0.0f;
-            const float a = round_to(activate(round_to(og * sg + bg, g->ydt), j->act), g->ydt);
-            store_as(g->y, g->ydt, n, a * round_to(ou * su + bu, g->ydt));
+            const float a = round_to(activate(round_to(row_value(g, n, og), g->ydt), j->act), g->ydt);
+            store_as(g->y, g->ydt, n, a * round_to(row_value(u, n, ou), g->ydt));
         }
         return;
     }
@@ -2684,13 +2685,11 @@ static void qkv_rope_chunk(const void *job, int64_t head) {
         return;
     }
 #endif
-    if (!j->int4 && B == 1 && P_stream && !g->xt) { /* one input row streaming: row by row (gemv_rows' path) */
+    if (!j->int4 && one_row_streaming(g)) {
         for (int64_t d = 0; d < D; ++d) {
-            const int64_t n = h * D + d;
             float out;
-            dot_row(g, n, &out, g->wdt);
-            const float sc = g->wdt == DT_I8 ? g->scale[n] : 1.0f;
-            acc[0][d] = round_to(out * sc + (g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f), g->ydt);
+            dot_row(g, h * D + d, &out, g->wdt);
+            acc[0][d] = round_to(row_value(g, h * D + d, out), g->ydt);
         }
         qkv_rope_store(j, which, h, acc);
         return;
