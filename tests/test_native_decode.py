@@ -162,20 +162,86 @@ def test_ssd_step_matches_reference(state_dtype, dtype):
     assert torch.equal(mine[untouched], state[untouched])
 
 
+@pytest.mark.parametrize("K", [4, 3])  # 4: Mamba-2's width (its 16-lane path where the dtypes have one)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # x, weight and bias
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_conv_step_matches_reference(state_dtype):
+def test_conv_step_matches_reference(state_dtype, dtype, K):
     g = torch.Generator().manual_seed(2)
-    S, B, C, K = 4, 2, 37, 4
+    S, B, C = 4, 2, 37
     state = torch.randn(S, C, K - 1, generator=g).to(state_dtype)
     slots = torch.tensor([3, 1])
-    x = torch.randn(B, C + 5, generator=g)[:, :C]
-    w, bias = torch.randn(C, K, generator=g), torch.randn(C, generator=g)
+    x = torch.randn(B, C + 5, generator=g).to(dtype)[:, :C]
+    w, bias = torch.randn(C, K, generator=g).to(dtype), torch.randn(C, generator=g).to(dtype)
     mine, theirs = state.clone(), state.clone()
     y = ops.conv_step(mine, x, w, bias, activation="silu", slots=slots)
     rows = theirs[slots].clone()
     y_ref = conv1d.causal_conv1d_step_ref(rows, x, w, bias, activation="silu")
     theirs[slots] = rows
-    assert torch.allclose(y, y_ref, atol=1e-5) and torch.equal(mine, theirs)
+    assert (y.float() - y_ref.float()).abs().max() <= 1e-5 + _noise(y_ref, dtype) and torch.equal(mine, theirs)
+
+
+def _libm_silu_bf16(acc: torch.Tensor) -> torch.Tensor:
+    """bf16(x / (1 + expf(-x))) in fp32 with libm's expf: the scalar SiLU whose bits the native bf16 paths keep"""
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.expf.restype, libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    e = torch.tensor([libm.expf(-v) for v in acc.tolist()], dtype=torch.float32)
+    return (acc / (1.0 + e)).to(torch.bfloat16)  # fp32 add and divide (IEEE), then round to nearest even
+
+
+@pytest.mark.parametrize("w_last", ["one", "fp32"])
+def test_bf16_conv_silu_has_libms_bits_for_every_bf16_input(w_last):
+    """A bf16 conv step's SiLU (16-lane silu16_ps, libm's expf where the two could round apart) gives libm's bits for
+    every finite bf16 input: the conv as a pass-through (zero state and first taps) of each of the 65,536 bf16 bit
+    patterns, times 1 (the gated MLP's case: its SiLU input is a bf16 value) or an fp32 weight (any fp32 sum)."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x[torch.isfinite(x.float())]
+    C = x.numel()
+    w = torch.zeros(C, 4)
+    g = torch.Generator().manual_seed(4)
+    w[:, 3] = 1.0 if w_last == "one" else torch.rand(C, generator=g) * 1.5 + 0.5
+    if w_last == "one":
+        w = w.to(torch.bfloat16)  # all bf16: the width-4 16-lane path (the fp32 weights: the eight-channel one)
+    state = torch.zeros(1, C, 3, dtype=torch.bfloat16)
+    y = ops.conv_step(state, x[None], w, None, activation="silu")
+    acc = x.float() * w[:, 3].float() + 0.0  # the conv's sum: from +0, one product added (rounded once)
+    ref = _libm_silu_bf16(acc)
+    nan = ref.isnan()  # (-inf / inf, past the fp32 range: a NaN either way, its sign bit aside)
+    assert torch.equal(y[0].isnan(), nan) and (w_last == "fp32") == bool(nan.any())
+    assert torch.equal(y[0][~nan].view(torch.int16), ref[~nan].view(torch.int16))
+
+
+def test_bf16_conv_silu_has_libms_bits_where_the_vector_lanes_round_apart():
+    """Where silu16_ps and libm's SiLU round to different bf16 (fp32 results a few ulp apart across a rounding
+    midpoint: the inputs found here by solving silu(x) = a midpoint, then taking each solution's fp32 neighbours),
+    the bf16 conv step still gives libm's bits: the lanes the fallback exists for, which an even sweep almost never
+    meets."""
+    g = torch.Generator().manual_seed(5)
+    lo = (torch.rand(4000, generator=g, dtype=torch.float64) * 6 - 3).exp().to(torch.bfloat16)
+    hi = (lo.view(torch.int16) + 1).view(torch.bfloat16)
+    mid = (lo.double() + hi.double()) / 2  # bf16 rounding midpoints in 0.05..20
+    x = mid.clone()
+    for _ in range(40):  # Newton on x * sigmoid(x) = mid (increasing for x > 0)
+        s = torch.sigmoid(x)
+        x = x - (x * s - mid) / (s + x * s * (1 - s))
+    x = x.float()
+    steps = torch.arange(-3, 4, dtype=torch.int32)
+    targets = (x.view(torch.int32)[:, None] + steps).flatten().view(torch.float32)  # fp32 neighbours
+    C = targets.numel()
+    w = torch.zeros(C, 4)
+    w[:, 3] = 1.0
+    vec = ops.conv_step(torch.zeros(1, C, 3), targets[None].clone(), w, None,
+                        activation="silu")[0]  # all fp32: the sums are the targets, silu_f32's lanes, no fallback
+    libm = _libm_silu_bf16(targets)
+    apart = vec.to(torch.bfloat16).view(torch.int16) != libm.view(torch.int16)
+    if "AVX-512" in native.cpu_paths():  # the vector lanes are there: so are the hard cases
+        assert apart.sum() >= 5
+    w[:, 3] = targets  # bf16 input 1.0 times the target: the conv's sum is the target exactly
+    y = ops.conv_step(torch.zeros(1, C, 3, dtype=torch.bfloat16), torch.ones(1, C, dtype=torch.bfloat16), w, None,
+                      activation="silu")[0]
+    assert torch.equal(y.view(torch.int16), libm.view(torch.int16))
 
 
 @pytest.mark.parametrize("window", [None, 17])

@@ -371,6 +371,33 @@ static void silu_f32(float *v, int64_t n, float scale, float bias) {
     }
 }
 
+/* SiLU in place over fp32 v[0..n) for values about to be rounded to bf16, with libm's bits after that rounding: the
+   16 lanes of silu16_ps, and libm's expf for a lane where the two could round apart. Two fp32 values a few ulp apart
+   round to different bf16 only across a rounding midpoint (low 16 bits 0x8000), and silu16_ps stays within a few
+   ulp of libm's x / (1 + expf(-x)) (exp16_ps's polynomial, then the same add and divide), so a lane whose low bits
+   lie more than SILU_BF16_MARGIN ulp from 0x8000 rounds as libm's would; the rest (~0.2% of lanes), NaNs and
+   |x| > 80 (where the clamps in exp16_ps part from libm's overflow) take libm's. The bf16 MLP's and Mamba conv's
+   SiLU, whose results are rounded at once: torch's rounding points, ~10x fewer cycles than a libm call a value. */
+#ifdef __AVX512F__
+#define SILU_BF16_MARGIN 64
+static void silu_bf16_exact(float *v, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(m, v + i), r = silu16_ps(x);
+        const __m512i lo = _mm512_and_si512(_mm512_castps_si512(r), _mm512_set1_epi32(0xffff));
+        const __mmask16 near = _mm512_cmple_epu32_mask(_mm512_sub_epi32(lo, _mm512_set1_epi32(0x8000 - SILU_BF16_MARGIN)),
+                                                       _mm512_set1_epi32(2 * SILU_BF16_MARGIN));
+        const __mmask16 wild = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(80.0f), _CMP_NLE_UQ);
+        _mm512_mask_storeu_ps(v + i, m, r);
+        for (__mmask16 k = (near | wild) & m; k; k &= k - 1) {
+            const int l = __builtin_ctz(k);
+            const float xl = x[l];
+            v[i + l] = xl / (1.0f + expf(-xl));
+        }
+    }
+}
+#endif
+
 /* ---- matrix-vector products ------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -425,6 +452,50 @@ static inline v8 load_w8(const void *w, int wdt, int64_t i) {
 
 static inline float load_w1(const void *w, int wdt, int64_t i) {
     return wdt == DT_I8 ? (float)((const int8_t *)w)[i] : load_as_f32(w, wdt, i);
+}
+
+/* Eight values at once, the scalar helpers' bits (round_to, store_as): the small per-step ops (the norms) over whole
+   vectors, where one value at a time they took ~4 ns each (an RMSNorm of 512 values 1.9 us, a gated one of 1024
+   6 us: serial next to the products, whose other thread waits meanwhile). */
+static inline u32x8 bf16_bits8(v8 v) { /* f32_to_bf16 in each lane, in the low 16 bits */
+    u32x8 b;
+    memcpy(&b, &v, sizeof b);
+    const u32x8 nan = (b & 0x7fffffffu) > 0x7f800000u; /* all ones where NaN */
+    return (nan & ((b >> 16) | 0x40u)) | (~nan & ((b + 0x7fffu + ((b >> 16) & 1u)) >> 16));
+}
+
+static inline v8 round8_to(v8 v, int dt) {
+    if (dt != DT_BF16) return v;
+    const u32x8 b = bf16_bits8(v) << 16;
+    memcpy(&v, &b, sizeof v);
+    return v;
+}
+
+static inline void store8_as(void *p, int dt, int64_t i, v8 v) {
+    if (dt == DT_BF16) *(u16x8u *)((uint16_t *)p + i) = __builtin_convertvector(bf16_bits8(v), u16x8u);
+    else *(v8u *)((float *)p + i) = v;
+}
+
+/* sum of x[i]^2 over d fp32 or bf16 values, in double (each square exact there) as the scalar loop it replaces, in
+   eight double lanes summed in a fixed order (which lane a value falls in depends on its index alone) */
+typedef double v4d __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+static double sumsq_f64(const void *x, int dt, int64_t d) {
+    v4d a0 = {0}, a1 = {0};
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        const v8 v = load_w8(x, dt, i);
+        const v4f lo = {v[0], v[1], v[2], v[3]}, hi = {v[4], v[5], v[6], v[7]};
+        const v4d dl = __builtin_convertvector(lo, v4d), dh = __builtin_convertvector(hi, v4d);
+        a0 += dl * dl, a1 += dh * dh;
+    }
+    const v4d a = a0 + a1;
+    double ss = (a[0] + a[1]) + (a[2] + a[3]);
+    for (; i < d; ++i) {
+        const double v = load_as_f32(x, dt, i);
+        ss += v * v;
+    }
+    return ss;
 }
 
 /* A thread's scratch of at least n floats (*buf / *cap: that thread's own), grown when too small; NULL when
@@ -2014,17 +2085,40 @@ typedef struct {
 #define CONV_BLOCK 256 /* channels a chunk takes: a one-sequence step is still split across the threads */
 
 #ifdef __AVX512F__
-/* conv_step_chunk's fp32 width-4 conv (Mamba-2's) for channels c..c+n (n <= 16) of input row b, 16 lanes: the
-   channels' 3 state values and 4 weights de-interleaved by permutes, y = a chain of FMAs from the bias over state
-   0..2 then x (the scalar loop's order; where GCC fused its products differently y moves by an ulp), the shifted
-   state interleaved back (the same bits). A batch-32 hybrid-1to7-small step's conv took 223 us a layer in the
-   scalar loop (32 x 1792 channels) on the 2-vCPU Zen 4. */
-static void conv4_f32_x16(const ConvStep *j, int64_t b, int64_t row, int64_t c, int64_t n) {
-    float *st = (float *)j->state + (row * j->C + c) * 3;
-    const float *w = (const float *)j->w + c * 4;
+/* conv_step_chunk's width-4 conv (Mamba-2's) for channels c..c+n (n <= 16) of input row b, 16 lanes, into the sums
+   out[0..n): the channels' 3 state values and 4 weights de-interleaved by permutes, a chain of FMAs from the bias
+   over state 0..2 then x (the scalar loop's order; where GCC fused its products differently a sum moves by an
+   ulp), the shifted state interleaved back (the same bits). Storage fp32 or (with AVX512-BW's 16-bit masked loads)
+   bf16, each dtype fixed at compile time; a bf16 value widens exactly, and the state stored back holds only bf16
+   values (its own and x rounded to the state's dtype), so it narrows exactly. A batch-32 hybrid-1to7-small step's
+   conv took 223 us a layer in the scalar loop (32 x 1792 channels) on the 2-vCPU Zen 4; a bf16 mamba2-d512 step's
+   8.5 us in the eight-channel gathers against 2.6 here. */
+static inline __attribute__((always_inline)) __m512 conv_ld16(const void *p, int dt, int64_t i, __mmask16 m) {
+#ifdef __AVX512BW__
+    if (dt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i)), 16));
+#endif
+    return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void conv_st16(void *p, int dt, int64_t i, __mmask16 m, __m512 v) {
+#ifdef __AVX512BW__
+    if (dt == DT_BF16) {
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+        return;
+    }
+#endif
+    _mm512_mask_storeu_ps((float *)p + i, m, v);
+}
+
+static inline __attribute__((always_inline)) void conv4_x16(const ConvStep *j, int64_t b, int64_t row, int64_t c,
+                                                             int64_t n, float *out, const int sdt, const int xdt,
+                                                             const int wdt, const int bdt) {
+    const int64_t s0 = (row * j->C + c) * 3, w0 = c * 4;
     const int64_t n3 = 3 * n, n4 = 4 * n;
-    const __m512 S0 = _mm512_maskz_loadu_ps(mask16(n3), st), S1 = _mm512_maskz_loadu_ps(mask16(n3 - 16), st + 16),
-                 S2 = _mm512_maskz_loadu_ps(mask16(n3 - 32), st + 32);
+    const __m512 S0 = conv_ld16(j->state, sdt, s0, mask16(n3)), S1 = conv_ld16(j->state, sdt, s0 + 16, mask16(n3 - 16)),
+                 S2 = conv_ld16(j->state, sdt, s0 + 32, mask16(n3 - 32));
     __m512 s[3], wk[4];
     for (int k = 0; k < 3; ++k) { /* s[k][i] = st[3i + k]: from S0 | S1 below 32, from S2 above (the low 4 bits) */
         const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
@@ -2033,8 +2127,8 @@ static void conv4_f32_x16(const ConvStep *j, int64_t b, int64_t row, int64_t c, 
         const __mmask16 hi = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(32));
         s[k] = _mm512_mask_permutexvar_ps(_mm512_permutex2var_ps(S0, idx, S1), hi, idx, S2);
     }
-    const __m512 W0 = _mm512_maskz_loadu_ps(mask16(n4), w), W1 = _mm512_maskz_loadu_ps(mask16(n4 - 16), w + 16),
-                 W2 = _mm512_maskz_loadu_ps(mask16(n4 - 32), w + 32), W3 = _mm512_maskz_loadu_ps(mask16(n4 - 48), w + 48);
+    const __m512 W0 = conv_ld16(j->w, wdt, w0, mask16(n4)), W1 = conv_ld16(j->w, wdt, w0 + 16, mask16(n4 - 16)),
+                 W2 = conv_ld16(j->w, wdt, w0 + 32, mask16(n4 - 32)), W3 = conv_ld16(j->w, wdt, w0 + 48, mask16(n4 - 48));
     for (int k = 0; k < 4; ++k) { /* wk[k][i] = w[4i + k]: W0 | W1 for i < 8, W2 | W3 above */
         const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
                                                                                  11, 12, 13, 14, 15), 2),
@@ -2043,12 +2137,21 @@ static void conv4_f32_x16(const ConvStep *j, int64_t b, int64_t row, int64_t c, 
                                      _mm512_permutex2var_ps(W2, idx, W3));
     }
     const __mmask16 m = mask16(n);
-    const __m512 x = _mm512_maskz_loadu_ps(m, (const float *)j->x + b * j->xs + c);
-    __m512 acc = j->bias ? _mm512_maskz_loadu_ps(m, (const float *)j->bias + c) : _mm512_setzero_ps();
+    __m512 x = conv_ld16(j->x, xdt, b * j->xs + c, m);
+    if (sdt == DT_BF16 && xdt != DT_BF16) { /* x as the state will hold it: rounded to bf16 (f32_to_bf16) */
+        const __m512i xb = _mm512_castps_si512(x);
+        const __m512i r = _mm512_add_epi32(xb, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                                _mm512_and_si512(_mm512_srli_epi32(xb, 16),
+                                                                                 _mm512_set1_epi32(1))));
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(xb, _mm512_set1_epi32(0x7fffffff)),
+                                                      _mm512_set1_epi32(0x7f800000));
+        const __m512i q = _mm512_mask_or_epi32(r, nan, xb, _mm512_set1_epi32(0x400000));
+        x = _mm512_castsi512_ps(_mm512_and_si512(q, _mm512_set1_epi32((int)0xffff0000u)));
+    }
+    __m512 acc = j->bias ? conv_ld16(j->bias, bdt, c, m) : _mm512_setzero_ps();
     for (int k = 0; k < 3; ++k) acc = _mm512_fmadd_ps(s[k], wk[k], acc);
     acc = _mm512_fmadd_ps(x, wk[3], acc);
-    if (j->silu) acc = silu16_ps(acc);
-    _mm512_mask_storeu_ps((float *)j->y + b * j->C + c, m, acc);
+    _mm512_mask_storeu_ps(out, m, acc);
     const __m512 src[3] = {s[1], s[2], x}; /* the new state: st[3i + k] = src[k][i] */
     /* position p = 16 o + l of the three output vectors: lane p / 3 of src[p % 3] (src[1]'s as index + 16, src[2]'s
        by the second permute, its lanes in from_x) */
@@ -2058,51 +2161,108 @@ static void conv4_f32_x16(const ConvStep *j, int64_t b, int64_t row, int64_t c, 
     static const __mmask16 from_x[3] = {0x4924, 0x2492, 0x9249};
     for (int o = 0; o < 3; ++o) {
         const __m512i idx = _mm512_loadu_si512(ti[o]);
-        const __m512 out = _mm512_mask_permutexvar_ps(_mm512_permutex2var_ps(src[0], idx, src[1]), from_x[o], idx, src[2]);
-        _mm512_mask_storeu_ps(st + 16 * o, mask16(n3 - 16 * o), out);
+        const __m512 v = _mm512_mask_permutexvar_ps(_mm512_permutex2var_ps(src[0], idx, src[1]), from_x[o], idx, src[2]);
+        conv_st16(j->state, sdt, s0 + 16 * o, mask16(n3 - 16 * o), v);
     }
 }
+
+/* conv4_x16 over channels c0..c1 for the dtype combinations it is compiled for; 0 where it takes none of them */
+static int conv4_block(const ConvStep *j, int64_t b, int64_t row, int64_t c0, int64_t c1, float *sums) {
+#define CONV4_CASE(S, X, W, B)                                                                                      \
+    if (j->sdt == S && j->xdt == X && j->wdt == W && (!j->bias || j->bdt == B)) {                                  \
+        for (int64_t c = c0; c < c1; c += 16)                                                                      \
+            conv4_x16(j, b, row, c, c1 - c < 16 ? c1 - c : 16, sums + (c - c0), S, X, W, B);                      \
+        return 1;                                                                                                   \
+    }
+    CONV4_CASE(DT_F32, DT_F32, DT_F32, DT_F32)
+#ifdef __AVX512BW__
+    CONV4_CASE(DT_BF16, DT_BF16, DT_BF16, DT_BF16)
+    CONV4_CASE(DT_BF16, DT_F32, DT_F32, DT_F32)
+    CONV4_CASE(DT_F32, DT_BF16, DT_BF16, DT_BF16)
 #endif
+#undef CONV4_CASE
+    return 0;
+}
+#endif
+
+/* conv_step_chunk's sums for channels c..c+8 of input row b, any storage dtypes (width K <= 9), into out[0..8):
+   per channel the scalar loop's FMA chain from the bias over the state then x (the same bits), eight channels a
+   vector (the interleaved state and weights gathered a value at a time); the state shifted and x appended */
+static inline __attribute__((always_inline)) void conv_sums8_as(const ConvStep *j, int64_t b, int64_t row, int64_t c,
+                                                                 float *out, const int sdt, const int wdt) {
+    const int64_t K = j->K, K1 = K - 1, s0 = (row * j->C + c) * K1;
+    v8 acc = {0};
+    if (j->bias) acc = load_w8(j->bias, j->bdt, c);
+    for (int64_t k = 0; k < K1; ++k) {
+        v8 sv, wv;
+        for (int i = 0; i < 8; ++i)
+            sv[i] = load_as_f32(j->state, sdt, s0 + i * K1 + k), wv[i] = load_as_f32(j->w, wdt, (c + i) * K + k);
+        acc += sv * wv;
+    }
+    const v8 x = round8_to(load_w8(j->x, j->xdt, b * j->xs + c), sdt);
+    v8 wl;
+    for (int i = 0; i < 8; ++i) wl[i] = load_as_f32(j->w, wdt, (c + i) * K + K1);
+    acc += x * wl;
+    *(v8u *)out = acc;
+    if (K1 < 1) return;
+    for (int i = 0; i < 8; ++i) { /* the state's stored values move down a place as they are (the same bits) */
+        const int64_t r = s0 + i * K1;
+        for (int64_t k = 0; k + 1 < K1; ++k) {
+            if (sdt == DT_BF16) ((uint16_t *)j->state)[r + k] = ((const uint16_t *)j->state)[r + k + 1];
+            else ((float *)j->state)[r + k] = ((const float *)j->state)[r + k + 1];
+        }
+        store_as(j->state, sdt, r + K1 - 1, x[i]);
+    }
+}
+
+/* conv_sums8_as with the storage dtypes fixed at compile time (the gathers then straight loads, no dtype tests) */
+static void conv_sums8(const ConvStep *j, int64_t b, int64_t row, int64_t c, float *out) {
+    if (j->sdt == DT_BF16 && j->wdt == DT_BF16) conv_sums8_as(j, b, row, c, out, DT_BF16, DT_BF16);
+    else if (j->sdt == DT_BF16) conv_sums8_as(j, b, row, c, out, DT_BF16, DT_F32);
+    else if (j->wdt == DT_BF16) conv_sums8_as(j, b, row, c, out, DT_F32, DT_BF16);
+    else conv_sums8_as(j, b, row, c, out, DT_F32, DT_F32);
+}
 
 static void conv_step_chunk(const void *job, int64_t item) {
     const ConvStep *j = job;
     const int64_t nblk = (j->C + CONV_BLOCK - 1) / CONV_BLOCK, b = item / nblk, c0 = (item % nblk) * CONV_BLOCK;
     const int64_t c1 = c0 + CONV_BLOCK < j->C ? c0 + CONV_BLOCK : j->C;
     const int64_t row = j->slots ? j->slots[b] : b, K1 = j->K - 1;
+    /* the block's sums (the state shifted on the way), then SiLU over them at once, then the outputs */
+    float sums[CONV_BLOCK];
+    int64_t c = c0;
 #ifdef __AVX512F__
-    if (j->K == 4 && j->sdt == DT_F32 && j->xdt == DT_F32 && j->wdt == DT_F32 && (!j->bias || j->bdt == DT_F32)) {
-        for (int64_t c = c0; c < c1; c += 16) conv4_f32_x16(j, b, row, c, c1 - c < 16 ? c1 - c : 16);
-        return;
-    }
+    if (j->K == 4 && conv4_block(j, b, row, c0, c1, sums)) c = c1;
 #endif
-    const int vsilu = j->silu && j->xdt == DT_F32; /* SiLU over the block at once after it (silu_f32) */
-    float *yf = (float *)j->y + b * j->C;
-    for (int64_t c = c0; c < c1; ++c) {
+    for (; c + 8 <= c1 && K1 <= 8; c += 8) conv_sums8(j, b, row, c, sums + (c - c0));
+    for (; c < c1; ++c) {
         const int64_t s0 = (row * j->C + c) * K1;
         float xin = load_as_f32(j->x, j->xdt, b * j->xs + c);
         if (j->sdt == DT_BF16) xin = bf16_to_f32(f32_to_bf16(xin));
         float acc = j->bias ? load_as_f32(j->bias, j->bdt, c) : 0.0f;
-        float prev = 0.0f;
         for (int64_t k = 0; k < K1; ++k) {
             const float v = load_as_f32(j->state, j->sdt, s0 + k);
             acc += v * load_as_f32(j->w, j->wdt, c * j->K + k);
-            if (k > 0) {
-                if (j->sdt == DT_BF16) ((uint16_t *)j->state)[s0 + k - 1] = f32_to_bf16(v);
-                else ((float *)j->state)[s0 + k - 1] = v;
-            }
-            prev = v;
+            if (k > 0) store_as(j->state, j->sdt, s0 + k - 1, v);
         }
-        (void)prev;
         acc += xin * load_as_f32(j->w, j->wdt, c * j->K + K1);
-        if (K1 > 0) {
-            if (j->sdt == DT_BF16) ((uint16_t *)j->state)[s0 + K1 - 1] = f32_to_bf16(xin);
-            else ((float *)j->state)[s0 + K1 - 1] = xin;
-        }
-        if (j->silu && !vsilu) acc = acc / (1.0f + expf(-acc));
-        if (j->xdt == DT_BF16) ((uint16_t *)j->y)[b * j->C + c] = f32_to_bf16(acc);
-        else yf[c] = acc;
+        if (K1 > 0) store_as(j->state, j->sdt, s0 + K1 - 1, xin);
+        sums[c - c0] = acc;
     }
-    if (vsilu) silu_f32(yf + c0, c1 - c0, 1.0f, 0.0f);
+    const int64_t n = c1 - c0;
+    if (j->silu) {
+#ifdef __AVX512F__
+        if (j->xdt == DT_BF16) silu_bf16_exact(sums, n); /* rounded to bf16 next: libm's bits */
+        else silu_f32(sums, n, 1.0f, 0.0f);
+#else
+        if (j->xdt == DT_F32) silu_f32(sums, n, 1.0f, 0.0f);
+        else
+            for (int64_t i = 0; i < n; ++i) sums[i] = sums[i] / (1.0f + expf(-sums[i]));
+#endif
+    }
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8_as(j->y, j->xdt, b * j->C + c0 + i, *(const v8u *)(sums + i));
+    for (; i < n; ++i) store_as(j->y, j->xdt, b * j->C + c0 + i, sums[i]);
 }
 
 int hl_conv_step(void *state, int sdt, const int64_t *slots, const void *x, int xdt, int64_t xs, const void *w,
@@ -2474,21 +2634,15 @@ typedef struct {
 
 static void rmsnorm_row(const void *job, int64_t b) {
     const RmsNorm *j = job;
-    const void *x = j->x, *w = j->w;
-    void *y = j->y;
-    const float eps = j->eps;
     const int64_t d = j->d;
     const int xdt = j->xdt, wdt = j->wdt;
-    double ss = 0.0;
-    for (int64_t i = 0; i < d; ++i) {
-        const float v = load_as_f32(x, xdt, b * d + i);
-        ss += (double)v * v;
-    }
-    const float inv = 1.0f / sqrtf((float)(ss / d) + eps);
-    for (int64_t i = 0; i < d; ++i) {
-        const float v = round_to(load_as_f32(x, xdt, b * d + i) * inv, xdt);
-        store_as(y, xdt, b * d + i, v * load_as_f32(w, wdt, i));
-    }
+    const void *x = (const char *)j->x + b * d * (xdt == DT_BF16 ? 2 : 4);
+    void *y = (char *)j->y + b * d * (xdt == DT_BF16 ? 2 : 4);
+    const float inv = 1.0f / sqrtf((float)(sumsq_f64(x, xdt, d) / d) + j->eps);
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+        store8_as(y, xdt, i, round8_to(load_w8(x, xdt, i) * inv, xdt) * load_w8(j->w, wdt, i));
+    for (; i < d; ++i) store_as(y, xdt, i, round_to(load_as_f32(x, xdt, i) * inv, xdt) * load_as_f32(j->w, wdt, i));
 }
 
 /* y = x / rms(x) * w per row (a batch's rows on the pool) */
@@ -2551,6 +2705,24 @@ static void gated_up_chunk(const void *job, int64_t chunk) {
     const int vsilu = g->ydt == DT_F32 && j->act == ACT_SILU;
     AMX_BEGIN(g);
     if (one_row_streaming(g) && !vsilu) { /* (an fp32 SiLU keeps the blocks: silu_f32 takes 16 lanes at a time) */
+#ifdef __AVX512F__
+        if (j->act == ACT_SILU && g->ydt == DT_BF16) { /* 16 rows' gates, then their SiLU at once (libm's bits) */
+            float gv[16], uv[16];
+            for (int64_t n0 = lo; n0 < hi; n0 += 16) {
+                const int nr = hi - n0 < 16 ? (int)(hi - n0) : 16;
+                for (int r = 0; r < nr; ++r) {
+                    float og, ou;
+                    dot_row(g, n0 + r, &og, g->wdt);
+                    dot_row(u, n0 + r, &ou, g->wdt);
+                    gv[r] = round_to(row_value(g, n0 + r, og), DT_BF16);
+                    uv[r] = round_to(row_value(u, n0 + r, ou), DT_BF16);
+                }
+                silu_bf16_exact(gv, nr);
+                for (int r = 0; r < nr; ++r) store_as(g->y, DT_BF16, n0 + r, round_to(gv[r], DT_BF16) * uv[r]);
+            }
+            return;
+        }
+#endif
         for (int64_t n = lo; n < hi; ++n) {
             float og, ou;
             dot_row(g, n, &og, g->wdt);
@@ -2810,28 +2982,38 @@ static void gated_rmsnorm_row(const void *job, int64_t b) {
     const float eps = j->eps;
     const int64_t zs = j->zs, d = j->d, gs = d / j->groups;
     const int dt = j->dt, wdt = j->wdt, norm_before_gate = j->norm_before_gate;
-    float buf[8192];
+    const int64_t es = dt == DT_BF16 ? 2 : 4;
+    float gate[8192], buf[8192];
     for (int64_t g0 = 0; g0 < d; g0 += gs) {
-        double ss = 0.0;
-        if (dt == DT_F32) { /* the gates first, at once (silu_f32) */
-            memcpy(buf, (const float *)z + b * zs + g0, (size_t)gs * sizeof(float));
-            silu_f32(buf, gs, 1.0f, 0.0f);
+        const void *zg = (const char *)z + (b * zs + g0) * es, *yg = (const char *)y + (b * d + g0) * es;
+        void *og = (char *)out + (b * d + g0) * es;
+        const void *wg = (const char *)w + g0 * (wdt == DT_BF16 ? 2 : 4);
+        /* the gates: silu_f32's 16 lanes where AVX-512 is (bf16 as fp32 alike: this norm's value is rounded once,
+           at the end, after the group's sum, so no rounding point of torch's is kept by libm's expf here), else
+           libm's */
+        for (int64_t i = 0; i < gs; ++i) gate[i] = load_as_f32(zg, dt, i);
+#ifdef __AVX512F__
+        silu_f32(gate, gs, 1.0f, 0.0f);
+#else
+        if (dt == DT_F32) silu_f32(gate, gs, 1.0f, 0.0f);
+        else
+            for (int64_t i = 0; i < gs; ++i) gate[i] = gate[i] / (1.0f + expf(-gate[i]));
+#endif
+        /* buf: what is normalised (y * gate, or y) */
+        int64_t i = 0;
+        for (; i + 8 <= gs; i += 8) {
+            const v8 yv = load_w8(yg, dt, i);
+            *(v8u *)(buf + i) = norm_before_gate ? yv : *(const v8u *)(gate + i) * yv;
         }
-        for (int64_t i = 0; i < gs; ++i) {
-            const float zv = load_as_f32(z, dt, b * zs + g0 + i);
-            const float gate = dt == DT_F32 ? buf[i] : zv / (1.0f + expf(-zv));
-            const float yv = load_as_f32(y, dt, b * d + g0 + i);
-            const float v = norm_before_gate ? yv : gate * yv;
-            buf[i] = norm_before_gate ? gate : v;
-            ss += (double)v * v;
+        for (; i < gs; ++i) buf[i] = norm_before_gate ? load_as_f32(yg, dt, i) : gate[i] * load_as_f32(yg, dt, i);
+        const float inv = 1.0f / sqrtf((float)(sumsq_f64(buf, DT_F32, gs) / gs) + eps);
+        for (i = 0; i + 8 <= gs; i += 8) {
+            const v8 v = *(const v8u *)(buf + i), wv = load_w8(wg, wdt, i);
+            store8_as(og, dt, i, norm_before_gate ? v * inv * wv * *(const v8u *)(gate + i) : v * inv * wv);
         }
-        const float inv = 1.0f / sqrtf((float)(ss / gs) + eps);
-        for (int64_t i = 0; i < gs; ++i) {
-            const float yv = load_as_f32(y, dt, b * d + g0 + i);
-            const float v = norm_before_gate ? yv * inv * load_as_f32(w, wdt, g0 + i) * buf[i]
-                                             : buf[i] * inv * load_as_f32(w, wdt, g0 + i);
-            store_as(out, dt, b * d + g0 + i, v);
-        }
+        for (; i < gs; ++i)
+            store_as(og, dt, i, norm_before_gate ? buf[i] * inv * load_as_f32(wg, wdt, i) * gate[i]
+                                                 : buf[i] * inv * load_as_f32(wg, wdt, i));
     }
 }
 
