@@ -48,9 +48,11 @@ typedef void (*chunk_fn)(const void *job, int64_t chunk);
 typedef struct {
     chunk_fn fn;
     const void *job;
-    int64_t nchunks;
+    int64_t nchunks, nseg;
     _Atomic int64_t done;
 } Task;
+
+#define MAXSEG 16
 
 static struct {
     int nworkers;
@@ -58,6 +60,11 @@ static struct {
     /* (generation << 32) | next chunk: a worker claims a chunk with a compare-and-swap that fails once the
        generation moved on, so a late worker never runs a chunk of a finished call */
     _Atomic uint64_t ticket;
+    /* the chunks in nseg runs, one a thread: (generation << 32) | the run's next chunk, each on its own line */
+    struct {
+        _Atomic uint64_t next;
+        char pad[56];
+    } seg[MAXSEG];
     Task tasks[2]; /* generation g's task lives in tasks[g & 1]; the caller rewrites a slot two calls later */
     _Atomic uint32_t wake_seq;
     _Atomic int sleepers;
@@ -77,20 +84,32 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void run_chunks(uint64_t gen) {
+/* Chunks are claimed in runs: the call's chunks cut into nseg runs of consecutive chunks (one a thread), thread t
+   claiming from run t in order, then from the others (a worker that is slow or descheduled leaves its run to the
+   rest). Why runs, not one ticket: with one ticket two threads took alternate chunks, so each thread's reads
+   jumped over the other's chunk every 32 KB and the hardware's stream prefetchers started over at each; in a run a
+   thread reads one forward stream (llama-d512's bf16 products: see the commit). */
+static inline int64_t seg_lo(int64_t nchunks, int64_t nseg, int64_t s) { return s * nchunks / nseg; }
+
+static void run_chunks(uint64_t gen, int tid) {
     Task *t = &P.tasks[gen & 1];
     int64_t mine = 0; /* chunks this thread ran: added to t->done once, not per chunk (a contended line) */
-    for (;;) {
-        uint64_t v = atomic_load_explicit(&P.ticket, memory_order_acquire);
-        if ((v >> 32) != (gen & 0xffffffffu)) break;
-        int64_t c = (int64_t)(v & 0xffffffffu);
-        if (c >= t->nchunks) break;
-        if (!atomic_compare_exchange_weak_explicit(&P.ticket, &v, v + 1, memory_order_acq_rel,
-                                                   memory_order_relaxed))
-            continue;
-        t->fn(t->job, c);
-        ++mine;
+    const int64_t nseg = t->nseg, nchunks = t->nchunks;
+    for (int64_t i = 0; i < nseg && nseg <= MAXSEG; ++i) {
+        const int64_t sg = (tid + i) % nseg, hi = seg_lo(nchunks, nseg, sg + 1);
+        for (;;) {
+            uint64_t v = atomic_load_explicit(&P.seg[sg].next, memory_order_acquire);
+            if ((v >> 32) != (gen & 0xffffffffu)) goto out; /* a later call's (this one is done) */
+            const int64_t c = (int64_t)(v & 0xffffffffu);
+            if (c >= hi) break;
+            if (!atomic_compare_exchange_weak_explicit(&P.seg[sg].next, &v, v + 1, memory_order_acq_rel,
+                                                       memory_order_relaxed))
+                continue;
+            t->fn(t->job, c);
+            ++mine;
+        }
     }
+out:
     if (mine) atomic_fetch_add_explicit(&t->done, mine, memory_order_release);
 }
 
@@ -128,13 +147,13 @@ static double now_us(void) {
 }
 
 static void *worker(void *arg) {
-    (void)arg;
+    const int tid = (int)(intptr_t)arg;
     uint64_t seen = atomic_load(&P.ticket) >> 32;
     while (!atomic_load_explicit(&P.quit, memory_order_relaxed)) {
         uint64_t gen = atomic_load_explicit(&P.ticket, memory_order_acquire) >> 32;
         if (gen != seen) {
             seen = gen;
-            run_chunks(gen);
+            run_chunks(gen, tid);
             continue;
         }
         /* spin for P.spin microseconds of wall time (a count of pause instructions would not do: their
@@ -178,7 +197,7 @@ int hl_set_threads(int n, int64_t spin) {
     if (n - 1 != P.nworkers) {
         pool_stop();
         for (int i = 0; i < n - 1; ++i) {
-            if (pthread_create(&P.threads[P.nworkers], NULL, worker, NULL) != 0) break;
+            if (pthread_create(&P.threads[P.nworkers], NULL, worker, (void *)(intptr_t)(P.nworkers + 1)) != 0) break;
             P.nworkers++;
         }
     }
@@ -207,10 +226,20 @@ static void pool_run(chunk_fn fn, const void *job, int64_t nchunks) {
     t->job = job;
     t->nchunks = nchunks;
     atomic_store_explicit(&t->done, 0, memory_order_relaxed);
+    int64_t nseg = P.nworkers + 1 < nchunks ? P.nworkers + 1 : nchunks;
+    if (nseg > MAXSEG) nseg = MAXSEG;
+    t->nseg = nseg;
+    /* every run a thread could look at gets this generation (a run this call has not: empty), so a worker still on
+       an earlier call, reading a task slot since rewritten, finds no chunk to claim */
+    const int64_t runs = P.nworkers + 1 < MAXSEG ? P.nworkers + 1 : MAXSEG;
+    for (int64_t sg = 0; sg < runs; ++sg)
+        atomic_store_explicit(&P.seg[sg].next, ((gen & 0xffffffffu) << 32) |
+                                                   (sg < nseg ? (uint64_t)seg_lo(nchunks, nseg, sg) : 0xffffffffu),
+                              memory_order_relaxed);
     atomic_store_explicit(&P.ticket, (gen & 0xffffffffu) << 32, memory_order_release);
     atomic_fetch_add(&P.wake_seq, 1);
     if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, &P.wake_seq, FUTEX_WAKE_PRIVATE, MAXT, NULL, NULL, 0);
-    run_chunks(gen);
+    run_chunks(gen, 0);
     if (atomic_load_explicit(&t->done, memory_order_acquire) < nchunks) {
         const double w0 = now_us();
         while (atomic_load_explicit(&t->done, memory_order_acquire) < nchunks) cpu_relax();
