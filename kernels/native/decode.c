@@ -508,6 +508,37 @@ static inline void store8_as(void *p, int dt, int64_t i, v8 v) {
     else *(v8u *)((float *)p + i) = v;
 }
 
+#ifdef __AVX512F__
+/* f32_to_bf16 in 16 integer lanes (the low 16 bits of each): under -ffast-math GCC folds a float x != x to false */
+static inline __m512i bf16_bits16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v), hi = _mm512_srli_epi32(bits, 16);
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff))),
+        16);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+}
+#endif
+
+#ifdef __AVX2__
+static inline __m256 bf16x8_load(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* nearest-even rounding of 8 floats to bf16 (f32_to_bf16's, NaN kept a NaN), stored */
+static inline void bf16x8_store(uint16_t *p, __m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, qnan, nan);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128((__m128i *)p, packed);
+}
+#endif
+
 /* sum of x[i]^2 over d fp32 or bf16 values, in double (each square exact there) as the scalar loop it replaces, in
    eight double lanes summed in a fixed order (which lane a value falls in depends on its index alone) */
 typedef double v4d __attribute__((vector_size(32)));
@@ -936,6 +967,11 @@ static inline void rows16_f32(const Gemv *g, int64_t n0, int nr, float outT[MAXB
 /* 16 values p[i..i+16) of dtype dt as fp32 (lanes past m zero) */
 static inline __m512 load16_f32(const void *p, int dt, int64_t i, __mmask16 m) {
     if (dt == DT_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+#ifdef __AVX512BW__
+    if (dt == DT_BF16) /* (a bf16 value widens exactly: its bits are the fp32's top half) */
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i)), 16));
+#endif
     float t[16] = {0};
     for (int l = 0; l < 16; ++l)
         if (m >> l & 1) t[l] = load_as_f32(p, dt, i + l);
@@ -1986,23 +2022,9 @@ static inline __attribute__((always_inline)) void gdn_store(void *s, int sdt, in
     }
 #endif
 #ifdef __AVX512F__
-    const __m512i bits = _mm512_castps_si512((__m512)v), hi = _mm512_srli_epi32(bits, 16);
-    const __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff))),
-        16);
-    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i out = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(out));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16_bits16((__m512)v)));
 #elif defined(__AVX2__)
-    const __m256i bits = _mm256_castps_si256((__m256)v), hi = _mm256_srli_epi32(bits, 16);
-    __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff))),
-        16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+    bf16x8_store(p, (__m256)v);
 #else
     for (int l = 0; l < GDN_LANES; ++l) p[l] = f32_to_bf16(v[l]);
 #endif
@@ -2125,15 +2147,6 @@ typedef struct {
    values (its own and x rounded to the state's dtype), so it narrows exactly. A batch-32 hybrid-1to7-small step's
    conv took 223 us a layer in the scalar loop (32 x 1792 channels) on the 2-vCPU Zen 4; a bf16 conv of 1280
    channels through ops.conv_step (~4 us of it the Python call) 11.1 us in the eight-channel gathers, 6.9 here. */
-static inline __attribute__((always_inline)) __m512 conv_ld16(const void *p, int dt, int64_t i, __mmask16 m) {
-#ifdef __AVX512BW__
-    if (dt == DT_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i)), 16));
-#endif
-    return _mm512_maskz_loadu_ps(m, (const float *)p + i);
-}
-
 static inline __attribute__((always_inline)) void conv_st16(void *p, int dt, int64_t i, __mmask16 m, __m512 v) {
 #ifdef __AVX512BW__
     if (dt == DT_BF16) {
@@ -2149,8 +2162,8 @@ static inline __attribute__((always_inline)) void conv4_x16(const ConvStep *j, i
                                                              const int wdt, const int bdt) {
     const int64_t s0 = (row * j->C + c) * 3, w0 = c * 4;
     const int64_t n3 = 3 * n, n4 = 4 * n;
-    const __m512 S0 = conv_ld16(j->state, sdt, s0, mask16(n3)), S1 = conv_ld16(j->state, sdt, s0 + 16, mask16(n3 - 16)),
-                 S2 = conv_ld16(j->state, sdt, s0 + 32, mask16(n3 - 32));
+    const __m512 S0 = load16_f32(j->state, sdt, s0, mask16(n3)), S1 = load16_f32(j->state, sdt, s0 + 16, mask16(n3 - 16)),
+                 S2 = load16_f32(j->state, sdt, s0 + 32, mask16(n3 - 32));
     __m512 s[3], wk[4];
     for (int k = 0; k < 3; ++k) { /* s[k][i] = st[3i + k]: from S0 | S1 below 32, from S2 above (the low 4 bits) */
         const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
@@ -2159,8 +2172,8 @@ static inline __attribute__((always_inline)) void conv4_x16(const ConvStep *j, i
         const __mmask16 hi = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(32));
         s[k] = _mm512_mask_permutexvar_ps(_mm512_permutex2var_ps(S0, idx, S1), hi, idx, S2);
     }
-    const __m512 W0 = conv_ld16(j->w, wdt, w0, mask16(n4)), W1 = conv_ld16(j->w, wdt, w0 + 16, mask16(n4 - 16)),
-                 W2 = conv_ld16(j->w, wdt, w0 + 32, mask16(n4 - 32)), W3 = conv_ld16(j->w, wdt, w0 + 48, mask16(n4 - 48));
+    const __m512 W0 = load16_f32(j->w, wdt, w0, mask16(n4)), W1 = load16_f32(j->w, wdt, w0 + 16, mask16(n4 - 16)),
+                 W2 = load16_f32(j->w, wdt, w0 + 32, mask16(n4 - 32)), W3 = load16_f32(j->w, wdt, w0 + 48, mask16(n4 - 48));
     for (int k = 0; k < 4; ++k) { /* wk[k][i] = w[4i + k]: W0 | W1 for i < 8, W2 | W3 above */
         const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
                                                                                  11, 12, 13, 14, 15), 2),
@@ -2169,18 +2182,10 @@ static inline __attribute__((always_inline)) void conv4_x16(const ConvStep *j, i
                                      _mm512_permutex2var_ps(W2, idx, W3));
     }
     const __mmask16 m = mask16(n);
-    __m512 x = conv_ld16(j->x, xdt, b * j->xs + c, m);
-    if (sdt == DT_BF16 && xdt != DT_BF16) { /* x as the state will hold it: rounded to bf16 (f32_to_bf16) */
-        const __m512i xb = _mm512_castps_si512(x);
-        const __m512i r = _mm512_add_epi32(xb, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                                _mm512_and_si512(_mm512_srli_epi32(xb, 16),
-                                                                                 _mm512_set1_epi32(1))));
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(xb, _mm512_set1_epi32(0x7fffffff)),
-                                                      _mm512_set1_epi32(0x7f800000));
-        const __m512i q = _mm512_mask_or_epi32(r, nan, xb, _mm512_set1_epi32(0x400000));
-        x = _mm512_castsi512_ps(_mm512_and_si512(q, _mm512_set1_epi32((int)0xffff0000u)));
-    }
-    __m512 acc = j->bias ? conv_ld16(j->bias, bdt, c, m) : _mm512_setzero_ps();
+    __m512 x = load16_f32(j->x, xdt, b * j->xs + c, m);
+    if (sdt == DT_BF16 && xdt != DT_BF16) /* x as the state will hold it: rounded to bf16 */
+        x = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(x), 16));
+    __m512 acc = j->bias ? load16_f32(j->bias, bdt, c, m) : _mm512_setzero_ps();
     for (int k = 0; k < 3; ++k) acc = _mm512_fmadd_ps(s[k], wk[k], acc);
     acc = _mm512_fmadd_ps(x, wk[3], acc);
     _mm512_mask_storeu_ps(out, m, acc);

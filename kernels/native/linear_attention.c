@@ -101,23 +101,6 @@ typedef struct {
     int sdt, xdt;
 } GlaStep;
 
-#ifdef __AVX2__
-static inline __m256 bf16x8_load(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-/* nearest-even rounding of 8 floats to bf16 (f32_to_bf16's, NaN kept a NaN) */
-static inline void bf16x8_store(uint16_t *p, __m256 v) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-    r = _mm256_blendv_epi8(r, qnan, nan);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128((__m128i *)p, packed);
-}
-#endif
 
 static void gla_step_chunk(const void *job, int64_t item) {
     const GlaStep *j = job;
