@@ -72,10 +72,9 @@ from hybrid.specs import CacheDtypes
 def torch_read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
     """Bytes per second torch's streaming ``sum`` of a ``mib`` MiB buffer moves (on 2 MiB pages, as the decode
     weights are), best of ``repeats``."""
-    from hybrid.kernels.host_memory import huge_page_weights
+    from hybrid.kernels.host_memory import huge_page_empty
 
-    buf = torch.ones(mib * 2**20 // 4)
-    huge_page_weights([buf])
+    buf = huge_page_empty(mib * 2**20 // 4, torch.float32).fill_(1)
     buf.sum()
     best = float("inf")
     for _ in range(repeats):

@@ -129,18 +129,47 @@ def huge_pages_unavailable() -> str | None:
     return None
 
 
+def _huge_arena(nbytes: int):
+    """(a private anonymous mapping, the offset in it of ``nbytes`` the kernel was asked to back with 2 MiB pages
+    from a 2 MiB boundary), or None where madvise refused."""
+    import mmap
+
+    # private: a shared anonymous mapping is shmem, whose huge pages follow shmem_enabled (usually never)
+    span = -(-nbytes // _HUGE) * _HUGE  # whole huge pages (the last one's tail unused)
+    arena = mmap.mmap(-1, span + _HUGE, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0))
+    view = ctypes.c_char.from_buffer(arena)
+    base = ctypes.addressof(view)
+    del view  # (a live ctypes view would keep the mapping from ever being released)
+    start = -base % _HUGE
+    if _madvise()(base + start, span, _MADV_HUGEPAGE) != 0:
+        arena.close()
+        return None
+    return arena, start
+
+
+def huge_page_empty(numel: int, dtype):
+    """An uninitialised 1-D CPU tensor of ``numel`` values on a mapping of its own backed by 2 MiB pages (a plain
+    ``torch.empty`` where huge pages cannot be had): a buffer born there, where :func:`huge_page_weights` would
+    copy one (the read-bandwidth probes' 512-1024 MiB)."""
+    import torch
+
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    got = _huge_arena(nbytes) if huge_pages_unavailable() is None else None
+    if got is None:
+        return torch.empty(numel, dtype=dtype)
+    arena, start = got
+    return torch.frombuffer(arena, dtype=dtype, count=numel, offset=start)  # keeps `arena` alive
+
+
 def huge_page_weights(params) -> int:
     """Move each of ``params`` (plain contiguous CPU tensors: nn.Parameters or tensors whose ``.data`` may be set;
     others are skipped) into one anonymous mapping the kernel is asked to back with 2 MiB pages, each at a 4 KiB
     boundary; the values are unchanged (a copy), the old storage is freed once nothing else holds it. Returns the
     bytes moved: 0 where huge pages cannot be had (THP off, not Linux / glibc, ``HYBRID_HUGE_PAGES=0``)."""
-    import mmap
-
     import torch
 
     if huge_pages_unavailable() is not None:
         return 0
-    madvise = _madvise()
     # plain tensors only: a tensor subclass (torchao's quantised weights) keeps its own inner tensors
     unique = [p for p in {id(p): p for p in params}.values() if type(p.data) is torch.Tensor]
     storages: dict[int, int] = {}
@@ -163,16 +192,10 @@ def huge_page_weights(params) -> int:
     for p in todo:
         offsets.append(total)
         total += -(-p.data.numel() * p.data.element_size() // 4096) * 4096
-    # private: a shared anonymous mapping is shmem, whose huge pages follow shmem_enabled (usually never)
-    span = -(-total // _HUGE) * _HUGE  # whole huge pages (the last one's tail unused)
-    arena = mmap.mmap(-1, span + _HUGE, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0))
-    view = ctypes.c_char.from_buffer(arena)
-    base = ctypes.addressof(view)
-    del view  # (a live ctypes view would keep the mapping from ever being released)
-    start = -base % _HUGE
-    if madvise(base + start, span, _MADV_HUGEPAGE) != 0:
-        arena.close()
+    got = _huge_arena(total)
+    if got is None:
         return 0
+    arena, start = got
     # each moved tensor of the kind it replaces: a normal tensor stays one even when this runs under inference mode
     # (the engine's step does; a model trained after it decoded must still save its weights for backward), and an
     # inference tensor (a model copied under inference mode) stays one (swapping a normal tensor in under it breaks

@@ -50,6 +50,19 @@ def test_moved_weights_keep_values_and_sharing_and_are_madvised(monkeypatch):
     assert view.data_ptr() == before["view"][1] and s1.data_ptr() == s2.data_ptr() == before["s1"][1]
 
 
+@needs_thp
+def test_a_buffer_born_on_huge_pages(monkeypatch):
+    """huge_page_empty (the read-bandwidth probes' buffers): a writable tensor at a 2 MiB boundary in a madvised
+    mapping that lives as long as the tensor; switched off, a plain tensor."""
+    monkeypatch.delenv(host_memory.HUGE_ENV, raising=False)
+    buf = host_memory.huge_page_empty(3 * 2**20 + 5, torch.int64).fill_(7)
+    assert buf.shape == (3 * 2**20 + 5,) and buf.dtype == torch.int64 and int(buf.sum()) == 7 * buf.numel()
+    assert buf.data_ptr() % (2 * 2**20) == 0 and thp_eligible(buf)
+    monkeypatch.setenv(host_memory.HUGE_ENV, "0")
+    plain = host_memory.huge_page_empty(1000, torch.float32)
+    assert plain.shape == (1000,) and plain.dtype == torch.float32
+
+
 def test_switched_off_moves_nothing(monkeypatch):
     monkeypatch.setenv(host_memory.HUGE_ENV, "0")
     p = torch.nn.Parameter(torch.randn(256, 256))

@@ -199,10 +199,9 @@ def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
     """Bytes per second of a streaming read of a ``mib`` MiB buffer (far larger than any L3) by the native pool on
     torch's intra-op threads, the way the decode products read their weights (on 2 MiB pages where the decode
     program puts them: kernels.host_memory.huge_page_weights): the best of ``repeats``."""
-    from ..host_memory import huge_page_weights
+    from ..host_memory import huge_page_empty
 
-    buf = torch.ones(mib * 2**20 // 8, dtype=torch.int64)
-    huge_page_weights([buf])
+    buf = huge_page_empty(mib * 2**20 // 8, torch.int64).fill_(1)
     with owns_threads():
         lib = library()  # the pool sized to the threads it now holds
         lib.hl_stream_read(buf.data_ptr(), buf.numel() * 8)
