@@ -20,6 +20,7 @@ from .generation import generate
 from .model import HybridLM
 from .pattern import PatternError, attention_share, blocks_pattern, parse_pattern, ratio_pattern
 from .pretrained import from_pretrained, save_pretrained
+from .pretrained_names import NAMED_MODELS, pretrained_path
 from .quantize import quantize
 from .request import RequestOutput
 from .sampling import SamplingParams
@@ -33,7 +34,7 @@ __all__ = [
     "AttentionConfig", "CheckpointError", "ConfigError", "GatedDeltaNetConfig", "GLAConfig", "HybridConfig",
     "HybridLM", "MLPConfig",
     "Mamba1Config", "Mamba2Config", "MoEConfig", "PatternError", "attention_share", "blocks_pattern",
-    "from_pretrained", "parse_pattern", "quantize", "ratio_pattern", "save_pretrained",
+    "NAMED_MODELS", "from_pretrained", "parse_pattern", "pretrained_path", "quantize", "ratio_pattern", "save_pretrained",
     # inference engine
     "ByteTokenizer", "CacheFullError", "Engine", "HFTokenizer", "HybridCache", "PagedKVCache", "RequestOutput",
     "SSMStateCache", "SamplingParams", "SpeculativeConfig", "StreamDecoder", "generate", "load_tokenizer",

@@ -34,10 +34,26 @@ def as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return value
 
 
+def _from_gguf(path: Path, *, dtype: torch.dtype | None, device):
+    """A GGUF file's model (dequantised) with its tokenizer attached."""
+    import tempfile
+
+    from .interop import load_gguf
+    from .interop.gguf_tokenizer import write_tokenizer_files
+
+    model = load_gguf(path, dtype=dtype, device=device)
+    with tempfile.TemporaryDirectory(prefix="hybrid-gguf-tokenizer-") as folder:
+        write_tokenizer_files(path, folder)
+        model.tokenizer = load_tokenizer(folder) if (Path(folder) / "tokenizer.json").is_file() else None
+    return model
+
+
 def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
                     device: str | torch.device | None = None, torch_dtype: str | torch.dtype | None = None):
     """Load a checkpoint folder: our own format (:func:`save_pretrained`), or a Hugging Face /
-    mamba_ssm checkpoint through the converter for its architecture (``hybrid.interop``). The
+    mamba_ssm checkpoint through the converter for its architecture (``hybrid.interop``); or a llama.cpp
+    ``.gguf`` file (dequantised to fp32, :mod:`hybrid.interop.gguf_file`); or a model name
+    (:data:`hybrid.pretrained_names.NAMED_MODELS`, e.g. ``"smollm2-135m-instruct"``: its converted folder). The
     folder's tokenizer, if it has a ``tokenizer.json``, is attached as ``model.tokenizer``. A folder saved
     from a quantised model loads quantised (its torchao weights as saved; ``model.quantization`` set).
     ``dtype`` (or transformers' older name ``torch_dtype``) is a torch dtype or its name; None or
@@ -48,10 +64,14 @@ def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
         dtype = torch_dtype
     dtype = as_dtype(dtype)
     from .interop import load_foreign
+    from .pretrained_names import resolve
 
-    path = Path(path)
+    path = Path(resolve(path))
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(path, dtype=dtype, device=device)
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory; give the checkpoint folder")
+        raise CheckpointError(f"{path} is not a directory; give the checkpoint folder, a .gguf file or a model "
+                              "name (hybrid.NAMED_MODELS)")
     if not is_native(path):
         model = load_foreign(path, dtype=dtype, device=device)
     elif is_quantized(path):  # saved from a hybrid.quantize'd model: its torchao weights as they were

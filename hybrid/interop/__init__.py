@@ -104,19 +104,40 @@ def architecture_of(hf_config: dict) -> str:
 def load_foreign(path: str | Path, *, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None):
     """Load a Hugging Face or mamba_ssm checkpoint folder as a ``HybridLM``."""
-    from ..model import HybridLM
-
-    _ensure_loaded()
     hf = read_config(path)
+    conv, cfg = converter_config(hf, str(path))  # a config we refuse is named before any weights are read
+    return model_from_hf(conv, cfg, hf, read_state(path), str(path), dtype=dtype, device=device)
+
+
+def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+              progress: bool = True):
+    """Load a llama.cpp GGUF file as a ``HybridLM`` (dequantised; see :mod:`.gguf_file`)."""
+    from .gguf_file import read_gguf
+
+    hf, state = read_gguf(path, progress=progress)
+    conv, cfg = converter_config(hf, str(path))
+    return model_from_hf(conv, cfg, hf, state, str(path), dtype=dtype, device=device)
+
+
+def converter_config(hf: dict, where: str) -> tuple[Converter, HybridConfig]:
+    """The converter for a transformers config dict's architecture and our config from it; ``where`` names
+    the source in errors."""
+    _ensure_loaded()
     arch = architecture_of(hf)
     conv = CONVERTERS.get(arch)
     if conv is None:
         raise CheckpointError(f"architecture {arch!r} is not supported; supported: {sorted(CONVERTERS)}")
     try:
-        cfg = conv.config_from_hf(hf)
+        return conv, conv.config_from_hf(hf)
     except KeyError as e:
-        raise CheckpointError(f"{Path(path) / 'config.json'} ({arch}) lacks the required key {e}") from None
-    foreign = read_state(path)
+        raise CheckpointError(f"{where} ({arch}): the config lacks the required key {e}") from None
+
+
+def model_from_hf(conv: Converter, cfg: HybridConfig, hf: dict, foreign: dict, where: str, *,
+                  dtype: torch.dtype | None = None, device: str | torch.device | None = None):
+    """A ``HybridLM`` from a transformers state dict, by ``conv`` (see :func:`converter_config`)."""
+    from ..model import HybridLM
+
     if conv.config_from_state is not None:
         cfg = conv.config_from_state(cfg, foreign, hf)
     state = conv.state_from_hf(foreign, hf, cfg)
@@ -124,7 +145,7 @@ def load_foreign(path: str | Path, *, dtype: torch.dtype | None = None,
         model = HybridLM(cfg)
     if device is not None:
         state = {k: v.to(device) for k, v in state.items()}
-    load_state_strict(model, state, f"{path} ({arch})")
+    load_state_strict(model, state, f"{where} ({architecture_of(hf)})")
     if dtype is not None:
         model.to(dtype)
     return model.eval()
@@ -165,4 +186,4 @@ def pick_hf_format(config: HybridConfig) -> str:
 
 __all__ = ["CONVERTERS", "EXTENSIONS", "FORMATS", "MAMBA_SSM", "Converter", "architecture_of", "export",
            "export_formats", "export_problem",
-           "load_foreign", "pick_hf_format", "register", "read_config", "read_state", "write_checkpoint"]
+           "converter_config", "load_foreign", "load_gguf", "model_from_hf", "pick_hf_format", "register", "read_config", "read_state", "write_checkpoint"]

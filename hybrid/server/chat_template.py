@@ -151,10 +151,13 @@ def _token_text(entry) -> str | None:
 
 
 def load_chat_template(checkpoint: str | Path | None) -> ChatTemplate:
-    """The checkpoint folder's chat template, or the ChatML default when it has none (or no folder)."""
+    """The checkpoint folder's chat template (a model name stands for its folder), or the ChatML default when it
+    has none (or no folder)."""
     if checkpoint is None:
         return ChatTemplate()
-    folder = Path(checkpoint)
+    from ..pretrained_names import resolve
+
+    folder = Path(resolve(checkpoint))
     tokenizer = _transformers_tokenizer(folder)
     if tokenizer is not None and tokenizer.chat_template:
         return TokenizerChatTemplate(tokenizer)
