@@ -34,7 +34,8 @@ __all__ = [
     "AttentionConfig", "CheckpointError", "ConfigError", "GatedDeltaNetConfig", "GLAConfig", "HybridConfig",
     "HybridLM", "MLPConfig",
     "Mamba1Config", "Mamba2Config", "MoEConfig", "PatternError", "attention_share", "blocks_pattern",
-    "NAMED_MODELS", "from_pretrained", "parse_pattern", "pretrained_path", "quantize", "ratio_pattern", "save_pretrained",
+    "NAMED_MODELS", "from_pretrained", "parse_pattern", "pretrained_path", "quantize", "ratio_pattern",
+    "save_pretrained",
     # inference engine
     "ByteTokenizer", "CacheFullError", "Engine", "HFTokenizer", "HybridCache", "PagedKVCache", "RequestOutput",
     "SSMStateCache", "SamplingParams", "SpeculativeConfig", "StreamDecoder", "generate", "load_tokenizer",

@@ -12,20 +12,40 @@ from .sampling import SamplingParams
 MAX_AUTO_CACHE_BYTES = 2 * 2**30
 
 
-def generate(model, prompts: list[list[int]] | list[str], *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             stop: list[str] | None = None, stop_token_ids: list[int] | None = None, tokenizer=None,
-             seed: int | None = None, ignore_eos: bool = False, max_seqs: int = 32, max_batch_tokens: int = 2048,
-             block_size: int = 16, progress: bool = False, multi_step: int = 8) -> list[list[int]] | list[str]:
-    """Continue each prompt. Token-id prompts give lists of generated ids; string prompts (which
-    need ``tokenizer``) give generated strings, cut before any ``stop`` string.
+# What sampling is when neither the caller nor the checkpoint's generation_config.json says: greedy, no filters.
+SAMPLING_FALLBACKS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
 
-    Generation stops at ``max_new_tokens``, a ``stop_token_ids`` id or the tokenizer's EOS (unless
+
+def sampling_values(tokenizer, **given) -> dict:
+    """SamplingParams keywords: each value in ``given`` that is not None, else the checkpoint's default
+    (``tokenizer.sampling_defaults``, from its generation_config.json), else :data:`SAMPLING_FALLBACKS`."""
+    defaults = getattr(tokenizer, "sampling_defaults", None) or {}
+    out = {k: v for k, v in SAMPLING_FALLBACKS.items() if k in given}
+    out.update({k: v for k, v in defaults.items() if k in given})
+    out.update({k: v for k, v in given.items() if v is not None})
+    return out
+
+
+def generate(model, prompts: list[list[int]] | list[str], *, max_new_tokens: int, temperature: float | None = None,
+             top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+             repetition_penalty: float | None = None, stop: list[str] | None = None,
+             stop_token_ids: list[int] | None = None, tokenizer=None, seed: int | None = None,
+             ignore_eos: bool = False, max_seqs: int = 32, max_batch_tokens: int = 2048, block_size: int = 16,
+             progress: bool = False, multi_step: int = 8) -> list[list[int]] | list[str]:
+    """Continue each prompt. Token-id prompts give lists of generated ids; string prompts (which
+    need a tokenizer) give generated strings, cut before any ``stop`` string. ``tokenizer`` defaults to the
+    model's own (``model.tokenizer``, which :func:`hybrid.from_pretrained` attaches).
+
+    Generation stops at ``max_new_tokens``, a ``stop_token_ids`` id or the tokenizer's end-of-turn ids
+    (``eos_token_ids``: generation_config.json's ``eos_token_id`` list and the tokenizer's EOS; unless
     ``ignore_eos``; stop ids are not part of the output) or a ``stop`` string. Every request uses
-    ``seed``, so a prompt gives the same output whatever it is batched with. ``temperature=0`` is
-    greedy; see :class:`SamplingParams` for the filters. ``multi_step``: greedy decoding on a CPU runs up to that
+    ``seed``, so a prompt gives the same output whatever it is batched with. Sampling values left None take
+    the checkpoint's generation_config.json defaults, else greedy with no filters (``temperature=0``); see
+    :class:`SamplingParams` for the filters. ``multi_step``: greedy decoding on a CPU runs up to that
     many steps in one native call (:class:`Engine`'s ``multi_step``; the same tokens).
     """
+    if tokenizer is None:
+        tokenizer = getattr(model, "tokenizer", None)
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists or of strings")
     as_text = all(isinstance(p, str) for p in prompts)
@@ -37,10 +57,10 @@ def generate(model, prompts: list[list[int]] | list[str], *, max_new_tokens: int
         raise ValueError("prompts must be all strings or all token-id lists, not a mix")
     else:
         prompt_ids = [list(p) for p in prompts]
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-                            stop_token_ids=tuple(stop_token_ids or ()), stop=tuple(stop or ()),
-                            ignore_eos=ignore_eos)
+    sampling = sampling_values(tokenizer, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                               repetition_penalty=repetition_penalty)
+    params = SamplingParams(max_new_tokens=max_new_tokens, seed=seed, stop_token_ids=tuple(stop_token_ids or ()),
+                            stop=tuple(stop or ()), ignore_eos=ignore_eos, **sampling)
     engine = _engine_for(model, prompt_ids, max_new_tokens, tokenizer, max_seqs, max_batch_tokens, block_size,
                          multi_step)
     ids = [engine.add_request(p, params) for p in prompt_ids]

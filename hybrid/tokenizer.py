@@ -1,10 +1,10 @@
 """Tokenizers: a checkpoint's ``tokenizer.json`` (via the ``tokenizers`` package), else bytes.
 
 Both expose ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``bos_token_id``,
-``eos_token_id``, ``pad_token_id``, ``eos_token_ids`` (every id that ends generation) and
-``vocab_size``. :class:`StreamDecoder` turns a growing id list into text deltas without ever
-emitting half of a multi-byte character (through ``tokenizers.decoders.DecodeStream`` where the
-tokenizer has a ``tokenizers`` backend).
+``eos_token_id``, ``pad_token_id``, ``eos_token_ids`` (every id that ends generation),
+``sampling_defaults`` (the checkpoint's generation_config.json sampling values) and ``vocab_size``.
+:class:`StreamDecoder` turns a growing id list into text deltas without ever emitting half of a multi-byte
+character (through ``tokenizers.decoders.DecodeStream`` where the tokenizer has a ``tokenizers`` backend).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class ByteTokenizer:
 
     bos_token_id, eos_token_id, pad_token_id = 256, 257, 258
     vocab_size = 259
+    sampling_defaults: dict = {}  # no checkpoint, no defaults (never mutated)
     _SPECIALS = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
 
     def __init__(self, add_bos: bool = False):
@@ -83,11 +84,16 @@ class HFTokenizer:
             ids[name] = self._tok.token_to_id(content) if content is not None else None
         eos_ids = gen.get("eos_token_id", ids["eos"])
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
+        # generation ends at every end-of-turn id generation_config.json lists and at the tokenizer's own EOS
+        # (a chat model's <|im_end|> / <|eot_id|> may be only one of them), as transformers' generate does
+        if ids["eos"] is not None and ids["eos"] not in eos_ids:
+            eos_ids.append(ids["eos"])
         self.eos_token_ids = tuple(eos_ids)
         self.eos_token_id = eos_ids[0] if eos_ids else None
         self.bos_token_id = gen.get("bos_token_id", ids["bos"])
         self.pad_token_id = gen.get("pad_token_id", ids["pad"])
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.sampling_defaults = sampling_defaults(gen)
 
     @property
     def backend_tokenizer(self):
@@ -99,6 +105,19 @@ class HFTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+# generation_config.json keys that set a sampling default -> SamplingParams' name (vLLM reads the same ones;
+# like vLLM, ``do_sample`` is not read: an explicit temperature says whether to sample)
+SAMPLING_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_new_tokens"}
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """The sampling defaults a checkpoint's ``generation_config.json`` sets, as SamplingParams keywords; the
+    caller's own values (flags, request fields) override them."""
+    return {name: generation_config[key] for key, name in SAMPLING_KEYS.items()
+            if generation_config.get(key) is not None}
 
 
 def _read_json(path: Path) -> dict:

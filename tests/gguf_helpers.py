@@ -24,7 +24,8 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
-def tiny_llama(seed: int = 0, *, qkv_bias: bool = False, out_bias: bool | None = None, tie: bool = True) -> hybrid.HybridLM:
+def tiny_llama(seed: int = 0, *, qkv_bias: bool = False, out_bias: bool | None = None,
+               tie: bool = True) -> hybrid.HybridLM:
     """A 2-layer GQA Llama whose rows are multiples of 32 (the quantised types' block)."""
     torch.manual_seed(seed)
     cfg = hybrid.HybridConfig(vocab_size=96, d_model=64, pattern="*-*-",

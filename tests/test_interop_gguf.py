@@ -65,10 +65,10 @@ def test_quantised_gguf_loads_llama_cpps_dequantisation(tmp_path, qtype):
     # the reference: the same model with every 2-D weight put through llama.cpp's quantiser and back
     ref = tiny_llama()
     with torch.no_grad():
-        for name, p in ref.named_parameters():
+        for p in ref.parameters():
             if p.dim() == 2:
                 p.copy_(gguf_round_trip(p.numpy(), qtype))
-        for (name, a), b in zip(loaded.state_dict().items(), ref.state_dict().values()):
+        for (name, a), b in zip(loaded.state_dict().items(), ref.state_dict().values(), strict=True):
             assert torch.equal(a, b), name
         assert torch.equal(loaded(IDS), ref(IDS))
         err = _rel_rms(loaded(IDS), model(IDS))

@@ -1,7 +1,9 @@
-"""``hybrid generate``: stream a continuation of a prompt; prefill and decode tokens/s at the end."""
+"""``hybrid generate``: stream a continuation of a prompt, or (``--chat``) the answer to it as a user message;
+prefill and decode tokens/s at the end."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from .common import (
@@ -15,24 +17,23 @@ from .common import (
     speculative,
     threads_flag,
 )
+from .errors import CLIError
+from .sampling_flags import add_sampling_flags, check_sampling_flags, sampling_params
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="stream a continuation of a prompt; prefill and decode tokens/s at the end")
-    p.add_argument("--model", help="checkpoint folder (its tokenizer.json is used if present, else bytes)")
+    p = sub.add_parser("generate", help="stream a continuation of a prompt, or a chat answer; prefill and decode "
+                                        "tokens/s at the end")
+    p.add_argument("--model", help="checkpoint folder, .gguf file or model name (smollm2-135m-instruct); its "
+                                   "tokenizer is used if it has one, else bytes")
     p.add_argument("--recipe", help="recipe name (random weights, byte tokenizer)")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 is off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
-                                                            "whose probabilities sum to p, in (0, 1] (1 is off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than min_p x the most likely, "
-                                                            "in [0, 1] (0 is off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is off")
-    p.add_argument("--stop", nargs="*", help="stop when the text contains any of these strings")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (and a --recipe's weights; default: 0 for "
-                                                          "the weights, a random draw for sampling)")
+    p.add_argument("--prompt", required=True, help="the text to continue, or with --chat the user's message")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="send --prompt as a user message through the model's chat template and print only the "
+                        "answer (default: on when the model has a chat template or --system is given; --no-chat "
+                        "continues the raw text)")
+    p.add_argument("--system", help="the system message of --chat (default: the template's own, if any)")
+    add_sampling_flags(p, max_new_tokens=64)
     p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk (tokens per step)")
     p.add_argument("--compile", action="store_true", help="compile the decode step (torch.compile)")
     p.add_argument("--prefix-caching", action="store_true", help="engine with the prefix cache on (reports its hits)")
@@ -47,28 +48,47 @@ def add_parser(sub) -> None:
 
 def run(args) -> None:
     from ..engine import Engine
-    from ..sampling import SamplingParams
 
-    # the sampling values first: a wrong one is named before a model is built
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed, stop=tuple(args.stop or ()))
+    check_sampling_flags(args)  # a wrong value is named before a model is built
     model, tokenizer = engine_model(args, seed=0 if args.seed is None else args.seed)
-    prompt = tokenizer.encode(args.prompt)
+    chat = chat_prompt(args, tokenizer)
+    prompt, stop = (tokenizer.encode(args.prompt), ()) if chat is None else chat
+    params = sampling_params(args, tokenizer, extra_stop=stop)
     block_size = 16
-    engine = Engine(model, num_blocks=-(-(len(prompt) + args.max_new_tokens) // block_size),
+    engine = Engine(model, num_blocks=-(-(len(prompt) + params.max_new_tokens) // block_size),
                     block_size=block_size, max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer,
                     compile=args.compile, prefix_caching=args.prefix_caching,
                     speculative=speculative(args, model), kv_dtype=args.kv_dtype,
                     state_dtype=args.state_dtype, kv_pruning=args.kv_pruning, multi_step=args.multi_step)
     engine.add_request(prompt, params)
-    sys.stdout.write(args.prompt)
+    if chat is None:  # a continuation prints after its prompt; a chat answer stands alone
+        sys.stdout.write(args.prompt)
     while engine.has_unfinished():
         for out in engine.step():
             sys.stdout.write(out.text)
             sys.stdout.flush()
     print(file=sys.stdout, flush=True)
     report(engine, args)
+
+
+def chat_prompt(args, tokenizer) -> tuple[list[int], tuple[str, ...]] | None:
+    """With chat on: the token ids of [system,] user rendered through the chat template (its text already
+    holds the template's special tokens, so none are added) and the template's stop strings; None with chat off.
+    Chat is on with ``--chat``, and by default when the model has a chat template or ``--system`` is given."""
+    from ..server.chat_template import load_chat_template
+
+    if args.chat is False:
+        if args.system is not None:
+            raise CLIError("--system is the system message of a chat: drop --no-chat, or --system")
+        return None
+    template = load_chat_template(args.model)  # the ChatML default for a recipe or a folder without one
+    if args.chat is None and template.is_default and args.system is None:
+        return None
+    messages = [{"role": "user", "content": args.prompt}]
+    if args.system is not None:
+        messages.insert(0, {"role": "system", "content": args.system})
+    text = template.render(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False), template.stop
 
 
 def report(engine, args) -> None:

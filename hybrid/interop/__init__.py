@@ -185,5 +185,5 @@ def pick_hf_format(config: HybridConfig) -> str:
 
 
 __all__ = ["CONVERTERS", "EXTENSIONS", "FORMATS", "MAMBA_SSM", "Converter", "architecture_of", "export",
-           "export_formats", "export_problem",
-           "converter_config", "load_foreign", "load_gguf", "model_from_hf", "pick_hf_format", "register", "read_config", "read_state", "write_checkpoint"]
+           "export_formats", "export_problem", "converter_config", "load_foreign", "load_gguf", "model_from_hf",
+           "pick_hf_format", "register", "read_config", "read_state", "write_checkpoint"]
