@@ -199,3 +199,31 @@ def test_real_model_greedy_chat_answer_equals_transformers(smollm2_dir):
 def test_real_model_generate_cli_chats_by_default(smollm2_dir, capsys):
     main(["generate", "--model", "smollm2-135m-instruct", "--prompt", "What is the capital of France?"])
     assert capsys.readouterr().out == "The capital of France is Paris.\n"
+
+
+def test_server_takes_the_checkpoints_sampling_defaults(tiny_dir):
+    from server_helpers import post, running_server
+
+    greedy = _free_run(tiny_dir)
+    (tiny_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "eos_token_id": 1}))
+    model = hybrid.from_pretrained(tiny_dir)
+    with running_server(model, tokenizer=model.tokenizer) as (server, _, _):
+        for seed in (1, 2):  # no temperature in the request: the checkpoint's 0 (greedy), not OpenAI's 1
+            status, body = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "seed": seed,
+                                                            "ignore_eos": True})
+            assert status == 200, body
+            assert body["choices"][0]["text"] == model.tokenizer.decode(greedy)
+
+
+@pytest.mark.slow  # the real model behind the HTTP server
+def test_real_model_server_chat_answer(smollm2_dir):
+    from server_helpers import post, running_server
+
+    model = hybrid.from_pretrained(smollm2_dir)
+    with running_server(model, tokenizer=model.tokenizer, chat_template=load_chat_template(smollm2_dir),
+                        name="smollm2") as (server, _, _):
+        status, body = post(server, "/v1/chat/completions", {"messages": CONVERSATIONS[0], "temperature": 0,
+                                                                 "max_tokens": 32})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == "The capital of France is Paris." and choice["finish_reason"] == "stop"

@@ -54,6 +54,11 @@ class ServerSettings:
     tool_call_parser: str | None = None  # a tool_parsers name: tool calls in chat output -> tool_calls
 
 
+# Sampling when neither the request nor the checkpoint's generation_config.json says (OpenAI's defaults; the
+# vLLM fields top_k, min_p, repetition_penalty off)
+OPENAI_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class ClientGone(Exception):
     """The client closed the connection before its response was ready."""
 
@@ -65,6 +70,8 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
     loop = EngineLoop(engine)
     template = chat_template or ChatTemplate()
     vocab = engine.model.config.vocab_size
+    model_defaults = {k: v for k, v in (getattr(tokenizer, "sampling_defaults", None) or {}).items()
+                      if k in OPENAI_SAMPLING}
     token_text = R.TokenText(tokenizer)
     tool_format = tool_call_format(settings.tool_call_parser) if settings.tool_call_parser else None
 
@@ -120,12 +127,14 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
     def sampling(body, max_tokens: int, stop: tuple[str, ...], j: int) -> SamplingParams | None:
         if max_tokens == 0:
             return None
-        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+        # a field the request leaves out takes the checkpoint's generation_config.json default, else OpenAI's
+        given = {k: getattr(body, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
+        values = {**OPENAI_SAMPLING, **model_defaults, **{k: v for k, v in given.items() if v is not None}}
         try:
             return SamplingParams(
-                max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                top_k=top_k, top_p=1.0 if body.top_p is None else body.top_p,
-                min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
+                max_new_tokens=max_tokens, temperature=values["temperature"], top_k=max(values["top_k"], 0),
+                top_p=values["top_p"], min_p=values["min_p"] or 0.0,
+                repetition_penalty=values["repetition_penalty"] or 1.0,
                 seed=None if body.seed is None else body.seed + j, stop=stop,
                 stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
         except ValueError as e:
