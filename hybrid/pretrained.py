@@ -36,15 +36,12 @@ def as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 def _from_gguf(path: Path, *, dtype: torch.dtype | None, device):
     """A GGUF file's model (dequantised) with its tokenizer attached."""
-    import tempfile
-
     from .interop import load_gguf
-    from .interop.gguf_tokenizer import write_tokenizer_files
+    from .interop.gguf_tokenizer import tokenizer_folder
 
     model = load_gguf(path, dtype=dtype, device=device)
-    with tempfile.TemporaryDirectory(prefix="hybrid-gguf-tokenizer-") as folder:
-        write_tokenizer_files(path, folder)
-        model.tokenizer = load_tokenizer(folder) if (Path(folder) / "tokenizer.json").is_file() else None
+    with tokenizer_folder(path) as folder:
+        model.tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
     return model
 
 

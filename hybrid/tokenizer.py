@@ -126,7 +126,8 @@ def _read_json(path: Path) -> dict:
 
 def load_tokenizer(path: str | Path | None = None) -> ByteTokenizer | HFTokenizer:
     """The tokenizer of a checkpoint folder (its ``tokenizer.json``; a model name stands for its folder,
-    :func:`hybrid.pretrained_path`), or the byte-level fallback when ``path`` is None or the folder has none."""
+    :func:`hybrid.pretrained_path`) or of a ``.gguf`` file, or the byte-level fallback when ``path`` is None or
+    the folder has none."""
     if path is None:
         return ByteTokenizer()
     from .pretrained_names import resolve
@@ -134,8 +135,13 @@ def load_tokenizer(path: str | Path | None = None) -> ByteTokenizer | HFTokenize
     path = Path(resolve(path))
     if path.is_file() and path.name == "tokenizer.json":
         return HFTokenizer(path.parent)
+    if path.is_file() and path.suffix == ".gguf":  # the tokenizer llama.cpp's file carries
+        from .interop.gguf_tokenizer import tokenizer_folder
+
+        with tokenizer_folder(path) as folder:
+            return load_tokenizer(folder)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path} is neither a checkpoint folder nor a tokenizer.json file")
+        raise FileNotFoundError(f"{path} is neither a checkpoint folder, a tokenizer.json nor a .gguf file")
     return HFTokenizer(path) if (path / "tokenizer.json").is_file() else ByteTokenizer()
 
 

@@ -227,3 +227,14 @@ def test_real_model_server_chat_answer(smollm2_dir):
     assert status == 200, body
     choice = body["choices"][0]
     assert choice["message"]["content"] == "The capital of France is Paris." and choice["finish_reason"] == "stop"
+
+
+def test_a_gguf_file_gives_its_tokenizer_and_template(smollm2_tokenizer_dir):
+    from hybrid.pretrained_names import gguf_path
+
+    path = gguf_path("smollm2-135m-instruct")
+    text = "Hello, wörld! <|im_end|>"
+    assert load_tokenizer(path).encode(text) == load_tokenizer(smollm2_tokenizer_dir).encode(text)
+    assert load_tokenizer(path).eos_token_ids == (2,)
+    assert load_chat_template(path).render(CONVERSATIONS[1]) == load_chat_template(
+        smollm2_tokenizer_dir).render(CONVERSATIONS[1])

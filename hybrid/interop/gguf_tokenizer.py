@@ -10,7 +10,9 @@ GGUF may carry (``general.sampling.temp`` / ``top_k`` / ``top_p`` / ``min_p``).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
@@ -68,3 +70,12 @@ def write_tokenizer_files(gguf_path: str | Path, dst: str | Path) -> list[str]:
     (dst / "generation_config.json").write_text(json.dumps(generation_config(f), indent=2) + "\n")
     written.append("generation_config.json")
     return written
+
+
+@contextlib.contextmanager
+def tokenizer_folder(gguf_path: str | Path):
+    """A temporary folder holding the tokenizer files of ``gguf_path`` (:func:`write_tokenizer_files`), for the
+    loaders that read a checkpoint folder; removed on exit (what they loaded stays in memory)."""
+    with tempfile.TemporaryDirectory(prefix="hybrid-gguf-tokenizer-") as folder:
+        write_tokenizer_files(gguf_path, folder)
+        yield Path(folder)

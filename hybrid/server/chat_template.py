@@ -151,13 +151,18 @@ def _token_text(entry) -> str | None:
 
 
 def load_chat_template(checkpoint: str | Path | None) -> ChatTemplate:
-    """The checkpoint folder's chat template (a model name stands for its folder), or the ChatML default when it
-    has none (or no folder)."""
+    """The checkpoint folder's chat template (a model name stands for its folder; a ``.gguf`` file gives its
+    ``tokenizer.chat_template``), or the ChatML default when it has none (or no folder)."""
     if checkpoint is None:
         return ChatTemplate()
     from ..pretrained_names import resolve
 
     folder = Path(resolve(checkpoint))
+    if folder.is_file() and folder.suffix == ".gguf":  # its tokenizer.chat_template metadata
+        from ..interop.gguf_tokenizer import tokenizer_folder
+
+        with tokenizer_folder(folder) as files:
+            return load_chat_template(files)
     tokenizer = _transformers_tokenizer(folder)
     if tokenizer is not None and tokenizer.chat_template:
         return TokenizerChatTemplate(tokenizer)
