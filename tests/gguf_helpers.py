@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 import hybrid
-from hybrid.interop.gguf_file import permute_rows
+from hybrid.interop.gguf_llama import permute_rows
 
 QTYPES = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
           "BF16": gguf.GGMLQuantizationType.BF16, "Q8_0": gguf.GGMLQuantizationType.Q8_0,
@@ -100,3 +100,70 @@ def gguf_round_trip(values: np.ndarray, qtype: str) -> torch.Tensor:
     if q == gguf.GGMLQuantizationType.F16:
         return torch.from_numpy(values.astype(np.float16).astype(np.float32))
     return torch.from_numpy(np.array(gguf.quants.dequantize(gguf.quants.quantize(values, q), q), dtype=np.float32))
+
+
+# llama.cpp keeps these SSM tensors in F32 whatever the file type
+_MAMBA_F32 = {"ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm"}
+
+
+def write_mamba_gguf(model: hybrid.HybridLM, path: Path, qtype: str = "F32") -> Path:
+    """A Mamba-1 (``"m" * n``) or Mamba-2 (``"M" * n``) HybridLM as llama.cpp's converter writes it: A_log as
+    ``A = -exp(A_log)``, the conv weight squeezed, Mamba-2's A and D with a trailing axis, its norm per group,
+    its dt_bias as ``ssm_dt.bias``; 2-D weights whose rows are whole 32-blocks in ``qtype``."""
+    from hybrid.interop import FORMATS, _ensure_loaded
+    from hybrid.interop.gguf_mamba import MAMBA1_NAMES, MAMBA2_NAMES
+
+    _ensure_loaded()
+    cfg = model.config
+    two = cfg.pattern[0] == "M"
+    m = cfg.mamba2 if two else cfg.mamba1
+    state = FORMATS["mamba2" if two else "mamba"].state_to_hf(
+        {k: v.detach() for k, v in model.state_dict().items()}, cfg)
+    to_gguf = {hf: gg for gg, hf in (MAMBA2_NAMES if two else MAMBA1_NAMES).items()}
+    w = gguf.GGUFWriter(str(path), "mamba2" if two else "mamba")
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(2**20)
+    w.add_embedding_length(cfg.d_model)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_ssm_conv_kernel(m.d_conv)
+    w.add_ssm_inner_size(m.d_inner)
+    w.add_ssm_state_size(m.d_state)
+    w.add_ssm_time_step_rank(m.n_heads if two else m.dt_rank)
+    if two:
+        w.add_ssm_group_count(m.n_groups)
+    else:
+        w.add_ssm_dt_b_c_rms(False)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    for hf_name, t in state.items():
+        values = t.float().numpy()
+        if hf_name.endswith(".A_log"):
+            values = -np.exp(values)
+        if hf_name.endswith(".conv1d.weight"):
+            values = values[:, 0, :]
+        if two and hf_name.endswith((".A_log", ".mixer.D")):
+            values = values[:, None]
+        if two and hf_name.endswith(".mixer.norm.weight"):
+            values = values.reshape(m.n_groups, -1)
+        name = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}.get(hf_name)
+        if name is None:
+            _, _, layer, tail = hf_name.split(".", 3)
+            stem, _, kind = tail.rpartition(".")
+            if tail in to_gguf:  # a whole name: A_log, D, dt_bias
+                name = f"blk.{layer}.{to_gguf[tail]}"
+            else:
+                name = f"blk.{layer}.{to_gguf[stem]}.{kind}"
+        kept_f32 = name.split(".")[2] in _MAMBA_F32 if name.startswith("blk.") else False
+        if qtype == "F32" or values.ndim == 1 or values.shape[-1] % 32 or kept_f32:
+            w.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+        elif qtype == "F16":
+            w.add_tensor(name, values.astype(np.float16))
+        else:
+            q = QTYPES[qtype]
+            w.add_tensor(name, gguf.quants.quantize(values, q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

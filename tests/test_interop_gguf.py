@@ -3,6 +3,8 @@ SmolLM2 file's tensors equal transformers' GGUF loader's; unsupported types and 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,8 @@ from gguf_helpers import gguf_round_trip, tiny_llama, write_llama_gguf
 
 import hybrid
 from hybrid import CheckpointError
-from hybrid.interop.gguf_file import permute_rows, read_gguf, unpermute_rows
+from hybrid.interop.gguf_file import read_gguf
+from hybrid.interop.gguf_llama import permute_rows, unpermute_rows
 from hybrid.interop.gguf_tokenizer import generation_config
 
 IDS = torch.tensor([[3, 17, 42, 5, 88, 9, 61, 23, 0, 95, 14, 7]])
@@ -92,7 +95,8 @@ def test_unknown_tensor_and_rope_table_are_refused(tmp_path):
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
     path = write_llama_gguf(tiny_llama(), tmp_path / "p.gguf", "F32", arch="phi3")
-    with pytest.raises(CheckpointError, match="GGUF architecture 'phi3' is not supported; supported: llama, qwen2"):
+    with pytest.raises(CheckpointError,
+                       match="GGUF architecture .phi3. is not supported; supported: llama, mamba, mamba2, qwen2"):
         hybrid.from_pretrained(path)
 
 
@@ -151,3 +155,76 @@ def test_real_file_generation_config():
 
     assert generation_config(GGUFFile(_smollm2_gguf())) == {"bos_token_id": 1, "eos_token_id": 2,
                                                            "pad_token_id": 2}
+
+
+# ---- Mamba-1 / Mamba-2 -----------------------------------------------------------------------------------
+def _mamba(name: str, **mamba2) -> hybrid.HybridLM:
+    from hybrid import recipes
+
+    torch.manual_seed(0)
+    cfg = recipes.get(name)
+    cfg = dataclasses.replace(cfg, norm_eps=float(np.float32(cfg.norm_eps)))
+    if mamba2:
+        cfg = dataclasses.replace(cfg, mamba2=dataclasses.replace(cfg.mamba2, **mamba2))
+    model = hybrid.HybridLM(cfg).eval()
+    with torch.no_grad():  # norms and D away from their init, so a misplaced one shows
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith(".D"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model
+
+
+# A_log comes back as log(-(-exp(A_log))): float32 exp then a float64 log, rounded once, within ~1 ulp of the
+# original; the logits of these 4-layer models then differ by a few fp32 ulps of their scale, nowhere near this.
+MAMBA_F32_BOUND = 1e-5
+
+
+@pytest.mark.parametrize("name, mamba2", [("mamba1-tiny", {}), ("mamba2-tiny", {}),
+                                          ("mamba2-tiny", {"n_groups": 2, "norm_groups": 2})])
+def test_mamba_gguf_loads(tmp_path, name, mamba2):
+    from gguf_helpers import write_mamba_gguf
+    from hf_parity import used_part
+
+    model = _mamba(name, **mamba2)
+    loaded = hybrid.from_pretrained(write_mamba_gguf(model, tmp_path / "m.gguf", "F32"))
+    # what a foreign format stores: the sections the pattern uses (and chunk_size, a kernel choice, is not stored)
+    want = used_part(model.config)
+    if want.pattern[0] == "M":
+        chunk = loaded.config.mamba2.chunk_size
+        want = dataclasses.replace(want, mamba2=dataclasses.replace(want.mamba2, chunk_size=chunk))
+    assert used_part(loaded.config) == want
+    ours, theirs = loaded.state_dict(), model.state_dict()
+    for k, v in theirs.items():
+        if k.endswith("A_log"):
+            assert torch.allclose(ours[k], v, rtol=2e-7, atol=0), k
+        else:
+            assert torch.equal(ours[k], v), k
+    with torch.no_grad():
+        assert _rel_rms(loaded(IDS), model(IDS)) < MAMBA_F32_BOUND
+
+
+def test_quantised_mamba2_gguf(tmp_path):
+    from gguf_helpers import write_mamba_gguf
+
+    model = _mamba("mamba2-tiny")
+    loaded = hybrid.from_pretrained(write_mamba_gguf(model, tmp_path / "m.gguf", "Q8_0"))
+    with torch.no_grad():
+        w = model.layers[0].mixer.in_proj.weight
+        assert torch.equal(loaded.layers[0].mixer.in_proj.weight, gguf_round_trip(w.numpy(), "Q8_0"))
+        assert 0 < _rel_rms(loaded(IDS), model(IDS)) < LOGIT_BOUND["Q8_0"]
+
+
+def test_falcon_mamba_norms_are_refused(tmp_path):
+    import gguf
+    from gguf_helpers import write_mamba_gguf
+
+    path = write_mamba_gguf(_mamba("mamba1-tiny"), tmp_path / "m.gguf", "F32")
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields["mamba.ssm.dt_b_c_rms"]
+    assert field.contents() is False
+    data = bytearray(path.read_bytes())  # flip the stored bool in place
+    offset = int(field.parts[field.data[0]].ctypes.data - reader.data.ctypes.data)
+    data[offset] = 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="ssm.dt_b_c_rms"):
+        read_gguf(path)

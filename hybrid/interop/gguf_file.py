@@ -1,5 +1,5 @@
 """llama.cpp's GGUF files -> a Hugging Face config dict and state dict, which the converter for that
-architecture (:mod:`hybrid.interop.llama`) turns into a ``HybridLM``.
+architecture (:mod:`hybrid.interop.llama`, :mod:`hybrid.interop.mamba`) turns into a ``HybridLM``.
 
 The file is read with llama.cpp's own Python reader (the ``gguf`` package): metadata from
 ``GGUFReader.fields``, tensors dequantised to fp32 by ``gguf.quants.dequantize`` (every type it
@@ -18,16 +18,15 @@ frequency table, partial rotary dimensions, a scaling type we do not implement).
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError
-
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # llama.cpp name -> transformers'
-# llama.cpp permutes q/k for these (convert_hf_to_gguf.py's LlamaModel and its subclasses)
-_PERMUTED = {"llama"}
 
 
 def _gguf():
@@ -92,104 +91,99 @@ class GGUFFile:
             yield t.name, np.asarray(values, dtype=np.float32)
 
 
-def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's ``LlamaModel.permute`` of q/k rows: per head, rows (pair, 2) -> (2, pair), i.e.
-    interleaved rotary pairs back to the HF halves layout. ``w``: [n_head * head_dim, ...] (weight or bias)."""
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+@dataclass(frozen=True)
+class GGUFArch:
+    """How one llama.cpp architecture maps back to transformers'."""
+
+    name: str  # llama.cpp's general.architecture
+    hf_architecture: str  # the transformers class its converter in hybrid.interop reads
+    config: Callable[[GGUFFile, list[str]], dict]  # (file, tensor names) -> transformers config dict
+    top_names: dict[str, str]  # llama.cpp stem -> transformers' module (token_embd -> model.embed_tokens)
+    layer_prefix: str  # transformers' prefix of layer i's modules, "{prefix}.{i}."
+    # llama.cpp per-layer stem -> transformers' module under the prefix (its .weight / .bias follows), or a
+    # whole name ("ssm_a" -> "mixer.A_log": llama.cpp writes some tensors without a suffix; "ssm_dt.bias" ->
+    # "mixer.dt_bias": one tensor whose name differs from its module's siblings)
+    layer_names: dict[str, str]
+    # (transformers' name, values, config) -> values as transformers stores them (undoing llama.cpp's changes)
+    restore: Callable[[str, np.ndarray, dict], np.ndarray] = staticmethod(lambda name, values, hf: values)
+    # llama.cpp stems that have a reason to be refused (shown in the error)
+    refused: tuple[tuple[str, str], ...] = ()
+
+    def hf_name(self, name: str) -> str:
+        """transformers' name for llama.cpp tensor ``name`` (``blk.3.attn_q.weight``), or a refusal naming it."""
+        parts = name.split(".")
+        kind = parts.pop() if parts[-1] in ("weight", "bias") else None
+        suffix = f".{kind}" if kind else ""
+        stem = ".".join(parts)
+        if len(parts) == 1 and stem in self.top_names:
+            return f"{self.top_names[stem]}{suffix}"
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+            if kind is not None and f"{parts[2]}{suffix}" in self.layer_names:  # a whole name
+                return f"{self.layer_prefix}.{parts[1]}.{self.layer_names[parts[2] + suffix]}"
+            if kind is None and parts[2] in self.layer_names:  # llama.cpp wrote it without a suffix
+                return f"{self.layer_prefix}.{parts[1]}.{self.layer_names[parts[2]]}"
+            if kind is not None and parts[2] in self.layer_names:
+                return f"{self.layer_prefix}.{parts[1]}.{self.layer_names[parts[2]]}{suffix}"
+        why = dict(self.refused).get(stem)
+        raise CheckpointError(f"GGUF {self.name}: tensor {name!r} has no counterpart in the {self.hf_architecture} "
+                              f"converter{f' ({why})' if why else ''}; refusing to load a model without it")
 
 
-def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's ``LlamaModel.permute`` (HF halves -> interleaved pairs); the inverse of :func:`unpermute_rows`.
-    Here for writing test files the way llama.cpp's converter does."""
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+ARCHITECTURES: dict[str, GGUFArch] = {}  # by llama.cpp name, filled by the modules in _MODULES
+_MODULES = ("gguf_llama", "gguf_mamba")
 
 
-# llama.cpp tensor name (gguf.TENSOR_NAMES, {bid} the layer) -> transformers' name for the Llama family
-_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-                "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+def register(arch: GGUFArch) -> GGUFArch:
+    ARCHITECTURES[arch.name] = arch
+    return arch
 
 
-def _hf_name(arch: str, name: str) -> str:
-    """transformers' name for llama.cpp tensor ``name`` (``blk.3.attn_q.weight``), or a refusal naming it."""
-    stem, _, kind = name.rpartition(".")
-    parts = stem.split(".")
-    if len(parts) == 1 and stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{kind}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
-    why = (" (a RoPE frequency table: llama3-style scaling, which a GGUF stores without its parameters)"
-           if stem == "rope_freqs" else "")
-    raise CheckpointError(f"GGUF {arch}: tensor {name!r} has no counterpart in the {GGUF_ARCHITECTURES[arch]} "
-                          f"converter{why}; refusing to load a model without it")
+def supported() -> list[str]:
+    """The llama.cpp architectures :func:`read_gguf` reads."""
+    for mod in _MODULES:
+        importlib.import_module(f"{__package__}.{mod}")
+    return sorted(ARCHITECTURES)
 
 
-def _llama_family_config(f: GGUFFile, names: list[str]) -> dict:
-    arch = f.arch
-    hf_arch = GGUF_ARCHITECTURES[arch]
-    need = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
-    missing = [f"{arch}.{k}" for k in need if f.arch_key(k) is None]
+def require(f: GGUFFile, *keys: str) -> None:
+    """Refuse a file whose metadata lacks any of ``{arch}.{key}``, naming them."""
+    missing = [f"{f.arch}.{k}" for k in keys if f.arch_key(k) is None]
     if missing:
         raise CheckpointError(f"{f.path}: the GGUF metadata lacks {', '.join(missing)}")
-    n_heads = int(f.arch_key("attention.head_count"))
-    d_model = int(f.arch_key("embedding_length"))
-    head_dim = int(f.arch_key("attention.key_length", d_model // n_heads))
-    if int(f.arch_key("attention.value_length", head_dim)) != head_dim:
-        raise CheckpointError(f"GGUF {arch}: attention.value_length != key_length is not supported; refusing to load")
-    rot = int(f.arch_key("rope.dimension_count", head_dim))
-    if rot != head_dim:
-        raise CheckpointError(f"GGUF {arch}: rope.dimension_count={rot} < head_dim {head_dim} (partial rotary) is "
-                              f"not supported by {hf_arch}; refusing to load")
-    rope = {"rope_type": "default", "rope_theta": float(f.arch_key("rope.freq_base", 10000.0))}
-    scaling = f.arch_key("rope.scaling.type")
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise CheckpointError(f"GGUF {arch}: RoPE scaling {scaling!r} is not supported (only linear); "
-                                  f"refusing to load")
-        rope.update(rope_type="linear", factor=float(f.arch_key("rope.scaling.factor")))
-    window = f.arch_key("attention.sliding_window")
-    if window:
-        raise CheckpointError(f"GGUF {arch}: attention.sliding_window={window} is not supported; refusing to load")
-    tokens = f.get("tokenizer.ggml.tokens")
-    vocab = f.arch_key("vocab_size") or (len(tokens) if tokens is not None else None)
-    if vocab is None:
-        raise CheckpointError(f"{f.path}: the GGUF metadata gives no vocabulary size ({arch}.vocab_size or "
-                              "tokenizer.ggml.tokens)")
-    hf = {"architectures": [hf_arch], "model_type": arch, "vocab_size": int(vocab), "hidden_size": d_model,
-          "intermediate_size": int(f.arch_key("feed_forward_length")),
-          "num_hidden_layers": int(f.arch_key("block_count")), "num_attention_heads": n_heads,
-          "num_key_value_heads": int(f.arch_key("attention.head_count_kv", n_heads)), "head_dim": head_dim,
-          "hidden_act": "silu", "rms_norm_eps": float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
-          "rope_parameters": rope, "max_position_embeddings": int(f.arch_key("context_length", 2048)),
-          # llama.cpp writes no output.weight for a model whose head is its embedding
-          "tie_word_embeddings": "output.weight" not in names}
+
+
+def vocab_size(f: GGUFFile) -> int:
+    """The vocabulary: the embedding's rows (llama.cpp pads some vocabularies past the tokenizer's)."""
+    embed = next((t for t in f.reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise CheckpointError(f"{f.path}: the GGUF file has no token_embd.weight")
+    return int(embed.shape[-1])
+
+
+def special_ids(f: GGUFFile) -> dict:
+    """bos / eos / pad token ids of the file's tokenizer metadata, as transformers config keys."""
+    out = {}
     for key, tok in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
         if f.get(f"tokenizer.ggml.{tok}_token_id") is not None:
-            hf[key] = int(f.get(f"tokenizer.ggml.{tok}_token_id"))
-    if arch == "llama":  # Llama's attention_bias covers q, k, v and o together; the tensors say which it is
-        hf["attention_bias"] = any(n.endswith(".attn_q.bias") for n in names)
-        hf["mlp_bias"] = any(n.endswith(".ffn_up.bias") for n in names)
-    return hf
+            out[key] = int(f.get(f"tokenizer.ggml.{tok}_token_id"))
+    return out
 
 
 def read_gguf(path: str | Path, *, progress: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     """(transformers config dict, transformers-named fp32 state dict) of a GGUF file."""
     f = GGUFFile(path)
-    if f.arch not in GGUF_ARCHITECTURES:
+    known = supported()
+    if f.arch not in ARCHITECTURES:
         raise CheckpointError(f"{f.path}: GGUF architecture {f.arch!r} is not supported; supported: "
-                              f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
+                              f"{', '.join(known)}")
+    arch = ARCHITECTURES[f.arch]
     names = f.tensor_names()
-    hf = _llama_family_config(f, names)
+    hf = arch.config(f, names)
     for name in names:  # refuse an unknown tensor before any dequantising
-        _hf_name(f.arch, name)
+        arch.hf_name(name)
     state = {}
     for name, values in f.tensors(progress=progress):
-        if f.arch in _PERMUTED and (".attn_q." in name or ".attn_k." in name):
-            heads = hf["num_attention_heads"] if ".attn_q." in name else hf["num_key_value_heads"]
-            values = unpermute_rows(values, heads)
-        state[_hf_name(f.arch, name)] = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
+        hf_name = arch.hf_name(name)
+        # a writable, contiguous fp32 copy (the reader's arrays are read-only views of the mapped file)
+        state[hf_name] = torch.from_numpy(np.array(arch.restore(hf_name, values, hf), dtype=np.float32))
     return hf, state
