@@ -105,8 +105,14 @@ def pretrained_path(name: str, *, progress: bool = True) -> Path:
         save_pretrained(model, tmp, format="hf")
         write_tokenizer_files(source, tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        if final.exists():  # stale (another copy of the file): replace it
-            shutil.rmtree(final)
+        if _is_current(final, record):  # another process finished the same conversion meanwhile: use that one
+            return final
+        if final.exists():
+            # stale (converted from another copy of the file): moved aside before it is deleted, so nothing
+            # reading the name ever sees a half-deleted folder
+            stale = Path(tempfile.mkdtemp(prefix=f".{name}.stale-", dir=final.parent))
+            os.replace(final, stale / name)
+            shutil.rmtree(stale)
         try:
             os.rename(tmp, final)
         except OSError:  # another process renamed its own conversion into place first: use that one

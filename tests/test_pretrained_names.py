@@ -94,3 +94,12 @@ def test_lm_eval_model_and_tokenizer_take_the_name(tiny_named):
     with torch.no_grad():
         assert torch.equal(lm.model(ids), hybrid.from_pretrained(folder)(ids))
     assert type(lm.tokenizer) is type(hybrid.load_tokenizer("tiny-test"))
+
+
+def test_a_stale_conversion_is_replaced(tiny_named, tmp_path):
+    folder = hybrid.pretrained_path("tiny-test")
+    record = folder / pretrained_names.SOURCE_FILE
+    record.write_text(record.read_text().replace('"size"', '"size_of_another_file"'))
+    assert hybrid.pretrained_path("tiny-test") == folder
+    assert '"size"' in record.read_text()  # converted again from the installed file
+    assert [p.name for p in folder.parent.iterdir()] == ["tiny-test"]  # nothing left beside it
