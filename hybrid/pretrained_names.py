@@ -84,10 +84,9 @@ def _is_current(folder: Path, record: dict) -> bool:
 def pretrained_path(name: str, *, progress: bool = True) -> Path:
     """The checkpoint folder of named model ``name`` (see :data:`NAMED_MODELS`), converted from its GGUF on
     first use; a folder converted from another copy of the file (a reinstalled package) is converted again."""
-    from .interop import load_gguf
+    from .interop import export, load_gguf  # not hybrid.pretrained, which resolves names through this module
     from .interop.gguf_file import GGUFFile
     from .interop.gguf_tokenizer import write_tokenizer_files
-    from .pretrained import save_pretrained
 
     source = gguf_path(name)
     record = _source_record(source)
@@ -102,7 +101,7 @@ def pretrained_path(name: str, *, progress: bool = True) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.converting-", dir=final.parent))
     try:
         model = load_gguf(source, progress=progress)
-        save_pretrained(model, tmp, format="hf")
+        export(model, tmp, "hf")  # save_pretrained(model, tmp, format="hf")
         write_tokenizer_files(source, tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
         if _is_current(final, record):  # another process finished the same conversion meanwhile: use that one

@@ -56,7 +56,7 @@ def test_a_killed_conversion_leaves_no_folder(tiny_named, tmp_path, monkeypatch)
     def killed(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("hybrid.pretrained.save_pretrained", killed)
+    monkeypatch.setattr("hybrid.interop.export", killed)
     with pytest.raises(KeyboardInterrupt):
         hybrid.pretrained_path("tiny-test")
     assert list((tmp_path / "cache" / "models").iterdir()) == []
