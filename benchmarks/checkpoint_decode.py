@@ -16,10 +16,10 @@ import argparse
 import json
 
 import torch
+from hybrid.eval.decode_timing import decode_engine, decode_speed
 from tqdm import tqdm
 
 import hybrid
-from hybrid.eval.decode_timing import decode_engine, decode_speed
 from hybrid.layers import fused_decode
 from hybrid.quantize import METHODS, decode_bytes
 

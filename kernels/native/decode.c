@@ -18,11 +18,14 @@
    optional residual added in the same pass. */
 
 #define _GNU_SOURCE
+#ifdef __linux__
 #include <linux/futex.h>
+#endif
 #include <fcntl.h>
 #include <float.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -74,6 +77,25 @@ static struct {
     _Atomic int hot; /* a decode program is running: workers spin on between its products, never sleep */
     int64_t spin;
 } P;
+
+/* A worker's sleep until wake_seq moves on from seq, and the wake-up of every sleeper: a futex on Linux. Elsewhere
+   (no futex) the sleep is a yield of the core: the callers re-check their condition around it, so only the idle
+   worker's CPU use differs. */
+static void seq_wait(_Atomic uint32_t *addr, uint32_t seq) {
+#ifdef __linux__
+    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, seq, NULL, NULL, 0);
+#else
+    if (atomic_load(addr) == seq) sched_yield();
+#endif
+}
+
+static void seq_wake_all(_Atomic uint32_t *addr) {
+#ifdef __linux__
+    syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, MAXT, NULL, NULL, 0);
+#else
+    (void)addr;
+#endif
+}
 
 static pthread_mutex_t P_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t P_run = PTHREAD_MUTEX_INITIALIZER;
@@ -174,7 +196,7 @@ static void *worker(void *arg) {
         uint32_t seq = atomic_load(&P.wake_seq);
         atomic_fetch_add(&P.sleepers, 1);
         if ((atomic_load(&P.ticket) >> 32) == seen && !atomic_load(&P.quit))
-            syscall(SYS_futex, &P.wake_seq, FUTEX_WAIT_PRIVATE, seq, NULL, NULL, 0);
+            seq_wait(&P.wake_seq, seq);
         atomic_fetch_sub(&P.sleepers, 1);
     }
     return NULL;
@@ -183,7 +205,7 @@ static void *worker(void *arg) {
 static void pool_stop(void) {
     atomic_store(&P.quit, 1);
     atomic_fetch_add(&P.wake_seq, 1);
-    syscall(SYS_futex, &P.wake_seq, FUTEX_WAKE_PRIVATE, MAXT, NULL, NULL, 0);
+    seq_wake_all(&P.wake_seq);
     for (int i = 0; i < P.nworkers; ++i) pthread_join(P.threads[i], NULL);
     P.nworkers = 0;
     atomic_store(&P.quit, 0);
@@ -240,7 +262,7 @@ static void pool_run(chunk_fn fn, const void *job, int64_t nchunks) {
                               memory_order_relaxed);
     atomic_store_explicit(&P.ticket, (gen & 0xffffffffu) << 32, memory_order_release);
     atomic_fetch_add(&P.wake_seq, 1);
-    if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, &P.wake_seq, FUTEX_WAKE_PRIVATE, MAXT, NULL, NULL, 0);
+    if (atomic_load(&P.sleepers) > 0) seq_wake_all(&P.wake_seq);
     run_chunks(gen, 0);
     if (atomic_load_explicit(&t->done, memory_order_acquire) < nchunks) {
         const double w0 = now_us();
@@ -1110,7 +1132,8 @@ static inline void dot4_f32(const Gemv *g, int64_t n0, float out[4][MAXB]) {
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__x86_64__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__x86_64__) && \
+    defined(__linux__) /* the tile state is granted through Linux's arch_prctl */
 /* ---- AMX (a batched bf16 step) ---------------------------------------------------------------------------------
    Past one input row a bf16 product is compute-bound, and vdpbf16ps reached ~100 GFLOP/s on the 2-vCPU Xeon while
    oneDNN's AMX GEMM ran 4-5x faster (bf16 llama-d512 at 32 sequences: 29 of a 34 ms program in products). The
