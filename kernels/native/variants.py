@@ -61,7 +61,20 @@ BY_NAME = {v.name: v for v in VARIANTS}
 
 
 def source_text(src_dir: Path = HERE) -> str:
-    return "\n".join((src_dir / f).read_text() for f in SOURCES)
+    """The translation unit: the decode program's op table (program_ops.py's generated header), then the sources."""
+    return "\n".join([_program_ops(src_dir).header(), *((src_dir / f).read_text() for f in SOURCES)])
+
+
+def _program_ops(src_dir: Path):
+    """program_ops.py beside the sources, loaded by its path (no package import: setup.py runs this before torch)."""
+    import importlib.util
+
+    path = src_dir / "program_ops.py"
+    spec = importlib.util.spec_from_file_location(f"_hybrid_program_ops_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses looks the module up)
+    spec.loader.exec_module(module)
+    return module
 
 
 def key(variant: Variant, src_dir: Path = HERE) -> str:
