@@ -13,7 +13,7 @@ symmetric, and each input row quantised to int8 symmetrically on the fly; the pr
 ``"8da4w"`` — torchao's ``Int8DynamicActivationIntxWeightConfig`` with int4 weights in symmetric groups of 32
 (an ``IntxUnpackedToInt8Tensor``: the int4 values unpacked in int8 [N, K], a scale per group) and each input row
 quantised to int8 asymmetrically per token. A layer whose input width 32 does not divide keeps its dtype
-(8da4w). The decode products of both are ours (integer dot products, kernels/native/decode.c, llama.cpp's
+(8da4w). The decode products of both are ours (integer dot products, kernels/native/int8_activation.c, llama.cpp's
 Q8_0 / Q4_0 arithmetic on torchao's quantisation); prefill keeps torchao's computation.
 
 torchao's int8 tensor computes through its own ``__torch_dispatch__`` (tens of microseconds of Python per call at

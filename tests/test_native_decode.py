@@ -1,4 +1,4 @@
-"""The native decode kernels (kernels/native/decode.c) against their torch references, and the decode program
+"""The native decode kernels (kernels/native/*.c) against their torch references, and the decode program
 (hybrid/layers/fused_decode.py, kernels/native/program.c: per block, and the whole step as one call) against
 the eager layers and the full forward."""
 

@@ -474,7 +474,7 @@ class DecodeProgram:
         self.whole = self.logits = self._x = self._rope_rows = None
         self._step = HlStep()  # the whole step's inputs, refilled by run() (a ctypes struct a step is ~2 us)
         # weights that fit in the last-level cache stay there between steps unless a prefetch
-        # pushes them out: the products prefetch only what streams from memory (kernels/native/decode.c P_stream)
+        # pushes them out: the products prefetch only what streams from memory (kernels/native/pool.c P_stream)
         self.weight_bytes = _decode_weight_bytes(model)
         self.stream = native.streams_from_memory(self.weight_bytes)
         if all(w is None for w in self.why):

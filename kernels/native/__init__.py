@@ -1,5 +1,6 @@
-"""Our own C kernels for a CPU, called through ctypes: the ``native`` dispatch backend. ``decode.c`` holds the decode
-step's matrix-vector products at the memory bandwidth (and their thread pool).
+"""Our own C kernels for a CPU, called through ctypes: the ``native`` dispatch backend. The C sources (one file per
+op family, :data:`variants.SOURCES`: the products, the state steps, paged attention, the decode program, the thread
+pool) make one library; the decode step's matrix-vector products run at the memory bandwidth.
 
 The library is compiled when the package is built (setup.py), once per x86-64 level (:mod:`.variants`:
 ``x86-64-v3`` AVX2, ``x86-64-v4`` AVX-512, ``avx512-bf16`` AVX-512 BF16/VNNI/AMX), into ``_lib/`` beside this
@@ -45,7 +46,7 @@ def _disabled() -> bool:
 
 
 def source() -> str:
-    """The library's C source: one translation unit, program.c running decode.c's (and linear_attention.c's) static
+    """The library's C source: one translation unit, program.c running the other files' static
     ops back to back."""
     return variants.source_text()
 
@@ -216,7 +217,7 @@ def l3_bytes() -> int:
 
 def streams_from_memory(weight_bytes: int) -> bool:
     """Whether a decode step's weights (``weight_bytes`` read every step) come from DRAM each step, so the
-    products should prefetch them ahead (decode.c's STREAM_PREFETCH), rather than staying in the last-level cache
+    products should prefetch them ahead (pool.c's STREAM_PREFETCH), rather than staying in the last-level cache
     between steps (up to half of it: the K/V, states and everything else share it). Unknown cache size: from
     memory."""
     l3 = l3_bytes()
@@ -227,7 +228,7 @@ _stream = [None]
 
 
 def set_stream_prefetch(on: bool) -> None:
-    """The products' weight prefetch on or off (decode.c's P_stream; process-wide, so the decode
+    """The products' weight prefetch on or off (pool.c's P_stream; process-wide, so the decode
     program sets it for its model before each step; a call only when it changes)."""
     if _stream[0] is not on:
         library().hl_set_stream_prefetch(int(on))

@@ -45,7 +45,7 @@ OPS = (
        ("sdt", "G", "bdt", "xdt", "act", "N", "K", "bn")),
     Op("QKV_ROPE_INT4", 11, ("qq", "szq", "bq", "qk", "szk", "bk", "qv", "szv", "bv", "x", "q_out", "kpool", "vpool"),
        ("sdt", "G", "bdt", "xdt", "pdt", "rot", "Hq", "Hkv", "D", "K", "bn")),
-    # int8 activations (int8dq / 8da4w weights, decode.c's int8-activation products); 15 is free
+    # int8 activations (int8dq / 8da4w weights, int8_activation.c's products); 15 is free
     Op("GEMV_Q", 12, ("w", "ws", "bias", "x", "res", "y"), ("qkind", "bdt", "xdt", "ydt", "N", "K", "act1")),
     Op("QKV_ROPE_Q", 13, ("wq", "sq", "bq", "wk", "sk", "bk", "wv", "sv", "bv", "x", "q_out", "kpool", "vpool"),
        ("qkind", "bdt", "xdt", "pdt", "rot", "Hq", "Hkv", "D", "K")),

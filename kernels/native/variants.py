@@ -26,7 +26,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 LIB_DIR = "_lib"  # beside this file, in the source tree and in the installed package alike
-SOURCES = ("decode.c", "linear_attention.c", "program.c")  # one translation unit, in this order
+# the decode kernels, one file per op family (decode.c until it was split: the same text, in this order). No file
+# #includes another: the library is one translation unit, so the ops stay static and program.c calls them directly.
+# native.h comes first: the includes, the dtype codes and the vector types every part uses.
+DECODE = ("native.h", "pool.c", "convert.c", "gemv.c", "amx.c", "int4.c", "ssd.c", "gated_delta.c", "conv.c",
+          "attention.c", "sublayer.c", "int8_activation.c")
+SOURCES = (*DECODE, "linear_attention.c", "program.c")  # one translation unit, in this order
 # -fno-unsafe-math-optimizations under -ffast-math: no approximate reciprocals / rsqrt and no reassociated
 # auto-vectorised sums, so the ops round where torch's do on every CPU (kernels/native/build.py says more).
 COMPILE = ("-O3", "-ffast-math", "-fno-unsafe-math-optimizations", "-fPIC")
@@ -62,7 +67,9 @@ BY_NAME = {v.name: v for v in VARIANTS}
 
 def source_text(src_dir: Path = HERE) -> str:
     """The translation unit: the decode program's op table (program_ops.py's generated header), then the sources."""
-    return "\n".join([_program_ops(src_dir).header(), *((src_dir / f).read_text() for f in SOURCES)])
+    decode = "".join((src_dir / f).read_text() for f in DECODE)
+    return "\n".join([_program_ops(src_dir).header(), decode,
+                      *((src_dir / f).read_text() for f in SOURCES[len(DECODE):])])
 
 
 def _program_ops(src_dir: Path):
