@@ -218,10 +218,14 @@ def l3_bytes() -> int:
 def streams_from_memory(weight_bytes: int) -> bool:
     """Whether a decode step's weights (``weight_bytes`` read every step) come from DRAM each step, so the
     products should prefetch them ahead (pool.c's STREAM_PREFETCH), rather than staying in the last-level cache
-    between steps (up to half of it: the K/V, states and everything else share it). Unknown cache size: from
-    memory."""
+    between steps (up to a quarter of it: the K/V, states and everything else share it, and a VM's L3 is the host
+    socket's, shared with other guests). Unknown cache size: from memory. Half of it was the bound before; on the
+    2-vCPU Xeon (a 300 MiB L3, the host busy) the prefetch won or tied at every size between a quarter and a half,
+    one thread, alternating in one process: SmolLM2-135M int8dq (129 MiB, its head quantised) 8.5 / 10.8 ms
+    min / median with it against 14.0 / 16.2 without, llama-d512 bf16 (74 MiB) 3.0 / 3.2 against 3.4 / 5.2,
+    mamba2-d512 fp32 (115 MiB) 4.8 / 5.2 against 5.0 / 5.3."""
     l3 = l3_bytes()
-    return l3 == 0 or weight_bytes > l3 // 2
+    return l3 == 0 or weight_bytes > l3 // 4
 
 
 _stream = [None]
