@@ -8,7 +8,8 @@ method and, for every quantised weight, its torchao type, which inner tensors it
 attributes (block size, shape, dtype) and its group size (int4 on a CPU chooses one per layer). Loading wraps
 the stored tensors back into the same torchao type: bit-identical inner tensors, the same logits, and no
 fp32 copy of a quantised weight is ever made (the model is built on the meta device and the stored int8 /
-packed int4 tensors are the weights).
+packed int4 tensors are the weights). A model with tied embeddings stores its quantised head as
+``lm_head.weight.*`` beside the embedding (kept in its dtype for the lookup); loading gives it that head again.
 
 Why not torchao's own ``torchao.prototype.safetensors`` (what transformers uses): in torchao 0.18 its
 allow-list has ``Int8Tensor`` and ``Int4TilePackedTo4dTensor`` but not ``Int4OpaqueTensor``, the only int4
@@ -40,6 +41,7 @@ TENSOR_TYPES = {
     "Int4TilePackedTo4dTensor": ("torchao.quantization", "cuda"),  # tinygemm, CUDA only
     "IntxUnpackedToInt8Tensor": ("torchao.quantization", None),  # 8da4w
 }
+HEAD = "lm_head.weight"
 _FIX = "re-save the model with save_pretrained, or load the unquantised checkpoint and quantise it again"
 
 
@@ -123,7 +125,7 @@ def flatten(model) -> tuple[dict[str, torch.Tensor], dict]:
     state, weights = {}, {}
     for name, t in model.state_dict().items():
         if _is_plain(t):
-            # safetensors refuses aliased tensors; tied models have no lm_head entry, so nothing is shared.
+            # safetensors refuses aliased tensors; a tied model's quantised head is its own tensor, not a view.
             state[name] = t.detach().contiguous()
             continue
         kind = type(t).__name__
@@ -279,6 +281,10 @@ def load(directory: str | Path, *, dtype: torch.dtype | None = None, device=None
     if written is not None and written != method:
         raise CheckpointError(f"{source}: config.json says {method} but its weights file says {written}; {_FIX}")
     state = unflatten(section, classes, load_file(str(path), device=str(device)), source, dtype=dtype)
+    if HEAD in state and model.lm_head is None:  # a tied model's quantised head (hybrid.quantize.quantized_head)
+        from .quantize import quantized_head
+
+        quantized_head(model, device="meta")
     load_state_strict(model, state, str(path))
     finish(model, list(section["weights"]), method)
     return model.eval()

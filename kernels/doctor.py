@@ -35,6 +35,8 @@ def report() -> str:
     lines.append("native CPU decode kernels (kernels/native: products, state steps, paged attention, fused "
                  "sub-layers): " + ("in use" if native_note is None else f"not in use ({native_note}); torch runs"))
     if native_note is None:
+        lines.append(f"native library: {native.variant()} (prebuilt per instruction set, kernels/native/variants.py; "
+                     f"the best this CPU runs unless {native.VARIANT_ENV} names one)")
         lines.append("native instruction paths: " + (", ".join(native.cpu_paths()) or "portable C only"))
         lines.append("decode weights moved onto 2 MiB pages: " + host_memory.huge_pages_note())
     forced = os.environ.get("HYBRID_BACKEND")

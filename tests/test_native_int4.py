@@ -1,4 +1,4 @@
-"""The native int4 weight-only product (kernels/native/decode.c: hl_gemv_int4, torchao's CPU Int4OpaqueTensor
+"""The native int4 weight-only product (kernels/native/int4.c: hl_gemv_int4, torchao's CPU Int4OpaqueTensor
 codes in aten's int4pack layout) against its reference, against torchao's own computation, and inside an
 engine's decode."""
 

@@ -1,4 +1,4 @@
-"""The int8-activation decode products (kernels/native/decode.c: hl_gemv_q and the program's OP_GEMV_Q /
+"""The int8-activation decode products (kernels/native/int8_activation.c: hl_gemv_q and the program's OP_GEMV_Q /
 OP_QKV_ROPE_Q / OP_GATED_UP_Q) for torchao's int8dq and 8da4w weights: the activations quantised as torchao
 quantises them, the kernel against its reference, the reference against torchao's own product, and inside an
 engine's decode (greedy = full forward, the whole-step program = the eager layers).

@@ -36,7 +36,7 @@ import weakref
 import torch
 
 from ..kernels import dispatch, host_memory, native
-from ..kernels.native import DTYPE_CODES
+from ..kernels.native import DTYPE_CODES, program_ops
 from ..kernels.native.ops import ACTIVATIONS
 from ..kernels.packing import host_values
 from ..kernels.projection import int4_layout_refusal, int4pack_block
@@ -49,16 +49,13 @@ from .mlp import MLP
 from .norm import GatedRMSNorm, RMSNorm
 
 _FLOATS = (torch.float32, torch.bfloat16)
-(OP_RMSNORM, OP_GEMV, OP_GATED_UP, OP_QKV_ROPE, OP_PAGED, OP_CONV, OP_DT, OP_SSD, OP_GATED_RMSNORM, OP_GEMV_INT4,
- OP_GATED_UP_INT4, OP_QKV_ROPE_INT4) = range(12)
-OP_GEMV_Q, OP_QKV_ROPE_Q, OP_GATED_UP_Q = 12, 13, 14  # int8 activations: int8dq / 8da4w weights
-OP_GDN, OP_HEAD_NORM, OP_GLA = range(16, 19)  # the linear-attention mixers' ops (kernels/native/linear_attention.c)
 X = object()  # an op argument standing for the step's residual stream (program.c's HL_STEP_X)
 
 
 class HlOp(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int64), ("p", ctypes.c_void_p * 14), ("i", ctypes.c_int64 * 14),
-                ("f", ctypes.c_double * 2)]
+    """program.c's HlOp: an op kind and its fields in slots, named by kernels/native/program_ops.py (both sides)."""
+    _fields_ = [("kind", ctypes.c_int64), ("p", ctypes.c_void_p * program_ops.PTRS),
+                ("i", ctypes.c_int64 * program_ops.INTS), ("f", ctypes.c_double * program_ops.FLOATS)]
 
 
 class HlStep(ctypes.Structure):
@@ -124,8 +121,12 @@ class _Builder:
         ops = q_operands(linear.weight)
         return None if ops is None else ops[:3]
 
-    def op(self, kind: int, ptrs=(), ints=(), floats=()) -> None:
-        o = HlOp(kind=kind)
+    def op(self, kind: str, **fields) -> None:
+        """One op of ``kind`` (a name of kernels/native/program_ops.py: "GEMV", ...) with every one of its fields
+        by name: tensors (or None, or X) for its pointers, ints, floats."""
+        spec = program_ops.BY_NAME[kind]
+        ptrs, ints, floats = program_ops.pack_slots(spec, fields)
+        o = HlOp(kind=spec.code)
         for k, t in enumerate(ptrs):
             if t is X:
                 o.p[k] = 1
@@ -145,7 +146,8 @@ class _Builder:
         if type(norm) is not RMSNorm or norm.offset:
             raise _Unsupported(f"a {type(norm).__name__}" + (f" with offset {norm.offset}" if norm.offset else ""))
         d = norm.weight.shape[0]
-        self.op(OP_RMSNORM, (x, norm.weight, y), (DTYPE_CODES[self.dtype], _code(norm.weight), d), (norm.eps,))
+        self.op("RMSNORM", x=x, w=norm.weight, y=y, xdt=DTYPE_CODES[self.dtype], wdt=_code(norm.weight), d=d,
+                eps=norm.eps)
 
     def gemv(self, linear, x, y, *, residual=None, act: str | None = None) -> None:
         if not _plain(linear.bias):
@@ -155,22 +157,22 @@ class _Builder:
         if qops is not None:
             kind, w, ws = qops
             dt = DTYPE_CODES[self.dtype]
-            self.op(OP_GEMV_Q, (w, ws, linear.bias, x, residual, y),
-                    (kind, _code(linear.bias), dt, dt, w.shape[0], linear.in_features, act1))
+            self.op("GEMV_Q", w=w, ws=ws, bias=linear.bias, x=x, res=residual, y=y, qkind=kind,
+                    bdt=_code(linear.bias), xdt=dt, ydt=dt, N=w.shape[0], K=linear.in_features, act1=act1)
             return
         blocks = self.int4(linear)
         if blocks is not None:
             q, sz, group = blocks
             dt = DTYPE_CODES[self.dtype]
-            self.op(OP_GEMV_INT4, (q, sz, linear.bias, x, residual, y),
-                    (_code(sz), group, _code(linear.bias), dt, dt, q.shape[0], linear.in_features,
-                     0 if act is None else ACTIVATIONS[act] + 1, int4pack_block()))
+            self.op("GEMV_INT4", q=q, sz=sz, bias=linear.bias, x=x, res=residual, y=y, sdt=_code(sz), G=group,
+                    bdt=_code(linear.bias), xdt=dt, ydt=dt, N=q.shape[0], K=linear.in_features, act1=act1,
+                    bn=int4pack_block())
             return
         w, scale = self.weight(linear)
         N, K = w.shape
         dt = DTYPE_CODES[self.dtype]
-        self.op(OP_GEMV, (w, scale, linear.bias, x, residual, y),
-                (_code(w), _code(linear.bias), dt, dt, N, K, 0 if act is None else ACTIVATIONS[act] + 1))
+        self.op("GEMV", w=w, scale=scale, bias=linear.bias, x=x, res=residual, y=y, wdt=_code(w),
+                bdt=_code(linear.bias), xdt=dt, ydt=dt, N=N, K=K, act1=act1)
 
 
 def _attention(b: _Builder, block, view) -> None:
@@ -199,23 +201,24 @@ def _attention(b: _Builder, block, view) -> None:
     if len({wq.dtype, wk.dtype, wv.dtype}) != 1 or not _plain(q_.bias, k_.bias, v_.bias) \
             or len({t.dtype for t in (q_.bias, k_.bias, v_.bias) if t is not None}) > 1:
         raise _Unsupported("q/k/v weights of different dtypes")
-    _attention_ops(b, block, view, OP_QKV_ROPE, (wq, q_.bias, wk, k_.bias, wv, v_.bias, sq, sk, sv), (_code(wq),))
+    _attention_ops(b, block, view, "QKV_ROPE", dict(wq=wq, bq=q_.bias, wk=wk, bk=k_.bias, wv=wv, bv=v_.bias, sq=sq,
+                                                    sk=sk, sv=sv, wdt=_code(wq)))
 
 
-def _attention_ops(b: _Builder, block, view, qkv_kind: int, weights: tuple, lead: tuple, trail: tuple = ()) -> None:
+def _attention_ops(b: _Builder, block, view, qkv_kind: str, weights: dict) -> None:
     """An attention sub-layer's ops once its q/k/v weights are vetted: the norm, the q/k/v product of
-    ``qkv_kind`` (its first nine pointers ``weights``, its first ints ``lead`` and its last ``trail``: each weight
-    format's own) with RoPE and the K/V write, paged attention, the out-projection with the residual."""
+    ``qkv_kind`` (``weights``: its weight fields, each weight format's own) with RoPE and the K/V write, paged
+    attention, the out-projection with the residual."""
     attn = block.mixer
     k_pool, v_pool = view.k_pool, view.v_pool
     d_model, Hq, Hkv, D = attn.q_proj.in_features, attn.n_heads, attn.n_kv_heads, attn.head_dim
     dt = DTYPE_CODES[b.dtype]
     h, q, o = b.buffer(d_model), b.buffer(Hq * D), b.buffer(Hq * D)
     b.rmsnorm(block.norm, X, h)
-    b.op(qkv_kind, (*weights, h, q, k_pool, v_pool),
-         (*lead, _code(attn.q_proj.bias), dt, _code(k_pool), attn.rope.rotary_dim, Hq, Hkv, D, d_model, *trail))
-    b.op(OP_PAGED, (q, k_pool, v_pool, o), (dt, _code(k_pool), Hq, Hkv, D, k_pool.shape[1], view.window or 0),
-         (D ** -0.5,))
+    b.op(qkv_kind, **weights, x=h, q_out=q, kpool=k_pool, vpool=v_pool, bdt=_code(attn.q_proj.bias), xdt=dt,
+         pdt=_code(k_pool), rot=attn.rope.rotary_dim, Hq=Hq, Hkv=Hkv, D=D, K=d_model)
+    b.op("PAGED", q=q, k=k_pool, v=v_pool, out=o, qdt=dt, kvdt=_code(k_pool), Hq=Hq, Hkv=Hkv, D=D,
+         BS=k_pool.shape[1], window=view.window or 0, scale=D ** -0.5)
     b.gemv(attn.o_proj, o, X, residual=X)
 
 
@@ -233,9 +236,9 @@ def _attention_int4(b: _Builder, block, view, int4) -> None:
         raise _Unsupported("q/k/v not all int4 of one group, or a head_dim not a multiple of 16")
     _same_biases(attn)
     (qq, szq, group), (qk, szk, _), (qv, szv, _) = int4
-    _attention_ops(b, block, view, OP_QKV_ROPE_INT4,
-                   (qq, szq, attn.q_proj.bias, qk, szk, attn.k_proj.bias, qv, szv, attn.v_proj.bias),
-                   (_code(szq), group), (int4pack_block(),))
+    _attention_ops(b, block, view, "QKV_ROPE_INT4",
+                   dict(qq=qq, szq=szq, bq=attn.q_proj.bias, qk=qk, szk=szk, bk=attn.k_proj.bias, qv=qv, szv=szv,
+                        bv=attn.v_proj.bias, sdt=_code(szq), G=group, bn=int4pack_block()))
 
 
 def _attention_q(b: _Builder, block, view, qops) -> None:
@@ -246,8 +249,9 @@ def _attention_q(b: _Builder, block, view, qops) -> None:
         raise _Unsupported("q/k/v not all int8dq or all 8da4w")
     _same_biases(attn)
     (kind, wq, sq), (_, wk, sk), (_, wv, sv) = qops
-    _attention_ops(b, block, view, OP_QKV_ROPE_Q,
-                   (wq, sq, attn.q_proj.bias, wk, sk, attn.k_proj.bias, wv, sv, attn.v_proj.bias), (kind,))
+    _attention_ops(b, block, view, "QKV_ROPE_Q",
+                   dict(wq=wq, sq=sq, bq=attn.q_proj.bias, wk=wk, sk=sk, bk=attn.k_proj.bias, wv=wv, sv=sv,
+                        bv=attn.v_proj.bias, qkind=kind))
 
 
 def _mlp(b: _Builder, block, view) -> None:
@@ -261,22 +265,24 @@ def _mlp(b: _Builder, block, view) -> None:
         gq, uq = b.q(m.gate_proj), b.q(m.up_proj)
         if gq is None or uq is None or gq[0] != uq[0] or not _plain(m.gate_proj.bias, m.up_proj.bias):
             raise _Unsupported("gate/up weights not both int8dq or both 8da4w")
-        b.op(OP_GATED_UP_Q, (gq[1], gq[2], m.gate_proj.bias, uq[1], uq[2], m.up_proj.bias, h, a),
-             (gq[0], _code(m.up_proj.bias), DTYPE_CODES[b.dtype], ACTIVATIONS[m.activation], d_ff, d_model))
+        b.op("GATED_UP_Q", wg=gq[1], sg=gq[2], bg=m.gate_proj.bias, wu=uq[1], su=uq[2], bu=m.up_proj.bias, x=h, y=a,
+             qkind=gq[0], bdt=_code(m.up_proj.bias), xdt=DTYPE_CODES[b.dtype], act=ACTIVATIONS[m.activation],
+             N=d_ff, K=d_model)
     elif b.int4(m.gate_proj) is not None or b.int4(m.up_proj) is not None:
         g4, u4 = b.int4(m.gate_proj), b.int4(m.up_proj)
         if g4 is None or u4 is None or (g4[1].dtype, g4[2]) != (u4[1].dtype, u4[2]) \
                 or not _plain(m.gate_proj.bias, m.up_proj.bias):
             raise _Unsupported("gate/up weights not both int4 of one group")
-        b.op(OP_GATED_UP_INT4, (g4[0], g4[1], m.gate_proj.bias, u4[0], u4[1], m.up_proj.bias, h, a),
-             (_code(g4[1]), g4[2], _code(m.up_proj.bias), DTYPE_CODES[b.dtype], ACTIVATIONS[m.activation], d_ff,
-              d_model, int4pack_block()))
+        b.op("GATED_UP_INT4", qg=g4[0], szg=g4[1], bg=m.gate_proj.bias, qu=u4[0], szu=u4[1], bu=m.up_proj.bias,
+             x=h, y=a, sdt=_code(g4[1]), G=g4[2], bdt=_code(m.up_proj.bias), xdt=DTYPE_CODES[b.dtype],
+             act=ACTIVATIONS[m.activation], N=d_ff, K=d_model, bn=int4pack_block())
     else:
         (wg, sg), (wu, su) = b.weight(m.gate_proj), b.weight(m.up_proj)
         if wg.dtype != wu.dtype or not _plain(m.gate_proj.bias, m.up_proj.bias):
             raise _Unsupported("gate/up weights of different dtypes")
-        b.op(OP_GATED_UP, (wg, sg, m.gate_proj.bias, wu, su, m.up_proj.bias, h, a),
-             (_code(wu), _code(m.up_proj.bias), DTYPE_CODES[b.dtype], ACTIVATIONS[m.activation], d_ff, d_model))
+        b.op("GATED_UP", wg=wg, sg=sg, bg=m.gate_proj.bias, wu=wu, su=su, bu=m.up_proj.bias, x=h, y=a,
+             wdt=_code(wu), bdt=_code(m.up_proj.bias), xdt=DTYPE_CODES[b.dtype], act=ACTIVATIONS[m.activation],
+             N=d_ff, K=d_model)
     b.gemv(m.down_proj, a, X, residual=X)
 
 
@@ -302,17 +308,18 @@ def _mamba2(b: _Builder, block, view) -> None:
     b.rmsnorm(block.norm, X, h)
     b.gemv(m.in_proj, h, zxbcdt)
     xbc_in = zxbcdt[:, m.d_inner:]  # z | xBC | dt rows of in_proj's output, read with its row stride
-    b.op(OP_CONV, (conv_pool.data, xbc_in, conv_w, m.conv1d.bias, xbc),
-         (_code(conv_pool.data), dt, width, _code(conv_w), _code(m.conv1d.bias), 1, conv_dim, conv_w.shape[-1]))
+    b.op("CONV", state=conv_pool.data, x=xbc_in, w=conv_w, bias=m.conv1d.bias, y=xbc, sdt=_code(conv_pool.data),
+         xdt=dt, xs=width, wdt=_code(conv_w), bdt=_code(m.conv1d.bias), silu=1, C=conv_dim, K=conv_w.shape[-1])
     lo, hi = m.cfg.dt_limit
     clamp = lo > 0.0 or hi != float("inf")
-    b.op(OP_DT, (zxbcdt[:, m.d_inner + conv_dim:], m.dt_bias, m.A_log, dt_out, A),
-         (dt, width, _code(m.dt_bias), _code(m.A_log), int(clamp), H), (lo, min(hi, 3.0e38)))
-    b.op(OP_SSD, (ssm_pool.data, xbc, dt_out, A, xbc[:, m.d_inner:], xbc[:, m.d_inner + gn:], m.D, y),
-         (_code(ssm_pool.data), dt, conv_dim, H, conv_dim, conv_dim, _code(m.D), H, m.head_dim, m.d_state,
-          m.n_groups))
-    b.op(OP_GATED_RMSNORM, (y, zxbcdt, m.norm.weight, g),
-         (width, dt, _code(m.norm.weight), m.norm.groups, int(m.norm.norm_before_gate), m.d_inner), (m.norm.eps,))
+    b.op("DT", dt_raw=zxbcdt[:, m.d_inner + conv_dim:], dt_bias=m.dt_bias, A_log=m.A_log, dt_out=dt_out, A_out=A,
+         xdt=dt, dts=width, bdt=_code(m.dt_bias), adt=_code(m.A_log), clamp=int(clamp), H=H, lo=lo,
+         hi=min(hi, 3.0e38))
+    b.op("SSD", state=ssm_pool.data, x=xbc, dt=dt_out, A=A, B=xbc[:, m.d_inner:], C=xbc[:, m.d_inner + gn:], Dp=m.D,
+         y=y, sdt=_code(ssm_pool.data), xdt=dt, xs=conv_dim, dts=H, bs=conv_dim, cs=conv_dim, ddt=_code(m.D), H=H,
+         P=m.head_dim, N=m.d_state, G=m.n_groups)
+    b.op("GATED_RMSNORM", y=y, z=zxbcdt, w=m.norm.weight, out=g, zs=width, dt=dt, wdt=_code(m.norm.weight),
+         groups=m.norm.groups, norm_before_gate=int(m.norm.norm_before_gate), d=m.d_inner, eps=m.norm.eps)
     b.gemv(m.out_proj, g, X, residual=X)
 
 
@@ -331,8 +338,8 @@ def _conv(b: _Builder, conv, pool, x, width: int, y) -> None:
     w = conv.weight[:, 0]
     if not _plain(w, conv.bias):
         raise _Unsupported("the conv's parameters")
-    b.op(OP_CONV, (pool.data, x, w, conv.bias, y),
-         (_code(pool.data), DTYPE_CODES[b.dtype], width, _code(w), _code(conv.bias), 1, w.shape[0], w.shape[-1]))
+    b.op("CONV", state=pool.data, x=x, w=w, bias=conv.bias, y=y, sdt=_code(pool.data), xdt=DTYPE_CODES[b.dtype],
+         xs=width, wdt=_code(w), bdt=_code(conv.bias), silu=1, C=w.shape[0], K=w.shape[-1])
 
 
 def _head_norm(b: _Builder, norm, o, z, width: int, H: int, V: int, y) -> None:
@@ -345,8 +352,8 @@ def _head_norm(b: _Builder, norm, o, z, width: int, H: int, V: int, y) -> None:
         raise _Unsupported("an output norm other than a plain per-head RMSNorm in the model dtype")
     if norm.weight.shape != (V,) or not _plain(norm.weight):
         raise _Unsupported(f"an output norm weight of shape {tuple(norm.weight.shape)}")
-    b.op(OP_HEAD_NORM, (o, z, norm.weight, y),
-         (H * V, width, DTYPE_CODES[b.dtype], _code(norm.weight), int(gated), H, V), (norm.eps,))
+    b.op("HEAD_NORM", y=o, z=z, w=norm.weight, out=y, ys=H * V, zs=width, dt=DTYPE_CODES[b.dtype],
+         wdt=_code(norm.weight), gated=int(gated), H=H, V=V, eps=norm.eps)
 
 
 def _gated_deltanet(b: _Builder, block, view) -> None:
@@ -364,9 +371,10 @@ def _gated_deltanet(b: _Builder, block, view) -> None:
     b.rmsnorm(block.norm, X, h)
     b.gemv(m.in_proj, h, proj)  # q | k | v | z | b | a
     _conv(b, m.conv1d, conv_pool, proj, width, qkv)
-    b.op(OP_GDN, (rec_pool.data, qkv, proj[:, conv_dim + m.value_dim:], m.A_log, m.dt_bias, qk, g, beta, o),
-         (_code(rec_pool.data), DTYPE_CODES[b.dtype], conv_dim, width, _code(m.A_log), _code(m.dt_bias), H, Hk, K, V),
-         (1e-6, K ** -0.5))  # kernels.gated_delta.l2norm's eps; the step's default scale
+    b.op("GDN", state=rec_pool.data, qkv=qkv, ba=proj[:, conv_dim + m.value_dim:], A_log=m.A_log, dt_bias=m.dt_bias,
+         qk=qk, g=g, beta=beta, y=o, sdt=_code(rec_pool.data), xdt=DTYPE_CODES[b.dtype], qkv_s=conv_dim, ba_s=width,
+         adt=_code(m.A_log), bdt=_code(m.dt_bias), H=H, Hk=Hk, K=K, V=V,
+         eps=1e-6, scale=K ** -0.5)  # kernels.gated_delta.l2norm's eps; the step's default scale
     _head_norm(b, m.norm, o, proj[:, conv_dim:], width, H, V, y)
     b.gemv(m.out_proj, y, X, residual=X)
 
@@ -392,9 +400,10 @@ def _gla(b: _Builder, block, view) -> None:
         qkv, stride = b.buffer(c.conv_dim), c.conv_dim
         _conv(b, m.conv1d, pools[0], proj, width, qkv)
     clamp = c.clamp_min is not None
-    b.op(OP_GLA, (pools[-1].data, qkv, proj[:, c.conv_dim + m.gate_dim:], low, wg, sg, m.gk_proj.bias, gk, gf, o),
-         (_code(pools[-1].data), DTYPE_CODES[b.dtype], stride, width, _code(wg), _code(m.gk_proj.bias), R, H, Hkv, K,
-          V, int(clamp)), (c.gate_logit_normalizer, c.clamp_min if clamp else 0.0))
+    b.op("GLA", state=pools[-1].data, qkv=qkv, low=proj[:, c.conv_dim + m.gate_dim:], low_buf=low, w=wg, wscale=sg,
+         bias=m.gk_proj.bias, gk=gk, g=gf, y=o, sdt=_code(pools[-1].data), xdt=DTYPE_CODES[b.dtype], qkv_s=stride,
+         low_s=width, wdt=_code(wg), bdt=_code(m.gk_proj.bias), R=R, H=H, Hkv=Hkv, K=K, V=V, clamp=int(clamp),
+         normalizer=c.gate_logit_normalizer, clamp_min=c.clamp_min if clamp else 0.0)
     _head_norm(b, m.norm, o, proj[:, c.conv_dim:] if m.gate_dim else None, width, H, V, y)
     b.gemv(m.out_proj, y, X, residual=X)
 
@@ -465,7 +474,7 @@ class DecodeProgram:
         self.whole = self.logits = self._x = self._rope_rows = None
         self._step = HlStep()  # the whole step's inputs, refilled by run() (a ctypes struct a step is ~2 us)
         # weights that fit in the last-level cache stay there between steps unless a prefetch
-        # pushes them out: the products prefetch only what streams from memory (kernels/native/decode.c P_stream)
+        # pushes them out: the products prefetch only what streams from memory (kernels/native/pool.c P_stream)
         self.weight_bytes = _decode_weight_bytes(model)
         self.stream = native.streams_from_memory(self.weight_bytes)
         if all(w is None for w in self.why):
@@ -481,8 +490,8 @@ class DecodeProgram:
                         raise _Unsupported("the tied embedding's weight")
                     N, K = model.embed.weight.shape
                     dt = DTYPE_CODES[self.dtype]
-                    whole.op(OP_GEMV, (model.embed.weight, None, None, h, None, self.logits),
-                             (dt, -1, dt, dt, N, K, 0))
+                    whole.op("GEMV", w=model.embed.weight, scale=None, bias=None, x=h, res=None, y=self.logits,
+                             wdt=dt, bdt=-1, xdt=dt, ydt=dt, N=N, K=K, act1=0)
                 else:
                     whole.gemv(head, h, self.logits)
                 self.whole = _Ops(*built, whole)

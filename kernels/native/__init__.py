@@ -1,7 +1,16 @@
-"""Our own C kernels for a CPU, built once per machine with the system compiler (:mod:`.build`) and called
-through ctypes: the ``native`` dispatch backend. ``decode.c`` holds the decode step's matrix-vector
-products at the memory bandwidth (and their thread pool); ``HYBRID_NATIVE=0`` turns the backend off, and any
-failure to build leaves :func:`available` saying why (``hybrid doctor`` shows it) with torch in charge."""
+"""Our own C kernels for a CPU, called through ctypes: the ``native`` dispatch backend. The C sources (one file per
+op family, :data:`variants.SOURCES`: the products, the state steps, paged attention, the decode program, the thread
+pool) make one library; the decode step's matrix-vector products run at the memory bandwidth.
+
+The library is compiled when the package is built (setup.py), once per x86-64 level (:mod:`.variants`:
+``x86-64-v3`` AVX2, ``x86-64-v4`` AVX-512, ``avx512-bf16`` AVX-512 BF16/VNNI/AMX), into ``_lib/`` beside this
+file; the import loads the best one this CPU runs (its /proc/cpuinfo flags). Nothing is compiled on the user's
+machine, but in a source checkout whose C files changed since the install (the library of these sources missing):
+there the chosen variant is compiled once, in place. ``HYBRID_NATIVE_BUILD=native`` compiles with
+``-march=native`` for this CPU at first use instead (:mod:`.build`, a per-machine cache: for those who build
+from source); ``HYBRID_NATIVE_VARIANT=<name>`` loads that variant; ``HYBRID_NATIVE=0`` turns the backend off.
+Where no library loads (another architecture, no variant built) torch's kernels run, :func:`available` says why,
+a warning says so once, and ``hybrid doctor`` shows it."""
 
 from __future__ import annotations
 
@@ -9,14 +18,20 @@ import contextlib
 import ctypes
 import functools
 import os
+import platform
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
+from . import variants
 from .build import FLAGS, build
 
 ENV = "HYBRID_NATIVE"
+BUILD_ENV = "HYBRID_NATIVE_BUILD"  # "native": compile with -march=native at first use (source builds)
+VARIANT_ENV = "HYBRID_NATIVE_VARIANT"  # load this variant (x86-64-v3, x86-64-v4, avx512-bf16), not the best
 # microseconds a worker spins after a call before it sleeps on its futex. Measured on the 2-vCPU machine of this
 # project (llama-d512 fp32 decode step, median): no spin 14.5 ms, 50 us 17.1 ms, 20 ms 20.0 ms: a spinning
 # worker slowed the Python between the products more than its wake-ups cost; a dedicated machine may prefer
@@ -31,27 +46,109 @@ def _disabled() -> bool:
 
 
 def source() -> str:
-    """The library's C source: one translation unit, program.c running decode.c's (and linear_attention.c's) static
+    """The library's C source: one translation unit, program.c running the other files' static
     ops back to back."""
-    here = Path(__file__).parent
-    return "\n".join((here / f).read_text() for f in ("decode.c", "linear_attention.c", "program.c"))
+    return variants.source_text()
+
+
+_loaded = [None]  # what the library is: a variant's name, or "-march=native"
 
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if _disabled():
         return None, f"{ENV}=0"
-    lib, why = build("hybrid_decode", source(), FLAGS, ("-lm", "-lpthread"))
+    if os.environ.get(BUILD_ENV, "").strip().lower() == "native":
+        lib, why = build("hybrid_decode", source(), FLAGS, variants.LIBS)
+        _loaded[0] = "-march=native (HYBRID_NATIVE_BUILD=native)" if lib is not None else None
+    else:
+        lib, why = _prebuilt()
     if lib is None:
+        warnings.warn(f"hybrid-lm: the native CPU kernels are not in use ({why}); torch's kernels run instead, "
+                      "several times slower at decode (`hybrid doctor` shows this)", RuntimeWarning, stacklevel=3)
         return None, why
     return _declare(lib), None
+
+
+def _source_tree() -> bool:
+    """Whether this is the repository's own kernels/native (an editable install), not an installed package."""
+    return (Path(__file__).resolve().parents[2] / "pyproject.toml").is_file()
+
+
+def _cpu_flags() -> frozenset[str]:
+    """/proc/cpuinfo's flags; where there is none, the variant torch's own dispatch picked here."""
+    flags = variants.cpu_flags()
+    if flags is not None:
+        return flags
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return frozenset()
+    cap = torch.backends.cpu.get_cpu_capability()
+    return variants.BY_NAME["x86-64-v4"].needs if "AVX512" in cap else \
+        variants.BY_NAME["x86-64-v3"].needs if cap == "AVX2" else frozenset()
+
+
+def _prebuilt() -> tuple[ctypes.CDLL | None, str | None]:
+    """The best prebuilt variant this CPU runs (or $HYBRID_NATIVE_VARIANT's), loaded; else (None, why)."""
+    forced = os.environ.get(VARIANT_ENV, "").strip()
+    runs = variants.runnable(_cpu_flags())
+    if forced:
+        if forced not in variants.BY_NAME:
+            return None, f"{VARIANT_ENV}={forced} names no variant; choose one of {', '.join(variants.BY_NAME)}"
+        if variants.BY_NAME[forced] not in runs:
+            return None, f"{VARIANT_ENV}={forced}: this CPU lacks its instructions ({variants.BY_NAME[forced].note})"
+        runs = [variants.BY_NAME[forced]]
+    if not runs:
+        return None, (f"no native variant runs on this CPU ({platform.machine()}): they are built for x86-64 with "
+                      "AVX2 or later")
+    try:
+        return load_variant(runs[0].name, threads=None), None
+    except (OSError, RuntimeError) as e:
+        return None, str(e)
+
+
+def load_variant(name: str, threads: int | None = 2) -> ctypes.CDLL:
+    """The prebuilt library of variant ``name`` (:data:`variants.VARIANTS`), its functions declared, its pool on
+    ``threads`` threads (None: left to :func:`library`); in a source checkout whose sources it was not built from,
+    compiled in place first. RuntimeError saying what is missing where it cannot be loaded. Tests load the
+    variants this CPU can run beside the library in use."""
+    v = variants.BY_NAME[name]
+    path = variants.library_path(v)
+    if not path.is_file():
+        if not _source_tree():
+            raise RuntimeError(f"the installed package has no {name} native library ({path.name} in {path.parent}): "
+                               "reinstall hybrid-lm from a wheel built with its native variants, or set "
+                               f"{BUILD_ENV}=native to compile one for this CPU (needs a C compiler)")
+        why = variants.why_not_buildable()
+        if why is not None:
+            raise RuntimeError(f"no {name} native library built for these sources in {path.parent} and {why}: "
+                               "run `pip install -e .` where a compiler is")
+        print(f"hybrid-lm: compiling the {name} native library for the edited C sources in {path.parent} "
+              "(once; `pip install -e .` builds them at install)", file=sys.stderr)
+        try:
+            variants.compile_variant(v, path.parent)
+        except variants.BuildError as e:
+            raise RuntimeError(str(e)) from None
+        variants.remove_stale(path.parent)
+    lib = _declare(ctypes.CDLL(str(path)))
+    if threads is not None:
+        lib.hl_set_threads(threads, 0)
+    else:
+        _loaded[0] = name
+    return lib
+
+
+def variant() -> str | None:
+    """Which library runs the native kernels: a variant's name (:data:`variants.VARIANTS`), the -march=native
+    build, or None where none is loaded."""
+    _library()
+    return _loaded[0]
 
 
 def build_variant(name: str, extra_flags: tuple[str, ...]) -> ctypes.CDLL:
     """The library built with ``extra_flags`` too (e.g. ``-mno-avx512f``: what a CPU without AVX-512 runs), its
     functions declared as the library's are, its pool on 2 threads: for tests of code paths this CPU would not
     take. RuntimeError when it does not build."""
-    lib, why = build(f"hybrid_decode_{name}", source(), (*FLAGS, *extra_flags), ("-lm", "-lpthread"))
+    lib, why = build(f"hybrid_decode_{name}", source(), (*FLAGS, *extra_flags), variants.LIBS)
     if lib is None:
         raise RuntimeError(f"the {name} build of the native kernels failed: {why}")
     _declare(lib).hl_set_threads(2, 0)
@@ -120,18 +217,22 @@ def l3_bytes() -> int:
 
 def streams_from_memory(weight_bytes: int) -> bool:
     """Whether a decode step's weights (``weight_bytes`` read every step) come from DRAM each step, so the
-    products should prefetch them ahead (decode.c's STREAM_PREFETCH), rather than staying in the last-level cache
-    between steps (up to half of it: the K/V, states and everything else share it). Unknown cache size: from
-    memory."""
+    products should prefetch them ahead (pool.c's STREAM_PREFETCH), rather than staying in the last-level cache
+    between steps (up to a quarter of it: the K/V, states and everything else share it, and a VM's L3 is the host
+    socket's, shared with other guests). Unknown cache size: from memory. Half of it was the bound before; on the
+    2-vCPU Xeon (a 300 MiB L3, the host busy) the prefetch won or tied at every size between a quarter and a half,
+    one thread, alternating in one process: SmolLM2-135M int8dq (129 MiB, its head quantised) 8.5 / 10.8 ms
+    min / median with it against 14.0 / 16.2 without, llama-d512 bf16 (74 MiB) 3.0 / 3.2 against 3.4 / 5.2,
+    mamba2-d512 fp32 (115 MiB) 4.8 / 5.2 against 5.0 / 5.3."""
     l3 = l3_bytes()
-    return l3 == 0 or weight_bytes > l3 // 2
+    return l3 == 0 or weight_bytes > l3 // 4
 
 
 _stream = [None]
 
 
 def set_stream_prefetch(on: bool) -> None:
-    """The products' weight prefetch on or off (decode.c's P_stream; process-wide, so the decode
+    """The products' weight prefetch on or off (pool.c's P_stream; process-wide, so the decode
     program sets it for its model before each step; a call only when it changes)."""
     if _stream[0] is not on:
         library().hl_set_stream_prefetch(int(on))

@@ -1,4 +1,4 @@
-"""The Python side of ``decode.c``'s one-token ops: argument checks (``supports_*``: None when the native op
+"""The Python side of the native library's one-token ops: argument checks (``supports_*``: None when the native op
 takes the call, else why not; the dispatch hands other calls to torch) and the ctypes calls. Each op's math
 is its module's ``*_ref`` (kernels/ssd.py, conv1d.py, paged_attention.py); tests hold them to it."""
 
@@ -149,7 +149,8 @@ def paged_decode(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scal
     return out
 
 
-# the activations of decode.c's fused ops (the decode program, hybrid/layers/fused_decode.py, passes them)
+# the activations of the native library's fused ops (sublayer.c; the decode program, hybrid/layers/fused_decode.py,
+# passes them)
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}
 
 
@@ -170,7 +171,7 @@ def supports_gla_step(state, q, k, v, g, *, scale=None, slots=None) -> str | Non
 
 
 def gla_step(state, q, k, v, g, *, scale=None, slots=None) -> torch.Tensor:
-    """kernels.gla.gla_step_ref's step in decode.c's GLA loop (linear_attention.c): one pass over the state."""
+    """kernels.gla.gla_step_ref's step in the native GLA loop (linear_attention.c): one pass over the state."""
     n, H, K = q.shape
     V = v.shape[2]
     y = torch.empty(n, H, V, dtype=v.dtype)

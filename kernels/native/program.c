@@ -11,37 +11,16 @@
 
    Compiled together with decode.c (one translation unit: the ops are its static functions). */
 
-enum {
-    OP_RMSNORM = 0,
-    OP_GEMV = 1,
-    OP_GATED_UP = 2,
-    OP_QKV_ROPE = 3,
-    OP_PAGED = 4,
-    OP_CONV = 5,
-    OP_DT = 6,
-    OP_SSD = 7,
-    OP_GATED_RMSNORM = 8,
-    OP_GEMV_INT4 = 9,
-    OP_GATED_UP_INT4 = 10,
-    OP_QKV_ROPE_INT4 = 11,
-    /* int8 activations (int8dq / 8da4w weights, decode.c's int8-activation products); 15 is free */
-    OP_GEMV_Q = 12,
-    OP_QKV_ROPE_Q = 13,
-    OP_GATED_UP_Q = 14,
-    /* linear-attention mixers (linear_attention.c) */
-    OP_GDN = 16,
-    OP_HEAD_NORM = 17,
-    OP_GLA = 18,
-};
-
-#define HL_OP_PTRS 14
-#define HL_OP_INTS 14
+/* The op kinds (OP_GEMV, ...), HL_OP_PTRS / HL_OP_INTS / HL_OP_FLOATS and each op's field slots (P_GEMV_w, I_GEMV_N,
+   F_PAGED_scale, ...) come from kernels/native/program_ops.py, which writes them at the top of this translation
+   unit (kernels/native/variants.py source_text); run_op reads an op's fields by name through them, as
+   hybrid/layers/fused_decode.py writes them by name from the same table. */
 
 typedef struct {
     int64_t kind;
     const void *p[HL_OP_PTRS];
     int64_t i[HL_OP_INTS];
-    double f[2];
+    double f[HL_OP_FLOATS];
 } HlOp;
 
 typedef struct {
@@ -69,76 +48,118 @@ static inline void *resolve(const void *p, const HlStep *st) { return p == HL_ST
 
 static int run_op(const HlOp *o, const HlStep *st) {
     const int64_t n = st->n;
-#define P(k) resolve(o->p[k], st)
-#define I(k) (o->i[k])
+/* field `field` of op kind K: a pointer (resolved), an integer, a float */
+#define PF(K, field) resolve(o->p[P_##K##_##field], st)
+#define IF(K, field) (o->i[I_##K##_##field])
+#define FF(K, field) (o->f[F_##K##_##field])
     switch (o->kind) {
     case OP_RMSNORM:
-        hl_rmsnorm(P(0), (int)I(0), P(1), (int)I(1), (float)o->f[0], P(2), n, I(2));
+        hl_rmsnorm(PF(RMSNORM, x), (int)IF(RMSNORM, xdt), PF(RMSNORM, w), (int)IF(RMSNORM, wdt),
+                   (float)FF(RMSNORM, eps), PF(RMSNORM, y), n, IF(RMSNORM, d));
         return 0;
     case OP_GEMV:
-        return gemv_act(P(0), (int)I(0), P(1), P(2), (int)I(1), P(3), (int)I(2), P(4), P(5), (int)I(3), n, I(4),
-                        I(5), (int)I(6));
+        return gemv_act(PF(GEMV, w), (int)IF(GEMV, wdt), PF(GEMV, scale), PF(GEMV, bias), (int)IF(GEMV, bdt),
+                        PF(GEMV, x), (int)IF(GEMV, xdt), PF(GEMV, res), PF(GEMV, y), (int)IF(GEMV, ydt), n,
+                        IF(GEMV, N), IF(GEMV, K), (int)IF(GEMV, act1));
     case OP_GATED_UP:
-        return hl_gated_up(P(0), P(1), P(2), P(3), P(4), P(5), (int)I(0), (int)I(1), P(6), (int)I(2), P(7),
-                           (int)I(3), n, I(4), I(5));
+        return hl_gated_up(PF(GATED_UP, wg), PF(GATED_UP, sg), PF(GATED_UP, bg), PF(GATED_UP, wu), PF(GATED_UP, su),
+                           PF(GATED_UP, bu), (int)IF(GATED_UP, wdt), (int)IF(GATED_UP, bdt), PF(GATED_UP, x),
+                           (int)IF(GATED_UP, xdt), PF(GATED_UP, y), (int)IF(GATED_UP, act), n, IF(GATED_UP, N),
+                           IF(GATED_UP, K));
     case OP_QKV_ROPE:
-        return hl_qkv_rope(P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), P(8), (int)I(0), (int)I(1), P(9),
-                           (int)I(2), P(10), P(11), P(12), (int)I(3), st->kv_slots, st->cos, st->sin, I(4), n,
-                           I(5), I(6), I(7), I(8));
+        return hl_qkv_rope(PF(QKV_ROPE, wq), PF(QKV_ROPE, bq), PF(QKV_ROPE, wk), PF(QKV_ROPE, bk), PF(QKV_ROPE, wv),
+                           PF(QKV_ROPE, bv), PF(QKV_ROPE, sq), PF(QKV_ROPE, sk), PF(QKV_ROPE, sv),
+                           (int)IF(QKV_ROPE, wdt), (int)IF(QKV_ROPE, bdt), PF(QKV_ROPE, x), (int)IF(QKV_ROPE, xdt),
+                           PF(QKV_ROPE, q_out), PF(QKV_ROPE, kpool), PF(QKV_ROPE, vpool), (int)IF(QKV_ROPE, pdt),
+                           st->kv_slots, st->cos, st->sin, IF(QKV_ROPE, rot), n, IF(QKV_ROPE, Hq),
+                           IF(QKV_ROPE, Hkv), IF(QKV_ROPE, D), IF(QKV_ROPE, K));
     case OP_PAGED:
-        return hl_paged_decode(P(0), (int)I(0), P(1), P(2), (int)I(1), st->seq_lens, st->tables, st->tstride,
-                               P(3), n, I(2), I(3), I(4), I(5), I(6), (float)o->f[0]);
+        return hl_paged_decode(PF(PAGED, q), (int)IF(PAGED, qdt), PF(PAGED, k), PF(PAGED, v), (int)IF(PAGED, kvdt),
+                               st->seq_lens, st->tables, st->tstride, PF(PAGED, out), n, IF(PAGED, Hq),
+                               IF(PAGED, Hkv), IF(PAGED, D), IF(PAGED, BS), IF(PAGED, window),
+                               (float)FF(PAGED, scale));
     case OP_CONV:
-        return hl_conv_step(P(0), (int)I(0), st->state_slots, P(1), (int)I(1), I(2), P(2), (int)I(3), P(3),
-                            (int)I(4), (int)I(5), P(4), n, I(6), I(7));
+        return hl_conv_step(PF(CONV, state), (int)IF(CONV, sdt), st->state_slots, PF(CONV, x), (int)IF(CONV, xdt),
+                            IF(CONV, xs), PF(CONV, w), (int)IF(CONV, wdt), PF(CONV, bias), (int)IF(CONV, bdt),
+                            (int)IF(CONV, silu), PF(CONV, y), n, IF(CONV, C), IF(CONV, K));
     case OP_DT:
-        hl_mamba2_dt(P(0), (int)I(0), I(1), P(1), (int)I(2), P(2), (int)I(3), (float)o->f[0], (float)o->f[1],
-                     (int)I(4), P(3), P(4), n, I(5));
+        hl_mamba2_dt(PF(DT, dt_raw), (int)IF(DT, xdt), IF(DT, dts), PF(DT, dt_bias), (int)IF(DT, bdt), PF(DT, A_log),
+                     (int)IF(DT, adt), (float)FF(DT, lo), (float)FF(DT, hi), (int)IF(DT, clamp), PF(DT, dt_out),
+                     PF(DT, A_out), n, IF(DT, H));
         return 0;
     case OP_SSD:
-        return hl_ssd_step(P(0), (int)I(0), st->state_slots, P(1), (int)I(1), I(2), P(2), I(3), P(3), P(4), I(4),
-                           P(5), I(5), P(6), (int)I(6), P(7), n, I(7), I(8), I(9), I(10));
+        return hl_ssd_step(PF(SSD, state), (int)IF(SSD, sdt), st->state_slots, PF(SSD, x), (int)IF(SSD, xdt),
+                           IF(SSD, xs), PF(SSD, dt), IF(SSD, dts), PF(SSD, A), PF(SSD, B), IF(SSD, bs), PF(SSD, C),
+                           IF(SSD, cs), PF(SSD, Dp), (int)IF(SSD, ddt), PF(SSD, y), n, IF(SSD, H), IF(SSD, P),
+                           IF(SSD, N), IF(SSD, G));
     case OP_GATED_RMSNORM:
-        hl_gated_rmsnorm(P(0), P(1), I(0), (int)I(1), P(2), (int)I(2), (float)o->f[0], I(3), (int)I(4), P(3), n,
-                         I(5));
+        hl_gated_rmsnorm(PF(GATED_RMSNORM, y), PF(GATED_RMSNORM, z), IF(GATED_RMSNORM, zs),
+                         (int)IF(GATED_RMSNORM, dt), PF(GATED_RMSNORM, w), (int)IF(GATED_RMSNORM, wdt),
+                         (float)FF(GATED_RMSNORM, eps), IF(GATED_RMSNORM, groups),
+                         (int)IF(GATED_RMSNORM, norm_before_gate), PF(GATED_RMSNORM, out), n, IF(GATED_RMSNORM, d));
         return 0;
     case OP_GEMV_INT4:
-        return gemv_int4_act(P(0), P(1), (int)I(0), I(1), P(2), (int)I(2), P(3), (int)I(3), P(4), P(5), (int)I(4), n,
-                             I(5), I(6), (int)I(7), (int)I(8));
+        return gemv_int4_act(PF(GEMV_INT4, q), PF(GEMV_INT4, sz), (int)IF(GEMV_INT4, sdt), IF(GEMV_INT4, G),
+                             PF(GEMV_INT4, bias), (int)IF(GEMV_INT4, bdt), PF(GEMV_INT4, x), (int)IF(GEMV_INT4, xdt),
+                             PF(GEMV_INT4, res), PF(GEMV_INT4, y), (int)IF(GEMV_INT4, ydt), n, IF(GEMV_INT4, N),
+                             IF(GEMV_INT4, K), (int)IF(GEMV_INT4, act1), (int)IF(GEMV_INT4, bn));
     case OP_GATED_UP_INT4:
-        return hl_gated_up_int4(P(0), P(1), P(2), P(3), P(4), P(5), (int)I(0), I(1), (int)I(2), P(6), (int)I(3), P(7),
-                                (int)I(4), n, I(5), I(6), (int)I(7));
+        return hl_gated_up_int4(PF(GATED_UP_INT4, qg), PF(GATED_UP_INT4, szg), PF(GATED_UP_INT4, bg),
+                                PF(GATED_UP_INT4, qu), PF(GATED_UP_INT4, szu), PF(GATED_UP_INT4, bu),
+                                (int)IF(GATED_UP_INT4, sdt), IF(GATED_UP_INT4, G), (int)IF(GATED_UP_INT4, bdt),
+                                PF(GATED_UP_INT4, x), (int)IF(GATED_UP_INT4, xdt), PF(GATED_UP_INT4, y),
+                                (int)IF(GATED_UP_INT4, act), n, IF(GATED_UP_INT4, N), IF(GATED_UP_INT4, K),
+                                (int)IF(GATED_UP_INT4, bn));
     case OP_QKV_ROPE_INT4:
-        return hl_qkv_rope_int4(P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), P(8), (int)I(0), I(1), (int)I(2),
-                                P(9), (int)I(3), P(10), P(11), P(12), (int)I(4), st->kv_slots, st->cos, st->sin,
-                                I(5), n, I(6), I(7), I(8), I(9), (int)I(10));
+        return hl_qkv_rope_int4(PF(QKV_ROPE_INT4, qq), PF(QKV_ROPE_INT4, szq), PF(QKV_ROPE_INT4, bq),
+                                PF(QKV_ROPE_INT4, qk), PF(QKV_ROPE_INT4, szk), PF(QKV_ROPE_INT4, bk),
+                                PF(QKV_ROPE_INT4, qv), PF(QKV_ROPE_INT4, szv), PF(QKV_ROPE_INT4, bv),
+                                (int)IF(QKV_ROPE_INT4, sdt), IF(QKV_ROPE_INT4, G), (int)IF(QKV_ROPE_INT4, bdt),
+                                PF(QKV_ROPE_INT4, x), (int)IF(QKV_ROPE_INT4, xdt), PF(QKV_ROPE_INT4, q_out),
+                                PF(QKV_ROPE_INT4, kpool), PF(QKV_ROPE_INT4, vpool), (int)IF(QKV_ROPE_INT4, pdt),
+                                st->kv_slots, st->cos, st->sin, IF(QKV_ROPE_INT4, rot), n, IF(QKV_ROPE_INT4, Hq),
+                                IF(QKV_ROPE_INT4, Hkv), IF(QKV_ROPE_INT4, D), IF(QKV_ROPE_INT4, K),
+                                (int)IF(QKV_ROPE_INT4, bn));
     case OP_GEMV_Q:
-        return gemv_q_act((int)I(0), P(0), P(1), P(2), (int)I(1), P(3), (int)I(2), P(4), P(5), (int)I(3), n, I(4),
-                          I(5), (int)I(6));
+        return gemv_q_act((int)IF(GEMV_Q, qkind), PF(GEMV_Q, w), PF(GEMV_Q, ws), PF(GEMV_Q, bias),
+                          (int)IF(GEMV_Q, bdt), PF(GEMV_Q, x), (int)IF(GEMV_Q, xdt), PF(GEMV_Q, res), PF(GEMV_Q, y),
+                          (int)IF(GEMV_Q, ydt), n, IF(GEMV_Q, N), IF(GEMV_Q, K), (int)IF(GEMV_Q, act1));
     case OP_QKV_ROPE_Q:
-        return hl_qkv_rope_q((int)I(0), P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), P(8), (int)I(1), P(9),
-                             (int)I(2), P(10), P(11), P(12), (int)I(3), st->kv_slots, st->cos, st->sin, I(4), n, I(5),
-                             I(6), I(7), I(8));
+        return hl_qkv_rope_q((int)IF(QKV_ROPE_Q, qkind), PF(QKV_ROPE_Q, wq), PF(QKV_ROPE_Q, sq), PF(QKV_ROPE_Q, bq),
+                             PF(QKV_ROPE_Q, wk), PF(QKV_ROPE_Q, sk), PF(QKV_ROPE_Q, bk), PF(QKV_ROPE_Q, wv),
+                             PF(QKV_ROPE_Q, sv), PF(QKV_ROPE_Q, bv), (int)IF(QKV_ROPE_Q, bdt), PF(QKV_ROPE_Q, x),
+                             (int)IF(QKV_ROPE_Q, xdt), PF(QKV_ROPE_Q, q_out), PF(QKV_ROPE_Q, kpool),
+                             PF(QKV_ROPE_Q, vpool), (int)IF(QKV_ROPE_Q, pdt), st->kv_slots, st->cos, st->sin,
+                             IF(QKV_ROPE_Q, rot), n, IF(QKV_ROPE_Q, Hq), IF(QKV_ROPE_Q, Hkv), IF(QKV_ROPE_Q, D),
+                             IF(QKV_ROPE_Q, K));
     case OP_GATED_UP_Q:
-        return hl_gated_up_q((int)I(0), P(0), P(1), P(2), P(3), P(4), P(5), (int)I(1), P(6), (int)I(2), P(7),
-                             (int)I(3), n, I(4), I(5));
+        return hl_gated_up_q((int)IF(GATED_UP_Q, qkind), PF(GATED_UP_Q, wg), PF(GATED_UP_Q, sg), PF(GATED_UP_Q, bg),
+                             PF(GATED_UP_Q, wu), PF(GATED_UP_Q, su), PF(GATED_UP_Q, bu), (int)IF(GATED_UP_Q, bdt),
+                             PF(GATED_UP_Q, x), (int)IF(GATED_UP_Q, xdt), PF(GATED_UP_Q, y), (int)IF(GATED_UP_Q, act),
+                             n, IF(GATED_UP_Q, N), IF(GATED_UP_Q, K));
     case OP_GDN:
-        return hl_gdn_decode(P(0), (int)I(0), st->state_slots, P(1), (int)I(1), I(2), P(2), I(3), P(3), (int)I(4),
-                             P(4), (int)I(5), P(5), P(6), P(7), P(8), n, I(6), I(7), I(8), I(9), (float)o->f[0],
-                             (float)o->f[1]);
+        return hl_gdn_decode(PF(GDN, state), (int)IF(GDN, sdt), st->state_slots, PF(GDN, qkv), (int)IF(GDN, xdt),
+                             IF(GDN, qkv_s), PF(GDN, ba), IF(GDN, ba_s), PF(GDN, A_log), (int)IF(GDN, adt),
+                             PF(GDN, dt_bias), (int)IF(GDN, bdt), PF(GDN, qk), PF(GDN, g), PF(GDN, beta), PF(GDN, y),
+                             n, IF(GDN, H), IF(GDN, Hk), IF(GDN, K), IF(GDN, V), (float)FF(GDN, eps),
+                             (float)FF(GDN, scale));
     case OP_HEAD_NORM:
-        hl_head_rmsnorm(P(0), I(0), P(1), I(1), (int)I(2), P(2), (int)I(3), (float)o->f[0], (int)I(4), P(3), n, I(5),
-                        I(6));
+        hl_head_rmsnorm(PF(HEAD_NORM, y), IF(HEAD_NORM, ys), PF(HEAD_NORM, z), IF(HEAD_NORM, zs),
+                        (int)IF(HEAD_NORM, dt), PF(HEAD_NORM, w), (int)IF(HEAD_NORM, wdt), (float)FF(HEAD_NORM, eps),
+                        (int)IF(HEAD_NORM, gated), PF(HEAD_NORM, out), n, IF(HEAD_NORM, H), IF(HEAD_NORM, V));
         return 0;
     case OP_GLA:
-        return hl_gla_decode(P(0), (int)I(0), st->state_slots, P(1), (int)I(1), I(2), P(2), I(3), P(3), P(4), P(5),
-                             (int)I(4), P(6), (int)I(5), P(7), P(8), P(9), n, I(6), I(7), I(8), I(9), I(10),
-                             (float)o->f[0], (float)o->f[1], (int)I(11));
+        return hl_gla_decode(PF(GLA, state), (int)IF(GLA, sdt), st->state_slots, PF(GLA, qkv), (int)IF(GLA, xdt),
+                             IF(GLA, qkv_s), PF(GLA, low), IF(GLA, low_s), PF(GLA, low_buf), PF(GLA, w),
+                             PF(GLA, wscale), (int)IF(GLA, wdt), PF(GLA, bias), (int)IF(GLA, bdt), PF(GLA, gk),
+                             PF(GLA, g), PF(GLA, y), n, IF(GLA, R), IF(GLA, H), IF(GLA, Hkv), IF(GLA, K), IF(GLA, V),
+                             (float)FF(GLA, normalizer), (float)FF(GLA, clamp_min), (int)IF(GLA, clamp));
     default:
         return -1;
     }
-#undef P
-#undef I
+#undef PF
+#undef IF
+#undef FF
 }
 
 /* the step's gathers (see HlStep); 0, or -1 for a token id or position outside its table (nothing run) */
