@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from ..model import HybridLM
-from .tasks import TASKS_DIR
+from .tasks import TASKS_DIR, task_manager
 
 
 def run(model: str | HybridLM | None = None, *, recipe: str | None = None, tasks: list[str],
@@ -19,17 +19,15 @@ def run(model: str | HybridLM | None = None, *, recipe: str | None = None, tasks
     ``recipe``. ``mmlu_dir`` is where ``mmlu_local`` reads MMLU from (else $HYBRID_MMLU_DIR, else
     ../shared/data/mmlu beside the repository). ``model_kwargs`` go to the model (e.g. ``prefix_caching=True``)."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from .lm_eval_model import HybridEvalLM
 
     lm = HybridEvalLM(pretrained=model, recipe=recipe, tokenizer=tokenizer, dtype=dtype, device=device,
                       batch_size=batch_size, max_length=max_length, backend=backend, **model_kwargs)
-    metadata = {"mmlu_dir": str(mmlu_dir)} if mmlu_dir is not None else None
     # indexing lm-eval's own ~15k task configs takes tens of seconds; do it only when asked for one
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
+    manager = task_manager(mmlu_dir, include_defaults=False)
     if not all(t in manager.all_tasks for t in tasks):
-        manager = TaskManager(include_path=str(TASKS_DIR), metadata=metadata)
+        manager = task_manager(mmlu_dir)
     unknown = [t for t in tasks if t not in manager.all_tasks and not any(c in t for c in "*?[/")]
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {unknown}; this package ships mmlu_local (and "

@@ -102,8 +102,8 @@ def architecture_of(hf_config: dict) -> str:
 
 
 def load_foreign(path: str | Path, *, dtype: torch.dtype | None = None,
-                 device: str | torch.device | None = None):
-    """Load a Hugging Face or mamba_ssm checkpoint folder as a ``HybridLM``."""
+                 device: str | torch.device | None = None, verify: bool = True):
+    """Load a Hugging Face or mamba_ssm checkpoint folder as a ``HybridLM`` (``verify``: every weight finite)."""
     from ..model import HybridLM
 
     _ensure_loaded()
@@ -116,7 +116,7 @@ def load_foreign(path: str | Path, *, dtype: torch.dtype | None = None,
         cfg = conv.config_from_hf(hf)
     except KeyError as e:
         raise CheckpointError(f"{Path(path) / 'config.json'} ({arch}) lacks the required key {e}") from None
-    foreign = read_state(path)
+    foreign = read_state(path, verify=verify)
     if conv.config_from_state is not None:
         cfg = conv.config_from_state(cfg, foreign, hf)
     state = conv.state_from_hf(foreign, hf, cfg)
