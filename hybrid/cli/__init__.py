@@ -68,7 +68,7 @@ def checked_run(args) -> None:
     """The command, after the HYBRID_* variables it will read are checked against its device."""
     from .environment import check_environment
 
-    check_environment(getattr(args, "device", None) or "cpu")
+    check_environment(getattr(args, "device", None) or "cpu", backend_usable=args.command != "doctor")
     args.func(args)
 
 

@@ -58,6 +58,27 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """``--port``: a TCP port, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
+    return value
+
+
 def add_dtype_device(p: argparse.ArgumentParser, *, device_help: str = "where the model runs (cpu, cuda, cuda:N)"):
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
     p.add_argument("--device", default="cpu", type=device_arg, help=device_help)

@@ -43,9 +43,10 @@ def check_backend(flag: str, name: str | None, device: str) -> None:
                        f"each op's backends here)")
 
 
-def check_environment(device: str = "cpu") -> None:
+def check_environment(device: str = "cpu", *, backend_usable: bool = True) -> None:
     """Every ``HYBRID_*`` variable the library reads, against what it accepts, for a command running on
-    ``device``; one line naming the first that is wrong."""
+    ``device``; one line naming the first that is wrong. ``backend_usable=False`` checks only that
+    HYBRID_BACKEND names a backend (``hybrid doctor``, which reports why a backend cannot run here)."""
     for name in SWITCHES:
         value = os.environ.get(name)
         if value is not None and value.strip().lower() not in SWITCH_VALUES:
@@ -53,4 +54,12 @@ def check_environment(device: str = "cpu") -> None:
     cache = os.environ.get("HYBRID_CACHE_DIR")
     if cache and os.path.exists(cache) and not os.path.isdir(cache):
         raise CLIError(f"HYBRID_CACHE_DIR={cache!r} is a file, not a folder; point it at a folder (or unset it)")
-    check_backend("HYBRID_BACKEND", os.environ.get("HYBRID_BACKEND"), device)
+    forced = os.environ.get("HYBRID_BACKEND")
+    if backend_usable:
+        check_backend("HYBRID_BACKEND", forced, device)
+    elif forced:
+        from ..kernels.dispatch import BACKENDS
+
+        if forced not in BACKENDS:
+            raise CLIError(f"HYBRID_BACKEND={forced!r} is not a kernel backend; use one of {', '.join(BACKENDS)} "
+                           f"(or unset it)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..quantize import METHODS
 from .common import DTYPES, device_arg, no_verify_flag, non_negative_int, positive_float, positive_int
 from .environment import check_backend
@@ -46,6 +48,8 @@ def check_mmlu_dir(tasks: list[str], mmlu_dir: str | None) -> None:
 def run(args) -> None:
     if (args.model is None) == (args.recipe is None):
         raise CLIError("give exactly one of --model DIR (a checkpoint folder) or --recipe NAME")
+    if args.model is not None and not Path(args.model).is_dir():
+        raise CLIError(f"--model {args.model}: no such folder; give a checkpoint folder (or --recipe NAME)")
     check_backend("--backend", args.backend, args.device)
     import lm_eval  # noqa: F401  (a missing eval extra is named before anything loads)
 
