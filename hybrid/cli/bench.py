@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lengths", type=positive_int, nargs="+", default=[512, 2048], help="prompt lengths to time")
     p.add_argument("--batch", type=positive_int, default=1, help="sequences per forward")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed runs before each length")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per length (min / median / max reported)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed runs per length (min / median / max reported)")
     threads_flag(p, zero="one per CPU core this process may use")
     p.add_argument("--max-spread", type=positive_float, default=0.25,
                    help="re-measure a timing whose (max-min)/median exceeds this, then mark it wide")

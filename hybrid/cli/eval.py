@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
                    help="questions per task: a count, or a fraction below 1 (for quick checks; default: all)")
     p.add_argument("--mmlu-dir", help=MMLU_HELP)
     p.add_argument("--batch-size", type=positive_int, default=8, help="distinct inputs per forward")
-    p.add_argument("--max-length", type=positive_int, default=2048, help="longest input; longer contexts are cut on the left")
+    p.add_argument("--max-length", type=positive_int, default=2048,
+                   help="longest input; longer contexts are cut on the left")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
     p.add_argument("--device", default="cpu", type=device_arg, help="where the model runs (cpu, cuda, cuda:N)")
     p.add_argument("--backend", choices=["torch", "triton", "cuda"],
