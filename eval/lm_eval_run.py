@@ -88,8 +88,9 @@ def subtask_accuracies(results: dict) -> tuple[dict[str, float], dict[str, int]]
 
 
 def lm_eval_main(argv: list[str] | None = None) -> None:
-    """The ``hybrid-lm-eval`` command: lm-eval's own command line with the ``hybrid`` model registered and this
-    package's tasks (``mmlu_local``) on ``--include_path`` (lm-eval has no plugin entry points to find either)."""
+    """The ``hybrid-lm-eval`` command: lm-eval's own command line, every flag passed through, with the ``hybrid``
+    model registered and this package's tasks (``mmlu_local``) on ``--include_path`` (lm-eval 0.4.x reads no plugin
+    entry points for models or tasks, so ``lm_eval --model hybrid`` itself cannot find either)."""
     import sys
 
     from lm_eval.__main__ import cli_evaluate
@@ -99,7 +100,8 @@ def lm_eval_main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] not in ("run", "ls", "validate") and not args[0].startswith("-h"):
         args = ["run", *args]  # lm-eval's default sub-command, as its own CLI inserts it
-    if args and args[0] == "run" and not any(a.startswith("--include_path") for a in args):
+    # run, ls and validate all index tasks; a user's own --include_path replaces ours (lm-eval takes one folder)
+    if args and args[0] in ("run", "ls", "validate") and not any(a.startswith("--include_path") for a in args):
         args += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm_eval", *args]
     cli_evaluate()
