@@ -69,7 +69,8 @@ class HybridEvalLM(TemplateLM):
         prefix_caching: score through the engine with its prefix cache (``prefix_state_bytes``,
         ``prefix_checkpoint_interval``, ``cache_bytes`` and ``max_batch_tokens`` size it).
         quantize: torchao weight-only quantisation of the linear layers (``int8wo`` or ``int4wo``,
-        :func:`hybrid.quantize`), to measure what it costs in accuracy.
+        :func:`hybrid.quantize`), to measure what it costs in accuracy. verify: check the checkpoint's
+        checksums and finite weights on load (default true; ``hybrid.from_pretrained(verify=)``).
     """
 
     def __init__(self, pretrained: str | HybridLM | None = None, recipe: str | None = None,
@@ -77,7 +78,8 @@ class HybridEvalLM(TemplateLM):
                  batch_size: int | str = 8, max_length: int = 2048, max_gen_toks: int = 256,
                  backend: str | None = None, prefix_caching: bool | str = False,
                  prefix_state_bytes: int | None = None, prefix_checkpoint_interval: int | None = None,
-                 cache_bytes: int = 1024 * 2**20, max_batch_tokens: int = 512, quantize: str | None = None):
+                 cache_bytes: int = 1024 * 2**20, max_batch_tokens: int = 512, quantize: str | None = None,
+                 verify: bool | str = True):
         super().__init__()
         if (pretrained is None) == (recipe is None):
             raise ValueError("give exactly one of pretrained=DIR (a checkpoint folder) or recipe=NAME")
@@ -103,6 +105,9 @@ class HybridEvalLM(TemplateLM):
         self.engine = None
         self.tokens_computed = 0  # model input positions run for log-likelihoods (both paths)
         self._device = resolve_device(device)
+        if str(verify).lower() not in ("true", "1", "yes", "false", "0", "no"):
+            raise ValueError(f"verify must be true or false, got {verify!r}")
+        self.verify = str(verify).lower() in ("true", "1", "yes")
         self.model = self._build_model(pretrained, recipe, DTYPES[dtype])
         if quantize:
             from ..quantize import quantize as quantize_model
@@ -118,7 +123,7 @@ class HybridEvalLM(TemplateLM):
         if isinstance(pretrained, HybridLM):
             model = pretrained.to(device=self._device, dtype=dtype)
         elif pretrained is not None:
-            model = from_pretrained(pretrained, dtype=dtype, device=self._device)
+            model = from_pretrained(pretrained, dtype=dtype, device=self._device, verify=self.verify)
         else:
             with torch.device(self._device):
                 model = HybridLM(recipes.get(recipe))

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from ..model import HybridLM
-from .tasks import TASKS_DIR
+from .tasks import TASKS_DIR, task_manager
 
 
 def run(model: str | HybridLM | None = None, *, recipe: str | None = None, tasks: list[str],
@@ -19,17 +19,15 @@ def run(model: str | HybridLM | None = None, *, recipe: str | None = None, tasks
     ``recipe``. ``mmlu_dir`` is where ``mmlu_local`` reads MMLU from (else $HYBRID_MMLU_DIR, else
     ../shared/data/mmlu beside the repository). ``model_kwargs`` go to the model (e.g. ``prefix_caching=True``)."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from .lm_eval_model import HybridEvalLM
 
     lm = HybridEvalLM(pretrained=model, recipe=recipe, tokenizer=tokenizer, dtype=dtype, device=device,
                       batch_size=batch_size, max_length=max_length, backend=backend, **model_kwargs)
-    metadata = {"mmlu_dir": str(mmlu_dir)} if mmlu_dir is not None else None
     # indexing lm-eval's own ~15k task configs takes tens of seconds; do it only when asked for one
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
+    manager = task_manager(mmlu_dir, include_defaults=False)
     if not all(t in manager.all_tasks for t in tasks):
-        manager = TaskManager(include_path=str(TASKS_DIR), metadata=metadata)
+        manager = task_manager(mmlu_dir)
     unknown = [t for t in tasks if t not in manager.all_tasks and not any(c in t for c in "*?[/")]
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {unknown}; this package ships mmlu_local (and "
@@ -90,8 +88,9 @@ def subtask_accuracies(results: dict) -> tuple[dict[str, float], dict[str, int]]
 
 
 def lm_eval_main(argv: list[str] | None = None) -> None:
-    """The ``hybrid-lm-eval`` command: lm-eval's own command line with the ``hybrid`` model registered and this
-    package's tasks (``mmlu_local``) on ``--include_path`` (lm-eval has no plugin entry points to find either)."""
+    """The ``hybrid-lm-eval`` command: lm-eval's own command line, every flag passed through, with the ``hybrid``
+    model registered and this package's tasks (``mmlu_local``) on ``--include_path`` (lm-eval 0.4.x reads no plugin
+    entry points for models or tasks, so ``lm_eval --model hybrid`` itself cannot find either)."""
     import sys
 
     from lm_eval.__main__ import cli_evaluate
@@ -101,7 +100,8 @@ def lm_eval_main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] not in ("run", "ls", "validate") and not args[0].startswith("-h"):
         args = ["run", *args]  # lm-eval's default sub-command, as its own CLI inserts it
-    if args and args[0] == "run" and not any(a.startswith("--include_path") for a in args):
+    # run, ls and validate all index tasks; a user's own --include_path replaces ours (lm-eval takes one folder)
+    if args and args[0] in ("run", "ls", "validate") and not any(a.startswith("--include_path") for a in args):
         args += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm_eval", *args]
     cli_evaluate()

@@ -6,17 +6,14 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from .checkpoint_files import CheckpointError, load_safetensors, read_json, verify_manifest, write_manifest
 from .config import HybridConfig
 
 FORMAT_TAG = "hybrid-lm"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder whose files or tensors do not fit the model it describes."""
 
 
 def save_native(model, directory: str | Path) -> Path:
@@ -27,16 +24,17 @@ def save_native(model, directory: str | Path) -> Path:
     # safetensors refuses aliased tensors; tied models have no lm_head entry, so nothing is shared.
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt", "library": FORMAT_TAG})
+    write_manifest(directory, [WEIGHTS_FILE])
     return directory
 
 
 def is_native(directory: str | Path) -> bool:
     p = Path(directory) / CONFIG_FILE
-    return p.is_file() and json.loads(p.read_text()).get("format") == FORMAT_TAG
+    return p.is_file() and read_json(p).get("format") == FORMAT_TAG
 
 
 def read_native_config(directory: str | Path) -> HybridConfig:
-    raw = json.loads((Path(directory) / CONFIG_FILE).read_text())
+    raw = read_json(Path(directory) / CONFIG_FILE)
     raw.pop("format", None)
     raw.pop("quantization", None)  # hybrid.quantized_checkpoint's section, not part of the architecture
     return HybridConfig.from_dict(raw)
@@ -60,8 +58,9 @@ def load_state_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], so
     model.load_state_dict(state, strict=True, assign=True)
 
 
-def empty_model(directory: Path):
-    """The folder's HybridLM on the meta device (no memory), its files checked first."""
+def empty_model(directory: Path, *, verify: bool = True):
+    """The folder's HybridLM on the meta device (no memory), its files checked first (``verify``: against
+    ``checksums.json`` too, where the folder has one)."""
     from .model import HybridLM
 
     for name in (CONFIG_FILE, WEIGHTS_FILE):
@@ -69,15 +68,20 @@ def empty_model(directory: Path):
             raise CheckpointError(f"{directory} has no {name}; a hybrid-lm checkpoint folder holds "
                                   f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by save_pretrained)")
     config = read_native_config(directory)
+    if verify:
+        verify_manifest(directory)
     with torch.device("meta"):
         return HybridLM(config)
 
 
 def load_native(directory: str | Path, *, dtype: torch.dtype | None = None,
-                device: str | torch.device | None = None):
+                device: str | torch.device | None = None, verify: bool = True):
+    """Our format; ``verify``: the weights' checksums (where saved) and finite values checked (see
+    :mod:`hybrid.checkpoint_files`)."""
     directory = Path(directory)
-    model = empty_model(directory)
-    state = load_file(str(directory / WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
+    model = empty_model(directory, verify=verify)
+    state = load_safetensors(directory / WEIGHTS_FILE, device=str(device) if device is not None else "cpu",
+                             verify=verify)
     load_state_strict(model, state, str(directory / WEIGHTS_FILE))
     if dtype is not None:
         model.to(dtype)

@@ -46,7 +46,8 @@ def _from_gguf(path: Path, *, dtype: torch.dtype | None, device):
 
 
 def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
-                    device: str | torch.device | None = None, torch_dtype: str | torch.dtype | None = None):
+                    device: str | torch.device | None = None, torch_dtype: str | torch.dtype | None = None,
+                    verify: bool = True):
     """Load a checkpoint folder: our own format (:func:`save_pretrained`), or a Hugging Face /
     mamba_ssm checkpoint through the converter for its architecture (``hybrid.interop``); or a llama.cpp
     ``.gguf`` file (dequantised to fp32, :mod:`hybrid.interop.gguf_file`); or a model name
@@ -54,7 +55,9 @@ def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
     folder's tokenizer, if it has a ``tokenizer.json``, is attached as ``model.tokenizer``. A folder saved
     from a quantised model loads quantised (its torchao weights as saved; ``model.quantization`` set).
     ``dtype`` (or transformers' older name ``torch_dtype``) is a torch dtype or its name; None or
-    ``"auto"`` keeps the checkpoint's."""
+    ``"auto"`` keeps the checkpoint's. ``verify`` (default on): the weights' checksums where the folder has them
+    (``save_pretrained`` writes them) and every weight finite; damage is a CheckpointError naming the file
+    (:mod:`hybrid.checkpoint_files`); ``verify=False`` skips both."""
     if torch_dtype is not None:
         if dtype is not None:
             raise ValueError("give dtype or its older name torch_dtype, not both")
@@ -70,11 +73,11 @@ def from_pretrained(path: str | Path, *, dtype: str | torch.dtype | None = None,
         raise CheckpointError(f"{path} is not a directory; give the checkpoint folder, a .gguf file or a model "
                               "name (hybrid.NAMED_MODELS)")
     if not is_native(path):
-        model = load_foreign(path, dtype=dtype, device=device)
+        model = load_foreign(path, dtype=dtype, device=device, verify=verify)
     elif is_quantized(path):  # saved from a hybrid.quantize'd model: its torchao weights as they were
-        model = load_quantized(path, dtype=dtype, device=device)
+        model = load_quantized(path, dtype=dtype, device=device, verify=verify)
     else:
-        model = load_native(path, dtype=dtype, device=device)
+        model = load_native(path, dtype=dtype, device=device, verify=verify)
     # the checkpoint's own tokenizer (tokenizer.json, special tokens from tokenizer_config.json and
     # generation_config.json), or None when the folder has none
     model.tokenizer = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .checkpoint import CONFIG_FILE, FORMAT_TAG, WEIGHTS_FILE, CheckpointError, empty_model, load_state_strict
+from .checkpoint_files import check_safetensors, load_safetensors, read_json, write_manifest
 
 CONFIG_KEY = "quantization"
 METHODS = ("int8wo", "int4wo", "int8dq", "8da4w")  # as hybrid.quantize.METHODS (checked by a test)
@@ -240,7 +241,7 @@ def unflatten(section, classes: dict, state: dict[str, torch.Tensor], source: st
 def is_quantized(directory: Path) -> bool:
     """Whether a native checkpoint folder holds a quantised model: its config.json has our section, or its
     safetensors header says so (the config's section lost: :func:`load` names that)."""
-    if CONFIG_KEY in json.loads((directory / CONFIG_FILE).read_text()):
+    if CONFIG_KEY in read_json(directory / CONFIG_FILE):
         return True
     if not (directory / WEIGHTS_FILE).is_file():
         return False
@@ -261,16 +262,19 @@ def save(model, directory: str | Path) -> Path:
     (directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(state, str(directory / WEIGHTS_FILE),
               metadata={"format": "pt", "library": FORMAT_TAG, CONFIG_KEY: section["method"]})
+    write_manifest(directory, [WEIGHTS_FILE])
     return directory
 
 
-def load(directory: str | Path, *, dtype: torch.dtype | None = None, device=None) -> torch.nn.Module:
+def load(directory: str | Path, *, dtype: torch.dtype | None = None, device=None,
+         verify: bool = True) -> torch.nn.Module:
     """Load a quantised checkpoint folder: the model is built on the meta device and the stored int8 / packed
     int4 tensors become its weights as they are (no fp32 copy is made, nothing is quantised again)."""
     directory = Path(directory)
-    model = empty_model(directory)
+    model = empty_model(directory, verify=verify)  # checksums (where saved) before the file is opened
     source, path = str(directory), directory / WEIGHTS_FILE
-    section = json.loads((directory / CONFIG_FILE).read_text()).get(CONFIG_KEY)
+    section = read_json(directory / CONFIG_FILE).get(CONFIG_KEY)
+    check_safetensors(path)  # a damaged file is named before safetensors opens it
     with safe_open(str(path), "pt") as f:
         written = (f.metadata() or {}).get(CONFIG_KEY)
     if section is None:
@@ -280,7 +284,7 @@ def load(directory: str | Path, *, dtype: torch.dtype | None = None, device=None
     method, classes = check(section, source, device)
     if written is not None and written != method:
         raise CheckpointError(f"{source}: config.json says {method} but its weights file says {written}; {_FIX}")
-    state = unflatten(section, classes, load_file(str(path), device=str(device)), source, dtype=dtype)
+    state = unflatten(section, classes, load_safetensors(path, device=str(device), verify=verify), source, dtype=dtype)
     if HEAD in state and model.lm_head is None:  # a tied model's quantised head (hybrid.quantize.quantized_head)
         from .quantize import quantized_head
 

@@ -121,6 +121,11 @@ def _why_not(name: str, impl: Impl, device_type: str) -> str | None:
     return why_not
 
 
+def implements(op: str, backend: str) -> bool:
+    """Whether ``backend`` has an implementation of ``op`` registered (usable here or not)."""
+    return backend in _registry.get(op, {})
+
+
 def why_not(op: str, backend: str, device_type: str) -> str | None:
     """None when ``backend`` can run ``op`` on ``device_type`` (per-call checks aside), else why not."""
     impl = _registry.get(op, {}).get(backend)

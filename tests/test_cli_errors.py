@@ -90,3 +90,96 @@ def test_every_option_has_help_and_there_is_a_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("hybrid-lm 0.")
+
+
+NO_CUDA = not __import__("torch").cuda.is_available()
+TINY = ["--recipe", "llama-tiny"]
+# every sub-command of `hybrid --help` with bad values: (argv, environment, fragments the one line must hold).
+# A new sub-command must add its own cases here (test_every_subcommand_is_walked).
+BAD = {
+    "info": [(["info", *TINY, "--seq-len", "0"], {}, ["--seq-len", ">= 1"]),
+             (["info", *TINY], {"HYBRID_NATIVE": "maybe"}, ["HYBRID_NATIVE", "1 or 0"]),
+             (["info", *TINY], {"HYBRID_BACKEND": "fast"}, ["HYBRID_BACKEND", "not a kernel backend"]),
+             (["info", "--bogus"], {}, ["unrecognized arguments: --bogus"])],
+    "bench": [(["bench", *TINY, "--threads", "-3"], {}, ["--threads", ">= 0"]),
+              (["bench", *TINY, "--lengths", "0"], {}, ["--lengths", ">= 1"]),
+              (["bench", *TINY, "--repeats", "0"], {}, ["--repeats"]),
+              (["bench", *TINY, "--max-spread", "-1"], {}, ["--max-spread", "> 0"]),
+              (["bench", *TINY, "--warmup", "x"], {}, ["--warmup", "not an integer"])],
+    "eval": [(["eval", *TINY, "--num-fewshot", "-1"], {}, ["--num-fewshot", ">= 0"]),
+             (["eval", *TINY, "--limit", "0"], {}, ["--limit", "> 0"]),
+             (["eval", *TINY, "--batch-size", "0"], {}, ["--batch-size"]),
+             (["eval", "--model", "/nonexistent/ckpt"], {}, ["/nonexistent/ckpt", "no such folder"]),
+             (["eval", *TINY, "--backend", "fast"], {}, ["--backend", "invalid choice"])],
+    "tradeoff": [(["tradeoff", "--threads", "-3"], {}, ["threads must be >= 1"]),
+                 (["tradeoff", "--mixer", "lstm"], {}, ["--mixer", "invalid choice"]),
+                 (["tradeoff"], {"HYBRID_HUGE_PAGES": "lots"}, ["HYBRID_HUGE_PAGES"])],
+    "convert": [(["convert", "/nonexistent/src", "/tmp/never-written"], {}, ["/nonexistent/src", "not a directory"]),
+                (["convert", "a", "b", "--dtype", "int8"], {}, ["--dtype", "invalid choice"])],
+    "generate": [(["generate", *TINY, "--prompt", "x", "--threads", "-3"], {}, ["--threads", ">= 0"]),
+                 (["generate", *TINY, "--prompt", "x", "--ngram", "--num-draft-tokens", "0"], {},
+                  ["--num-draft-tokens", ">= 1"]),
+                 (["generate", *TINY, "--prompt", "x"], {"HYBRID_BACKEND": "fast"}, ["HYBRID_BACKEND"]),
+                 (["generate", *TINY], {}, ["--prompt"])],
+    "serve": [(["serve", *TINY, "--threads", "-3"], {}, ["--threads", ">= 0"]),
+              (["serve", *TINY, "--port", "-1"], {}, ["--port", "0-65535"]),
+              (["serve", *TINY, "--shutdown-timeout", "-1"], {}, ["--shutdown-timeout", ">= 0"]),
+              (["serve", *TINY, "--max-seqs", "0"], {}, [">= 1"]),
+              (["serve", *TINY], {"HYBRID_KEEP_FREED_MEMORY": "sometimes"}, ["HYBRID_KEEP_FREED_MEMORY"])],
+    "doctor": [(["doctor"], {"HYBRID_BACKEND": "fast"}, ["HYBRID_BACKEND", "not a kernel backend"])],
+}
+if NO_CUDA:  # the device a CPU machine lacks, asked for by flag and by variable
+    BAD["info"].append((["info", *TINY], {"HYBRID_BACKEND": "cuda"}, ["HYBRID_BACKEND=cuda", "no CUDA"]))
+    BAD["generate"].append((["generate", *TINY, "--prompt", "x"], {"HYBRID_BACKEND": "cuda"},
+                            ["HYBRID_BACKEND=cuda", "cannot run", "leave it out"]))
+    BAD["eval"].append((["eval", *TINY, "--backend", "cuda"], {}, ["--backend=cuda", "no CUDA", "leave it out"]))
+    BAD["bench"].append((["bench", *TINY, "--device", "cuda"], {}, ["--device", "--device cpu"]))
+
+
+def test_every_subcommand_is_walked():
+    subs = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert set(subs) == set(BAD), f"sub-commands without bad-value cases: {sorted(set(subs) - set(BAD))}"
+
+
+@pytest.mark.parametrize("argv,env,says", [c for cases in BAD.values() for c in cases],
+                         ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0] in BAD else None)
+def test_each_subcommand_refuses_bad_values_in_one_line(capsys, monkeypatch, argv, env, says):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    err = one_line_exit(capsys, argv)
+    assert err.startswith("hybrid") and all(s in err for s in says), err
+
+
+def test_a_forced_backend_that_can_run_here_passes(capsys, monkeypatch):
+    monkeypatch.setenv("HYBRID_BACKEND", "torch")
+    main(["info", *TINY])
+    assert "llama-tiny" in capsys.readouterr().out
+    monkeypatch.setenv("HYBRID_BACKEND", "cuda")  # doctor reports why a backend cannot run instead of refusing
+    main(["doctor"])
+    assert "HYBRID_BACKEND=cuda" in capsys.readouterr().out
+
+
+def test_a_folder_without_a_tokenizer_is_said_once(capsys, tmp_path):
+    import hybrid
+
+    cfg = hybrid.HybridConfig(vocab_size=512, d_model=32, pattern="*-",
+                              attention=hybrid.AttentionConfig(n_heads=2, n_kv_heads=1))
+    hybrid.save_pretrained(hybrid.HybridLM(cfg), tmp_path / "m")
+    main(["generate", "--model", str(tmp_path / "m"), "--prompt", "hi", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert err.count("has no tokenizer.json") == 1 and "<unk:ID>" in err and str(tmp_path / "m") in err, err
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="the note is for a CPU run")
+def test_compile_on_a_cpu_is_ignored_with_a_note(capsys):
+    main(["generate", *TINY, "--prompt", "hi", "--max-new-tokens", "3", "--compile"])
+    out, err = capsys.readouterr()
+    notes = [line for line in err.splitlines() if "--compile" in line]
+    assert len(notes) == 1 and "ignored on a CPU" in notes[0], err
+    assert "compile:" not in err and "torch._dynamo" not in out + err  # nothing compiled, no dynamo output
+
+
+def test_many_models_show_progress(capsys):
+    main(["info", "--recipe", "llama-tiny", "mamba2-tiny", "hybrid-1to7-tiny"])
+    out, err = capsys.readouterr()
+    assert "building models" in err and "0/3" in err and "building models" not in out

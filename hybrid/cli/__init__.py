@@ -61,7 +61,15 @@ def main(argv: list[str] | None = None) -> None:
 
     args = build_parser().parse_args(argv)
     keep_freed_memory()  # the CLI owns its process: large temporaries reuse mapped memory (see host_memory)
-    run_reporting(f"hybrid {args.command}", args.func, args)
+    run_reporting(f"hybrid {args.command}", checked_run, args)
+
+
+def checked_run(args) -> None:
+    """The command, after the HYBRID_* variables it will read are checked against its device."""
+    from .environment import check_environment
+
+    check_environment(getattr(args, "device", None) or "cpu", backend_usable=args.command != "doctor")
+    args.func(args)
 
 
 if __name__ == "__main__":

@@ -3,25 +3,35 @@ through the engine, or the prefix-cache benchmark)."""
 
 from __future__ import annotations
 
-from .common import CLIError, add_cache_dtype_args, add_model_args, models_from_args
+from .common import (
+    CLIError,
+    add_cache_dtype_args,
+    add_model_args,
+    models_from_args,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    threads_flag,
+)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="prefill latency and tokens/s at a sweep of context lengths")
     add_model_args(p)
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths to time")
-    p.add_argument("--batch", type=int, default=1, help="sequences per forward")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before each length")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per length (min / median / max reported)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per CPU core this process may use)")
-    p.add_argument("--max-spread", type=float, default=0.25,
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[512, 2048], help="prompt lengths to time")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences per forward")
+    p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed runs before each length")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed runs per length (min / median / max reported)")
+    threads_flag(p, zero="one per CPU core this process may use")
+    p.add_argument("--max-spread", type=positive_float, default=0.25,
                    help="re-measure a timing whose (max-min)/median exceeds this, then mark it wide")
     p.add_argument("--logits", choices=["last", "all"], default="last",
                    help="last: the last position's logits only (what a prompt needs; llama-bench -p), all: every "
                         "position's (as scoring); FLOP/s counts the LM head only where it runs")
-    p.add_argument("--decode-tokens", type=int, default=0,
+    p.add_argument("--decode-tokens", type=non_negative_int, default=0,
                    help="also time decoding this many tokens per sequence through the engine (0: skip)")
-    p.add_argument("--decode-ctx", type=int, default=512, help="prompt length before the timed decode")
+    p.add_argument("--decode-ctx", type=positive_int, default=512, help="prompt length before the timed decode")
     p.add_argument("--compile", action="store_true",
                    help="time the compiled decode step (torch.compile; compile time reported apart)")
     p.add_argument("--no-peak", dest="peak", action="store_false",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 
 from .errors import CLIError
 
@@ -37,6 +38,47 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """``--port``: a TCP port, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
+    return value
+
+
 def add_dtype_device(p: argparse.ArgumentParser, *, device_help: str = "where the model runs (cpu, cuda, cuda:N)"):
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
     p.add_argument("--device", default="cpu", type=device_arg, help=device_help)
@@ -45,6 +87,13 @@ def add_dtype_device(p: argparse.ArgumentParser, *, device_help: str = "where th
     p.add_argument("--quantize", choices=list(METHODS), default=None,
                    help="torchao quantisation of the linear layers (hybrid.quantize): weight-only int8wo / int4wo "
                         "(int4wo on a CPU: torchao's prototype int4 format), int8 activations too int8dq / 8da4w")
+    no_verify_flag(p)
+
+
+def no_verify_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="load checkpoint folders without checking their weights' checksums and finite values "
+                        "(a damaged file is refused by default; see docs/checkpoints.md)")
 
 
 def quantized(model, args, where: str = "the model"):
@@ -86,20 +135,31 @@ def models_from_args(args) -> dict:
     from .. import from_pretrained, recipes
     from ..model import HybridLM
 
+    drop_compile_on_cpu(args)
     dtype = getattr(torch, args.dtype)
     models = {}
     names = recipes.names() if args.recipe == ["all-small"] else args.recipe or []
     if args.recipe == ["all-small"]:
         names = [n for n in names if n.endswith("-small")]
-    for name in names:
+    for name in progress(names, "building models"):
         config = recipe_config(name)
         with torch.device(args.device):
             models[name] = quantized(HybridLM(config).to(dtype).eval(), args)
     for path in args.model or []:
-        models[path] = quantized(from_pretrained(path, dtype=dtype, device=args.device), args, f"--model {path}")
+        model = from_pretrained(path, dtype=dtype, device=args.device, verify=args.verify)
+        models[path] = quantized(model, args, f"--model {path}")
     if not models:
         raise CLIError("give --recipe NAME (or all-small) and/or --model DIR")
     return models
+
+
+def progress(items, desc: str):
+    """``items`` with a tqdm bar on stderr when there are several (``all-small`` builds a dozen models and
+    takes tens of seconds); a single item goes without one."""
+    from tqdm import tqdm
+
+    items = list(items)
+    return tqdm(items, desc=desc, unit="model", file=sys.stderr, disable=len(items) < 3, leave=False)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -141,19 +201,36 @@ def engine_model(args, *, seed: int):
 
     from .. import from_pretrained
     from ..model import HybridLM
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import ByteTokenizer, load_tokenizer
 
     if (args.model is None) == (args.recipe is None):
         raise CLIError("give exactly one of --model DIR or --recipe NAME")
     if args.threads:
         torch.set_num_threads(args.threads)
+    drop_compile_on_cpu(args)
     dtype = getattr(torch, args.dtype)
     if args.recipe:
         config = recipe_config(args.recipe)
         torch.manual_seed(seed)  # a recipe has random weights; the seed makes them reproducible
         return quantized(HybridLM(config).to(device=args.device, dtype=dtype).eval(), args), load_tokenizer(None)
-    model = from_pretrained(args.model, dtype=dtype, device=args.device)
-    return quantized(model, args, f"--model {args.model}"), load_tokenizer(args.model)
+    model = from_pretrained(args.model, dtype=dtype, device=args.device, verify=args.verify)
+    tokenizer = load_tokenizer(args.model)
+    if isinstance(tokenizer, ByteTokenizer) and model.config.vocab_size > ByteTokenizer.vocab_size:
+        print(f"note: {args.model} has no tokenizer.json, so the prompt is read as UTF-8 bytes and generated ids "
+              f"past them show as <unk:ID>; copy the model's tokenizer.json into the folder for text", file=sys.stderr)
+    return quantized(model, args, f"--model {args.model}"), tokenizer
+
+
+def drop_compile_on_cpu(args) -> None:
+    """``--compile`` on a CPU: ignored, with a one-line note. The default CPU decode runs the native C step
+    (kernels/native), which torch.compile's graphs do not reach: a compiled step there is slower, recompiles per
+    batch and block-table shape, and costs tens of seconds of compiling. On CUDA --compile stays."""
+    import torch
+
+    if getattr(args, "compile", False) and torch.device(args.device).type == "cpu":
+        print("note: --compile is ignored on a CPU: the default native decode step is faster there; it applies "
+              "with --device cuda", file=sys.stderr, flush=True)
+        args.compile = False
 
 
 def speculative(args, model):
@@ -169,7 +246,7 @@ def speculative(args, model):
         if args.ngram:
             return SpeculativeConfig(method="ngram", num_tokens=args.num_draft_tokens)
         p = next(model.parameters())
-        draft = from_pretrained(args.draft_model, dtype=p.dtype, device=p.device)
+        draft = from_pretrained(args.draft_model, dtype=p.dtype, device=p.device, verify=args.verify)
         return SpeculativeConfig(method="draft", draft_model=draft, num_tokens=args.num_draft_tokens)
     except ValueError as e:
         raise CLIError(f"speculative decoding: {e}") from e
@@ -179,7 +256,7 @@ def add_speculative_flags(p) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--draft-model", help="speculative decoding with this draft checkpoint folder (same vocabulary)")
     g.add_argument("--ngram", action="store_true", help="speculative decoding with n-gram prompt lookup drafts")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens checked per step (with "
+    p.add_argument("--num-draft-tokens", type=positive_int, default=4, help="draft tokens checked per step (with "
                    "--draft-model or --ngram)")
 
 
@@ -206,4 +283,4 @@ def multi_step_flag(p: argparse.ArgumentParser, default: int) -> None:
 
 
 def threads_flag(p: argparse.ArgumentParser, zero: str = "torch's default") -> None:
-    p.add_argument("--threads", type=int, default=0, help=f"torch threads (0: {zero})")
+    p.add_argument("--threads", type=non_negative_int, default=0, help=f"torch threads (0: {zero})")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import DTYPES
+from .common import DTYPES, no_verify_flag
 
 
 def add_parser(sub) -> None:
@@ -16,6 +16,7 @@ def add_parser(sub) -> None:
                         "or hf: the first Hugging Face format that represents the model exactly")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="cast the weights before writing (default: keep the checkpoint's)")
+    no_verify_flag(p)
     p.set_defaults(func=run)
 
 
@@ -30,7 +31,7 @@ def run(args) -> None:
 
     # CheckpointError / ConfigError are ValueErrors: one line "hybrid convert: ..." (see errors.run_reporting)
     src = resolve(args.src)
-    model = from_pretrained(src, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    model = from_pretrained(src, dtype=getattr(torch, args.dtype) if args.dtype else None, verify=args.verify)
     out = save_pretrained(model, args.dst, format=args.format)
     tok = write_tokenizer_files(src, out) if is_gguf(src) else copy_tokenizer_files(src, out)
     print(f"{args.src} -> {out} (format {args.format}; pattern {model.config.pattern!r}, "

@@ -12,7 +12,7 @@ DEBUG_ENV = "HYBRID_DEBUG"
 # optional dependency (top-level module) -> the extra that installs it
 EXTRAS = {"lm_eval": "eval", "matplotlib": "eval", "datasets": "eval", "fastapi": "serve", "uvicorn": "serve",
           "jinja2": "serve", "prometheus_client": "serve", "transformers": "hf", "tokenizers": "hf",
-          "triton": "triton", "mamba_ssm": "cuda", "causal_conv1d": "cuda", "flash_attn": "cuda"}
+          "triton": "triton", "mamba_ssm": "cuda", "causal_conv1d": "cuda", "flash_attn": "cuda", "torchao": "quant"}
 
 
 class CLIError(Exception):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from .common import add_cache_dtype_args, add_model_args, models_from_args
+from .common import add_cache_dtype_args, add_model_args, models_from_args, positive_int, progress
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("info", help="parameters, FLOPs/token and cache bytes of recipes or checkpoints")
     add_model_args(p)
-    p.add_argument("--seq-len", type=int, default=2048, help="context length for FLOPs/token")
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="context length for FLOPs/token")
     p.add_argument("--list", action="store_true", help="list recipe names")
     add_cache_dtype_args(p)
     p.set_defaults(func=run)
@@ -22,7 +22,7 @@ def run(args) -> None:
         print("\n".join(recipes.names()))
         return
     models = models_from_args(args)
-    rows = [model_facts(n, m, args.seq_len) for n, m in models.items()]
+    rows = [model_facts(n, m, args.seq_len) for n, m in progress(models.items(), "counting")]
     if args.kv_dtype or args.state_dtype:
         for row, model in zip(rows, models.values(), strict=True):
             row.update(compressed_facts(model, args.kv_dtype, args.state_dtype, args.seq_len))

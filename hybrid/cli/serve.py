@@ -10,6 +10,8 @@ from .common import (
     byte_size,
     engine_model,
     multi_step_flag,
+    non_negative_float,
+    port_number,
     speculative,
     threads_flag,
 )
@@ -22,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--recipe", help="recipe name (random weights from --seed, byte tokenizer)")
     p.add_argument("--served-model-name", help="the name clients ask for (default: the recipe or folder name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     add_dtype_device(p)
     p.add_argument("--cache-bytes", type=byte_size, default=256 * 2**20,
                    help="KV blocks + Mamba state slots, e.g. 256MiB or 8GiB")
@@ -38,7 +40,7 @@ def add_parser(sub) -> None:
                    help="max_tokens of a chat request that gives none (completions default to 16, as OpenAI)")
     p.add_argument("--max-body-bytes", type=byte_size, default=8 * 2**20,
                    help="refuse request bodies larger than this (413) before parsing them")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+    p.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     # the names are spelled out here (not read from hybrid.server.tool_parsers): building the parser must not
     # import the server's fastapi; run() checks the name against the registry, and a test keeps the two in step

@@ -102,11 +102,12 @@ def architecture_of(hf_config: dict) -> str:
 
 
 def load_foreign(path: str | Path, *, dtype: torch.dtype | None = None,
-                 device: str | torch.device | None = None):
-    """Load a Hugging Face or mamba_ssm checkpoint folder as a ``HybridLM``."""
+                 device: str | torch.device | None = None, verify: bool = True):
+    """Load a Hugging Face or mamba_ssm checkpoint folder as a ``HybridLM`` (``verify``: every weight finite)."""
     hf = read_config(path)
-    conv, cfg = converter_config(hf, str(path))  # a config we refuse is named before any weights are read
-    return model_from_hf(conv, cfg, hf, read_state(path), str(path), dtype=dtype, device=device)
+    # a config we refuse is named before any weights are read
+    conv, cfg = converter_config(hf, str(Path(path) / "config.json"))
+    return model_from_hf(conv, cfg, hf, read_state(path, verify=verify), str(path), dtype=dtype, device=device)
 
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,

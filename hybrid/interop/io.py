@@ -7,9 +7,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..checkpoint import CheckpointError
+from ..checkpoint_files import load_safetensors, load_torch_bin, read_json
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -24,22 +25,30 @@ def read_config(directory: str | Path) -> dict:
     p = Path(directory) / "config.json"
     if not p.is_file():
         raise CheckpointError(f"{directory} has no config.json; a checkpoint folder needs one")
-    return json.loads(p.read_text())
+    return read_json(p)
 
 
-def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    # pickle only with weights_only=True: tensors and plain containers, never arbitrary objects
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def read_state(directory: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint: single or sharded safetensors, else pytorch_model.bin (weights_only)."""
+def read_state(directory: str | Path, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint: single or sharded safetensors, else pytorch_model.bin (pickle only
+    ``weights_only``: tensors and plain containers, never arbitrary objects). Each file's structure is checked
+    as far as its format allows (safetensors: header against file size) and, with ``verify``, every value is
+    finite; a damaged file is a CheckpointError naming it."""
     d = Path(directory)
+
+    def safetensors(p):
+        return load_safetensors(p, verify=verify)
+
+    def torch_bin(p):
+        return load_torch_bin(p, verify=verify)
+
     if (d / SAFE_SINGLE).is_file():
-        return load_file(str(d / SAFE_SINGLE))
-    for index, loader in ((SAFE_INDEX, lambda p: load_file(str(p))), (BIN_INDEX, _load_bin)):
+        return safetensors(d / SAFE_SINGLE)
+    for index, loader in ((SAFE_INDEX, safetensors), (BIN_INDEX, torch_bin)):
         if (d / index).is_file():
-            weight_map = json.loads((d / index).read_text())["weight_map"]
+            weight_map = read_json(d / index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{d / index} has no 'weight_map' (tensor name -> shard file); "
+                                      f"fix or re-download it")
             state: dict[str, torch.Tensor] = {}
             for shard in sorted(set(weight_map.values())):
                 if not (d / shard).is_file():
@@ -47,7 +56,7 @@ def read_state(directory: str | Path) -> dict[str, torch.Tensor]:
                 state.update(loader(d / shard))
             return state
     if (d / BIN_SINGLE).is_file():
-        return _load_bin(d / BIN_SINGLE)
+        return torch_bin(d / BIN_SINGLE)
     raise CheckpointError(f"{d} has no weights: expected {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_INDEX} or {BIN_SINGLE}")
 
 
