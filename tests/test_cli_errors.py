@@ -126,6 +126,10 @@ BAD = {
               (["serve", *TINY, "--shutdown-timeout", "-1"], {}, ["--shutdown-timeout", ">= 0"]),
               (["serve", *TINY, "--max-seqs", "0"], {}, [">= 1"]),
               (["serve", *TINY], {"HYBRID_KEEP_FREED_MEMORY": "sometimes"}, ["HYBRID_KEEP_FREED_MEMORY"])],
+    "chat": [(["chat", *TINY, "--threads", "-3"], {}, ["--threads", ">= 0"]),
+             (["chat", *TINY, "--max-context", "0"], {}, ["--max-context"]),
+             (["chat", *TINY, "--max-new-tokens", "300", "--max-context", "256"], {}, ["--max-context"]),
+             (["chat", *TINY, "--top-p", "2"], {}, ["top_p must be in (0, 1]"])],
     "doctor": [(["doctor"], {"HYBRID_BACKEND": "fast"}, ["HYBRID_BACKEND", "not a kernel backend"])],
 }
 if NO_CUDA:  # the device a CPU machine lacks, asked for by flag and by variable
