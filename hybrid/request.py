@@ -28,6 +28,7 @@ class Request:
     seed: int
     decoder: StreamDecoder | None
     arrival_time: float = 0.0
+    priority: int = 0  # vLLM's: lower values are scheduled first; ties go by arrival
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of ``tokens`` whose K/V and state are in the cache
     finish_reason: str | None = None

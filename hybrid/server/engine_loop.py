@@ -51,6 +51,7 @@ class Choice:
     params: SamplingParams | None
     logprobs: int | None = None
     echo: bool = False
+    priority: int = 0  # lower is scheduled first (the request's ``priority``)
 
 
 @dataclass
@@ -283,7 +284,7 @@ class EngineLoop:
         try:
             for i, choice in enumerate(group.choices):
                 if choice.params is not None:
-                    rid = self.engine.add_request(choice.prompt, choice.params)
+                    rid = self.engine.add_request(choice.prompt, choice.params, priority=choice.priority)
                     added.append(rid)
                     self._tracks[rid] = _Track(group, i)
         except Exception:
