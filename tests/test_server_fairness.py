@@ -34,6 +34,7 @@ def test_a_short_request_is_not_held_up_by_a_long_prefill(model):
 
         long = threading.Thread(target=send, args=("long", {"prompt": list(range(1, 256)) * 12, "max_tokens": 1,
                                                             "temperature": 0, "ignore_eos": True}))
+        long_sent = time.perf_counter()
         long.start()
         wait_until(lambda: metrics(server)["hybrid_running"] == 1)  # the long prompt is being prefilled
         before = metrics(server)["hybrid_time_to_first_token_seconds_count"]
@@ -44,9 +45,9 @@ def test_a_short_request_is_not_held_up_by_a_long_prefill(model):
         assert done["short"] < done["long"], "the short request waited for the long prompt"
         m = metrics(server)
         assert m["hybrid_time_to_first_token_seconds_count"] == before + 2
-        # the short request's first token came within a few paced steps, far inside the long prefill's ~0.5 s
-        assert done["short"] - sent < 0.5
-        assert m['hybrid_time_to_first_token_seconds_bucket{le="0.5"}'] >= 1
+        # the short request took ~4 steps (the one in flight, its prefill beside a chunk, 2 decodes), the long ~47:
+        # a bound relative to the long one's time holds on a loaded machine too
+        assert done["short"] - sent < (done["long"] - long_sent) / 3
         wait_until(lambda: idle_and_empty(server))
 
 
