@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> None:
                   "command": "python -m benchmarks.serve long-prompt " + " ".join(sys.argv[2:] if argv is None
                                                                                    else argv),
                   "context": setting, "columns": ["what", "min", "median", "p99", "max"], "rows": rows_of(out),
+                  "notes": "Goals (issue 44): " + "; ".join(f"{goal}: {'met' if met else '**not met**'}"
+                                                           for goal, met in out["goals"].items())
+                           + f". Shorts whose first token came while the long prompt ran: "
+                             f"{out['shorts_first_token_during_long']} of {args.shorts}.",
                   "result": out}
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
