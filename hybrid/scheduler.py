@@ -158,12 +158,15 @@ class Scheduler:
         long = [r for r in prefilling if r.num_pending > self.long_prefill_tokens]
         budget = self._schedule_running(decoding + short, plan, budget)
         budget = self._admit_waiting(plan, budget)
-        self._schedule_running(long, plan, budget)
+        self._schedule_running(long, plan, budget, yielding=True)
         return sorted(plan.items(), key=lambda rn: rn[1] != 1)
 
-    def _schedule_running(self, reqs: list[Request], plan: dict[Request, int], budget: int) -> int:
+    def _schedule_running(self, reqs: list[Request], plan: dict[Request, int], budget: int, *,
+                          yielding: bool = False) -> int:
         """Give each of ``reqs`` (running) its next chunk from ``budget``, preempting for room; returns the
-        budget left."""
+        budget left. ``yielding`` (long prefills): a chunk shrinks to the free blocks rather than preempt a
+        request this step already scheduled (one just admitted would otherwise be thrown out for it); it
+        preempts only when nothing else runs this step, so the step is never empty."""
         for req in reqs:
             if not budget:
                 break
@@ -172,6 +175,11 @@ class Scheduler:
             n = self._chunk(req, budget)
             if n == 0:
                 continue
+            if yielding and plan:
+                while n and not self.manager.can_grow(req.request_id, req.num_computed + n):
+                    n //= 2
+                if n == 0:
+                    continue
             if n > req.num_pending and not self.manager.can_grow(req.request_id, req.num_computed + n):
                 n = req.num_pending  # no room for drafts: a plain decode, before anyone is preempted for it
             while not self.manager.can_grow(req.request_id, req.num_computed + n):

@@ -135,3 +135,26 @@ def test_length_limits_default_from_the_cache_and_refuse_with_their_names():
         tiny_engine(num_blocks=64, max_model_len=5000)
     with pytest.raises(ValueError, match="leaves no room to generate"):
         tiny_engine(max_model_len=300, max_prompt_tokens=300)
+
+
+def test_a_long_prefill_short_of_blocks_shrinks_its_chunk_instead_of_preempting_a_new_arrival():
+    # 37 blocks of 16 tokens: the long prompt (570 tokens, 36 blocks in the end) holds 32 after 512 computed, the
+    # short one takes 2, which leaves room for 48 more of the long prompt's 58
+    engine = tiny_engine(num_blocks=37, max_batch_tokens=128, long_prefill_tokens=32)
+    long_id = engine.add_request(prompt(570), SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        planned(engine)
+    assert engine.requests[long_id].num_computed == 512
+    short = engine.add_request(prompt(20, seed=5), GREEDY)
+    plan = planned(engine)
+    assert plan[short] == 20 and engine.scheduler.preemptions == 0
+    assert 0 < plan[long_id] <= 48  # what the free blocks hold, not the 58 tokens it has left
+    while engine.requests[long_id].num_pending > 32:  # still long: it waits for room, never preempts
+        planned(engine)
+        assert engine.scheduler.preemptions == 0
+    engine.run()  # (its last chunk is a short prefill, which may preempt the newest: the short one, to recompute)
+    for rid, p, params in [(long_id, prompt(570), SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)),
+                           (short, prompt(20, seed=5), GREEDY)]:
+        alone = tiny_engine(num_blocks=64, max_batch_tokens=128)
+        aid = alone.add_request(p, params)
+        assert alone.run()[aid].output == engine.requests[rid].output
