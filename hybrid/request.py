@@ -33,6 +33,7 @@ class Request:
     num_computed: int = 0  # tokens of ``tokens`` whose K/V and state are in the cache
     finish_reason: str | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # perf_counter when it was first admitted (its queue wait ends)
     # prompt log-probabilities: log P(prompt[i] | prompt[:i]) for i >= logprobs_from, with whether each
     # token was the argmax
     logprobs_from: int | None = None

@@ -32,6 +32,7 @@ state at that position.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from itertools import islice
@@ -128,6 +129,8 @@ class Scheduler:
         else:
             self.recompute_hit_tokens += adm.start
         req.on_admit(adm.start)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.perf_counter()
         self.running.append(req)
         return n
 

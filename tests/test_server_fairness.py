@@ -45,13 +45,14 @@ def test_a_short_request_is_not_held_up_by_a_long_prefill(model):
         assert done["short"] < done["long"], "the short request waited for the long prompt"
         m = metrics(server)
         assert m["hybrid_time_to_first_token_seconds_count"] == before + 2
+        assert m["hybrid_request_queue_time_seconds_count"] == before + 2  # (before: both histograms counted 0)
         # the short request took ~4 steps (the one in flight, its prefill beside a chunk, 2 decodes), the long ~47:
         # a bound relative to the long one's time holds on a loaded machine too
         assert done["short"] - sent < (done["long"] - long_sent) / 3
         wait_until(lambda: idle_and_empty(server))
 
 
-def test_ttft_histogram_is_exported_before_any_request(model):
+def test_ttft_and_queue_time_histograms_are_exported_before_any_request(model):
     with running_server(model) as (server, _, _):
         m = metrics(server)
         assert m["hybrid_time_to_first_token_seconds_count"] == 0
@@ -60,6 +61,8 @@ def test_ttft_histogram_is_exported_before_any_request(model):
         m = metrics(server)
         assert m["hybrid_time_to_first_token_seconds_count"] == 1
         assert m['hybrid_time_to_first_token_seconds_bucket{le="+Inf"}'] == 1
+        assert m["hybrid_request_queue_time_seconds_count"] == 1
+        assert m["hybrid_request_queue_time_seconds_sum"] <= m["hybrid_time_to_first_token_seconds_sum"]
 
 
 def test_prompts_over_the_limits_get_a_400_naming_the_limit(model):

@@ -242,6 +242,8 @@ class EngineLoop:
             if track is None:
                 continue
             if out.new_token_ids:
+                if track.first_token_at is None:
+                    self._observe_queue_time(out.request_id, track)
                 self._observe_tokens(track, len(out.new_token_ids), now)
             if out.finished:
                 event = self._finish(out.request_id, track, out.new_token_ids, out.text, out.finish_reason, now)
@@ -250,6 +252,11 @@ class EngineLoop:
             batches.setdefault(track.group.aio_loop, []).append((track.group, event))
         for aio_loop, items in batches.items():
             deliver(aio_loop, items)
+
+    def _observe_queue_time(self, rid: int, track: _Track) -> None:
+        req = self.engine.requests.get(rid)
+        if req is not None and req.first_scheduled_time is not None:
+            self.metrics.queue_time.observe(max(0.0, req.first_scheduled_time - track.group.arrival))
 
     def _observe_tokens(self, track: _Track, n: int, now: float) -> None:
         m = self.metrics
