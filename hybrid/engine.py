@@ -85,10 +85,10 @@ class Engine:
     ``add_request(..., priority=p)``: lower values are scheduled first (vLLM's ``priority``), ties by arrival.
 
     ``max_model_len``: the most tokens (prompt + ``max_new_tokens``) one request may have; default: what the KV
-    cache holds for one sequence, plus the last sampled token, which is never cached (unbounded when the cache sets no limit: no attention layer, a sliding window,
-    SnapKV). ``max_prompt_tokens``: the longest prompt accepted (default ``max_model_len - 1``). A request over
-    either is refused by :meth:`add_request` with a ValueError naming the limit; :meth:`check_length` asks the same
-    without queueing anything (the server answers it with a 400 before a request reaches the engine).
+    cache holds for one sequence, plus the last sampled token, which is never cached (unbounded when the cache sets
+    no limit: no attention layer, a sliding window, SnapKV). ``max_prompt_tokens``: the longest prompt accepted
+    (default ``max_model_len - 1``). A request over either is refused by :meth:`add_request` with a ValueError
+    naming the limit; :meth:`check_length` asks the same without queueing anything.
 
     ``multi_step``: a decode-only step may run up to that many greedy decode steps in one native call on a CPU
     (vLLM's multi-step scheduling): the Python around a step (scheduling, inputs, sampling, outputs: 0.3-0.5 ms,
@@ -425,7 +425,6 @@ class Engine:
         while self.has_unfinished():
             self.step()
         return self.requests
-
 
 
 def length_limits(cache: HybridCache, max_model_len: int | None,
