@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     out = run(args)
     setting = (f"{args.recipe} ({args.dtype}, random weights), {args.threads} threads, "
-               f"--cache-bytes {args.cache_bytes}, --max-batch-tokens {args.max_batch_tokens}, --max-seqs {args.max_seqs}; long prompt "
+               f"--cache-bytes {args.cache_bytes}, --max-batch-tokens {args.max_batch_tokens}, "
+               f"--max-seqs {args.max_seqs}; long prompt "
                f"{args.long_tokens} ids, {args.shorts} shorts of {args.short_tokens} ids + {args.max_tokens} new")
     print(f"\n# {setting}")
     for row in rows_of(out):
