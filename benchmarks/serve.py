@@ -15,6 +15,9 @@ Per client count: requests/s, generated tokens/s, p50/p99 time to first token (r
 first streamed chunk) and p50/p99 inter-token latency, measured per request as
 ``(last token time - first token time) / (tokens - 1)`` (the server sends a chunk per engine step,
 so this is the mean gap between a request's chunks; the same definition is used on the engine).
+
+``python -m benchmarks.serve long-prompt ...`` is the other scenario: short requests while a long prompt is
+prefilled (see :mod:`benchmarks.serve_long_prompt`).
 """
 
 from __future__ import annotations
@@ -245,6 +248,10 @@ def bench_recipe(name: str, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["long-prompt"]:  # short requests during a long prefill: benchmarks/serve_long_prompt.py
+        from .serve_long_prompt import main as long_prompt
+        return long_prompt(argv[1:])
     from hybrid.eval.tables import markdown, write_rows
 
     from hybrid.cli import _byte_size

@@ -79,6 +79,17 @@ class Engine:
     (per KV head, the positions the prompt's last window attends to most); ``cache.report()`` counts the
     blocks either gave back.
 
+    ``long_prefill_tokens``: a running prefill with more than this many tokens left (default: ``max_batch_tokens``)
+    is *long*: each step it takes only the budget that decodes, shorter prefills and newly arrived requests leave
+    (see :mod:`hybrid.scheduler`), so a long prompt never holds up a request that arrives while it is prefilled.
+    ``add_request(..., priority=p)``: lower values are scheduled first (vLLM's ``priority``), ties by arrival.
+
+    ``max_model_len``: the most tokens (prompt + ``max_new_tokens``) one request may have; default: what the KV
+    cache holds for one sequence, plus the last sampled token, which is never cached (unbounded when the cache sets
+    no limit: no attention layer, a sliding window, SnapKV). ``max_prompt_tokens``: the longest prompt accepted
+    (default ``max_model_len - 1``). A request over either is refused by :meth:`add_request` with a ValueError
+    naming the limit; :meth:`check_length` asks the same without queueing anything.
+
     ``multi_step``: a decode-only step may run up to that many greedy decode steps in one native call on a CPU
     (vLLM's multi-step scheduling): the Python around a step (scheduling, inputs, sampling, outputs: 0.3-0.5 ms,
     most of it cache misses after the step's weights went through) is paid once for them, and each request's
@@ -105,7 +116,9 @@ class Engine:
                  prefix_state_bytes: int | None = None, prefix_checkpoint_interval: int | None = None,
                  prefix_flop_weight: float = 1.0, speculative: SpeculativeConfig | None = None,
                  kv_dtype: str | torch.dtype | None = None, state_dtype: str | torch.dtype | None = None,
-                 stochastic_state: bool = False, kv_pruning=None, multi_step: int = 1):
+                 stochastic_state: bool = False, kv_pruning=None, multi_step: int = 1,
+                 long_prefill_tokens: int | None = None, max_model_len: int | None = None,
+                 max_prompt_tokens: int | None = None):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         if multi_step < 1:
@@ -125,7 +138,9 @@ class Engine:
             prefix_state_bytes=prefix_state_bytes, checkpoint_interval=prefix_checkpoint_interval,
             flop_weight=prefix_flop_weight)
         self.drafter = None if speculative is None else self.speculator.drafter
+        self.set_length_limits(max_model_len, max_prompt_tokens)
         self.scheduler = Scheduler(self.cache_manager, max_seqs=cache.ssm.num_slots, max_batch_tokens=max_batch_tokens,
+                                   long_prefill_tokens=long_prefill_tokens,
                                    draft_tokens=None if speculative is None else self.speculator.allowance,
                                    on_release=None if speculative is None else self.speculator.release)
         self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=compile,
@@ -162,12 +177,31 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
-                    prompt_logprobs_from: int | None = None) -> int:
+                    prompt_logprobs_from: int | None = None, priority: int = 0) -> int:
         """Queue a prompt; returns its request id. Raises ValueError for an empty prompt, ids
-        outside the vocabulary, stop strings without a tokenizer, or a request the cache can
-        never hold. With ``prompt_logprobs_from=k`` the request also records, in ``prompt_logprobs`` and
-        ``prompt_greedy``, log P(prompt[i] | prompt[:i]) for every i >= k (1 <= k < len(prompt))."""
-        return self._add(prompt_ids, params, prompt_logprobs_from, score_only=False)
+        outside the vocabulary, stop strings without a tokenizer, a prompt over ``max_prompt_tokens`` or a
+        request over ``max_model_len``, or a request the cache can never hold. With ``prompt_logprobs_from=k``
+        the request also records, in ``prompt_logprobs`` and ``prompt_greedy``, log P(prompt[i] | prompt[:i])
+        for every i >= k (1 <= k < len(prompt)). ``priority``: lower values are scheduled first (ties: FCFS)."""
+        return self._add(prompt_ids, params, prompt_logprobs_from, score_only=False, priority=priority)
+
+    def set_length_limits(self, max_model_len: int | None = None, max_prompt_tokens: int | None = None) -> None:
+        """Set ``max_model_len`` and ``max_prompt_tokens`` (None: their defaults; see the class docstring), e.g. to
+        a checkpoint's context length; ValueError for limits that cannot hold. Requests already queued keep
+        running."""
+        self.max_model_len, self.max_prompt_tokens = length_limits(self.cache, max_model_len, max_prompt_tokens)
+
+    def check_length(self, prompt_len: int, max_new_tokens: int, *, score_only: bool = False) -> None:
+        """ValueError, naming the limit, for a prompt over ``max_prompt_tokens`` or prompt + ``max_new_tokens``
+        over ``max_model_len`` (a scoring request generates nothing: its tokens alone count)."""
+        if not score_only and self.max_prompt_tokens is not None and prompt_len > self.max_prompt_tokens:
+            raise ValueError(f"the prompt has {prompt_len} tokens, more than max_prompt_tokens={self.max_prompt_tokens}"
+                             "; shorten the prompt")
+        total = prompt_len + (0 if score_only else max_new_tokens)
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise ValueError(f"max_model_len={self.max_model_len} tokens, but the request has {total} "
+                             f"({prompt_len} prompt + {0 if score_only else max_new_tokens} max_new_tokens); "
+                             "shorten the prompt or lower max_new_tokens")
 
     def score(self, requests: list[tuple[list[int], int]], *, progress: bool = False) -> list[ScoreResult]:
         """Log-probabilities of ``tokens[start:]`` given what precedes them, for each ``(tokens, start)``
@@ -196,8 +230,11 @@ class Engine:
             out.append(ScoreResult(req.prompt_logprobs, req.prompt_greedy, req.next_logprobs))
         return out
 
-    def _add(self, prompt_ids, params, logprobs_from, *, score_only: bool) -> int:
-        req = self.inputs.request(self._next_id, prompt_ids, params, logprobs_from, score_only=score_only)
+    def _add(self, prompt_ids, params, logprobs_from, *, score_only: bool, priority: int = 0) -> int:
+        req = self.inputs.request(self._next_id, prompt_ids, params, logprobs_from, score_only=score_only,
+                                  priority=priority)
+        # after the input processor's checks: a request the whole cache cannot hold gets its message, with the numbers
+        self.check_length(len(req.prompt), req.params.max_new_tokens, score_only=score_only)
         self._next_id += 1
         self.stats.prompt_tokens += len(req.prompt)
         self.requests[req.request_id] = req
@@ -389,3 +426,28 @@ class Engine:
             self.step()
         return self.requests
 
+
+def length_limits(cache: HybridCache, max_model_len: int | None,
+                  max_prompt_tokens: int | None) -> tuple[int | None, int | None]:
+    """``(max_model_len, max_prompt_tokens)`` with their defaults filled in (see :class:`Engine`); ValueError for
+    limits that cannot hold (a length over what the cache holds for one sequence, a prompt limit that leaves no
+    token to generate)."""
+    kv = cache.kv
+    # the cache bounds one sequence only when all of its tokens stay in the KV pool; the last sampled token never
+    # enters it, so a sequence may be one token longer than the pool (the bound check_fits applies)
+    held = int(kv.capacity_tokens) + 1 if kv.enabled and kv.window is None and kv.snapkv is None else None
+    if max_model_len is None:
+        max_model_len = held
+    elif max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {max_model_len}")
+    elif held is not None and max_model_len > held:
+        raise ValueError(f"max_model_len={max_model_len} is more than the KV cache holds for one sequence ({held} "
+                         "tokens); give the engine a bigger cache or a smaller max_model_len")
+    if max_prompt_tokens is None:
+        return max_model_len, None if max_model_len is None else max_model_len - 1
+    if max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
+    if max_model_len is not None and max_prompt_tokens >= max_model_len:
+        raise ValueError(f"max_prompt_tokens={max_prompt_tokens} leaves no room to generate within "
+                         f"max_model_len={max_model_len}; give max_prompt_tokens <= {max_model_len - 1}")
+    return max_model_len, max_prompt_tokens

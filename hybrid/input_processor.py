@@ -37,7 +37,7 @@ class InputProcessor:
         return StreamDecoder(self.tokenizer) if self.tokenizer is not None else None
 
     def request(self, rid: int, prompt_ids, params: SamplingParams | None, logprobs_from: int | None, *,
-                score_only: bool) -> Request:
+                score_only: bool, priority: int = 0) -> Request:
         """A new request ``rid``: ValueError for an empty prompt, ids outside the vocabulary, a
         ``logprobs_from`` without a token before it, stop strings without a tokenizer, or a request the cache
         can never hold; TypeError for parameters that are not a SamplingParams."""
@@ -60,7 +60,8 @@ class InputProcessor:
         self.check_fits(len(prompt), 0 if score_only else params.max_new_tokens - 1)
         seed = params.seed if params.seed is not None else random_seed()
         return Request(rid, prompt, params, self.stop_ids(params), seed, self._decoder(),
-                       arrival_time=time.perf_counter(), logprobs_from=logprobs_from, score_only=score_only)
+                       arrival_time=time.perf_counter(), logprobs_from=logprobs_from, score_only=score_only,
+                       priority=priority)
 
     def fork_params(self, src: Request, params: SamplingParams | None) -> tuple[SamplingParams, int]:
         """A fork's parameters (``params``, default the source's) and seed (a fork of a sampled request samples
@@ -77,7 +78,8 @@ class InputProcessor:
     def fork(self, rid: int, src: Request, params: SamplingParams, seed: int) -> Request:
         """The forked request ``rid``: the source's tokens so far, its own parameters and seed."""
         req = Request(rid, list(src.prompt), params, self.stop_ids(params), seed, self._decoder(),
-                      arrival_time=time.perf_counter(), output=list(src.output), num_computed=src.num_computed)
+                      arrival_time=time.perf_counter(), output=list(src.output), num_computed=src.num_computed,
+                      priority=src.priority)
         if req.decoder is not None:
             req.decoder.push(list(src.output))
         return req

@@ -28,10 +28,12 @@ class Request:
     seed: int
     decoder: StreamDecoder | None
     arrival_time: float = 0.0
+    priority: int = 0  # vLLM's: lower values are scheduled first; ties go by arrival
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of ``tokens`` whose K/V and state are in the cache
     finish_reason: str | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # perf_counter when it was first admitted (its queue wait ends)
     # prompt log-probabilities: log P(prompt[i] | prompt[:i]) for i >= logprobs_from, with whether each
     # token was the argmax
     logprobs_from: int | None = None

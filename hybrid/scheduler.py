@@ -1,12 +1,26 @@
 """The scheduler: which requests run this step and how many tokens each computes.
 
-Each step it packs, within a token budget, one token for every running sequence that is decoding, the
-next chunk of every running prefill, and then as many waiting requests as there are state slots, KV
-blocks and budget for. A request computes ``tokens[num_computed:]`` each time it is scheduled, so a
-prompt, a prompt chunk, a decode and a recompute after preemption are one code path. When a running
-sequence cannot grow, the newest running sequence is preempted: its cache is freed at once and it goes
-back to the front of the queue to recompute later from its tokens so far. All cache questions go to the
-:class:`~hybrid.cache_manager.CacheManager`.
+Each step packs, within one token budget (``max_batch_tokens``) shared by everything in the step, in this
+order (vLLM's chunked-prefill policy):
+
+1. one token for every running sequence that is decoding;
+2. the rest of every running prefill that finishes within ``long_prefill_tokens`` (a short prompt, or the
+   last chunk of a long one);
+3. waiting requests, as many as there are state slots, KV blocks and budget for, each admitted with a
+   chunk of its prompt;
+4. a chunk of every running *long* prefill (more than ``long_prefill_tokens`` left) from what budget is left.
+
+So a long prompt is prefilled a chunk per step, interleaved with everything else, and never ahead of a
+request that arrived after it started: a newly arrived request is scheduled in the very next step as long as
+a state slot and KV blocks are free (the long prompt takes its KV blocks a chunk at a time, not up front).
+Within each group, requests go by ``priority`` (lower first, vLLM's field), then by arrival (FCFS); the
+waiting queue is kept in that order.
+
+A request computes ``tokens[num_computed:]`` each time it is scheduled, so a prompt, a prompt chunk, a
+decode and a recompute after preemption are one code path. When a running sequence cannot grow, the running
+sequence with the largest ``priority`` value, the newest of those, is preempted: its cache is freed at once
+and it goes back to the front of its priority in the queue to recompute later from its tokens so far. All
+cache questions go to the :class:`~hybrid.cache_manager.CacheManager`.
 
 With a prefix cache, a request whose longer prefix a running sequence is computing right now waits for it
 (that sequence saves a checkpoint where they part; requests behind the waiting one may go first), and a
@@ -18,6 +32,7 @@ state at that position.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from itertools import islice
@@ -28,13 +43,19 @@ from .request import Request
 
 class Scheduler:
     def __init__(self, manager: CacheManager, *, max_seqs: int, max_batch_tokens: int,
+                 long_prefill_tokens: int | None = None,
                  draft_tokens: Callable[[Request], int] | None = None,
                  on_release: Callable[[Request], None] | None = None):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        if long_prefill_tokens is not None and long_prefill_tokens < 1:
+            raise ValueError(f"long_prefill_tokens must be >= 1 (None: max_batch_tokens), got {long_prefill_tokens}")
         self.manager = manager
         self.max_seqs = max_seqs
         self.max_batch_tokens = max_batch_tokens
+        # a running prefill with more than this many tokens left is "long": it yields the step's budget to
+        # waiting requests and takes what they leave
+        self.long_prefill_tokens = max_batch_tokens if long_prefill_tokens is None else long_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.preemptions = 0
@@ -49,7 +70,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        """Queue ``req`` behind every waiting request of its priority or a more urgent one (lower value)."""
+        at = len(self.waiting)
+        while at and self.waiting[at - 1].priority > req.priority:
+            at -= 1
+        self.waiting.insert(at, req)
 
     def add_running(self, req: Request) -> None:
         """A request that already holds its cache (a fork) joins the running set."""
@@ -72,8 +97,17 @@ class Scheduler:
         """Free everything ``req`` holds; it recomputes its tokens when it is scheduled again."""
         self.release(req)
         req.num_computed = 0
-        self.waiting.appendleft(req)
+        at = 0  # ahead of every waiting request of its priority: it was admitted before them
+        while at < len(self.waiting) and self.waiting[at].priority < req.priority:
+            at += 1
+        self.waiting.insert(at, req)
         self.preemptions += 1
+
+    def _victim(self) -> Request:
+        """The running sequence to preempt: the largest priority value, the newest admitted among those (the
+        newest of all when priorities are equal)."""
+        worst = max(r.priority for r in self.running)
+        return next(r for r in reversed(self.running) if r.priority == worst)
 
     def _admit(self, req: Request, budget: int) -> int:
         """Admit ``req`` with as many tokens as the budget allows (after its prefix-cache hit); returns
@@ -95,6 +129,8 @@ class Scheduler:
         else:
             self.recompute_hit_tokens += adm.start
         req.on_admit(adm.start)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.perf_counter()
         self.running.append(req)
         return n
 
@@ -109,7 +145,8 @@ class Scheduler:
     def schedule(self) -> list[tuple[Request, int]]:
         """This step's (request, new tokens) pairs, one-token decodes first (the packed forward's decode group).
         A decoding request given more than one token is to be speculated: its last token and that many minus
-        one drafts (the engine asks the drafter and may shorten it)."""
+        one drafts (the engine asks the drafter and may shorten it). The tokens add up to at most
+        ``max_batch_tokens``; see the module docstring for the order."""
         budget = self.max_batch_tokens
         plan: dict[Request, int] = {}
         if self.manager.prefix is not None:
@@ -117,18 +154,39 @@ class Scheduler:
             # speculative insertion) before this step's chunks are cut, so a checkpoint lands exactly there
             for req in islice(self.waiting, self.max_seqs):
                 self.manager.plan(req.tokens, len(req.prompt), req.max_prefix_hit)
-        decoding = [r for r in self.running if r.num_pending == 1]
-        prefilling = [r for r in self.running if r.num_pending > 1]
-        for req in decoding + prefilling:
+        by_priority = sorted(self.running, key=lambda r: r.priority)  # stable: admission order within one
+        decoding = [r for r in by_priority if r.num_pending == 1]
+        prefilling = [r for r in by_priority if r.num_pending > 1]
+        short = [r for r in prefilling if r.num_pending <= self.long_prefill_tokens]
+        long = [r for r in prefilling if r.num_pending > self.long_prefill_tokens]
+        budget = self._schedule_running(decoding + short, plan, budget)
+        budget = self._admit_waiting(plan, budget)
+        self._schedule_running(long, plan, budget, yielding=True)
+        return sorted(plan.items(), key=lambda rn: rn[1] != 1)
+
+    def _schedule_running(self, reqs: list[Request], plan: dict[Request, int], budget: int, *,
+                          yielding: bool = False) -> int:
+        """Give each of ``reqs`` (running) its next chunk from ``budget``, preempting for room; returns the
+        budget left. ``yielding`` (long prefills): a chunk shrinks to the free blocks rather than preempt a
+        request this step already scheduled (one just admitted would otherwise be thrown out for it); it
+        preempts only when nothing else runs this step, so the step is never empty."""
+        for req in reqs:
+            if not budget:
+                break
             if req not in self.running:  # preempted this step to make room for an older sequence
                 continue
             n = self._chunk(req, budget)
             if n == 0:
-                break
+                continue
+            if yielding and plan:
+                while n and not self.manager.can_grow(req.request_id, req.num_computed + n):
+                    n //= 2
+                if n == 0:
+                    continue
             if n > req.num_pending and not self.manager.can_grow(req.request_id, req.num_computed + n):
                 n = req.num_pending  # no room for drafts: a plain decode, before anyone is preempted for it
             while not self.manager.can_grow(req.request_id, req.num_computed + n):
-                victim = self.running[-1]  # the newest running sequence
+                victim = self._victim()
                 self.preempt(victim)
                 budget += plan.pop(victim, 0)
                 if victim is req:
@@ -138,6 +196,11 @@ class Scheduler:
             self.manager.grow(req.request_id, req.num_computed + n)
             plan[req] = n
             budget -= n
+        return budget
+
+    def _admit_waiting(self, plan: dict[Request, int], budget: int) -> int:
+        """Admit waiting requests in queue order while the budget, slots and blocks last; returns the budget
+        left."""
         for req in list(islice(self.waiting, 4 * self.max_seqs)):  # deferred ones are skipped, within reason
             if not budget:
                 break
@@ -149,7 +212,7 @@ class Scheduler:
             self.waiting.remove(req)
             plan[req] = n
             budget -= n
-        return sorted(plan.items(), key=lambda rn: rn[1] != 1)
+        return budget
 
     def advance(self, plan: list[tuple[Request, int]]) -> list[Request]:
         """After the forward: count the computed tokens, hand them to the prefix cache, let a sliding

@@ -15,10 +15,10 @@ from hybrid.server.runner import ServerThread
 
 @contextlib.contextmanager
 def running_server(model, *, name="tiny", num_blocks=256, max_seqs=16, max_batch_tokens=256, chat_template=None,
-                   tokenizer=None, **settings):
+                   tokenizer=None, engine_options=None, **settings):
     tok = tokenizer or hybrid.load_tokenizer(None)
     engine = hybrid.Engine(model, num_blocks=num_blocks, block_size=16, max_seqs=max_seqs,
-                           max_batch_tokens=max_batch_tokens, tokenizer=tok)
+                           max_batch_tokens=max_batch_tokens, tokenizer=tok, **(engine_options or {}))
     app = create_app(engine, tok, ServerSettings(model_name=name, **settings), chat_template)
     server = ServerThread(app, shutdown_timeout=2.0).start()
     try:

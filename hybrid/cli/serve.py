@@ -12,6 +12,7 @@ from .common import (
     multi_step_flag,
     non_negative_float,
     port_number,
+    positive_int,
     speculative,
     threads_flag,
 )
@@ -29,7 +30,17 @@ def add_parser(sub) -> None:
     p.add_argument("--cache-bytes", type=byte_size, default=256 * 2**20,
                    help="KV blocks + Mamba state slots, e.g. 256MiB or 8GiB")
     p.add_argument("--max-seqs", type=int, default=32, help="sequences in flight (state slots)")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per engine step (prefill chunk)")
+    p.add_argument("--max-batch-tokens", type=int, default=512,
+                   help="token budget per engine step, shared by decodes, new requests and a chunk of a long prompt")
+    p.add_argument("--long-prefill-tokens", type=positive_int, metavar="N",
+                   help="a prompt with more than N tokens left to prefill takes, each step, only the budget that "
+                        "decodes and newly arrived requests leave (default: --max-batch-tokens)")
+    p.add_argument("--max-model-len", type=positive_int, metavar="N",
+                   help="the most tokens (prompt + max_tokens) a request may have; longer ones get a 400 (default: "
+                        "the checkpoint's max_position_embeddings, or what the KV cache holds for one sequence, "
+                        "whichever is smaller)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, metavar="N",
+                   help="refuse longer prompts with a 400 (default: --max-model-len - 1)")
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
     p.add_argument("--prefix-caching", action="store_true",
                    help="share prompt prefixes between requests (KV blocks + Mamba state checkpoints)")
@@ -76,7 +87,18 @@ def run(args) -> None:
                       "speculative": speculative(args, model), "kv_pruning": args.kv_pruning,
                       "kv_dtype": args.kv_dtype, "state_dtype": args.state_dtype, "multi_step": args.multi_step}
     engine = Engine(model, cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
-                    max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, **engine_options)
+                    max_batch_tokens=args.max_batch_tokens, long_prefill_tokens=args.long_prefill_tokens,
+                    tokenizer=tokenizer, **engine_options)
+    context = model_context(args.model)
+    max_model_len = args.max_model_len
+    if max_model_len is None and context is not None and (engine.max_model_len or context + 1) > context:
+        max_model_len = context  # the checkpoint's own limit, where it is below the cache's
+    try:
+        engine.set_length_limits(max_model_len, args.max_prompt_tokens)
+    except ValueError as e:
+        raise CLIError(str(e).replace("max_model_len=", "--max-model-len ").replace(
+            "max_prompt_tokens=", "--max-prompt-tokens ").replace("give the engine a bigger cache",
+                                                                  "give a bigger --cache-bytes")) from None
     settings = ServerSettings(model_name=name, max_body_bytes=args.max_body_bytes,
                               default_chat_tokens=args.default_max_tokens, shutdown_timeout=args.shutdown_timeout,
                               tool_call_parser=args.tool_call_parser)
@@ -85,7 +107,29 @@ def run(args) -> None:
     chat = "ChatML default" if template.is_default else "the checkpoint's"
     print(f"hybrid serve: {name!r} ({model.num_parameters():,} parameters, pattern {model.config.pattern!r}) on "
           f"http://{args.host}:{args.port}/v1; cache {report.bytes_total / 2**20:.0f} MiB: "
-          f"{report.token_capacity:g} KV tokens, {report.max_sequences} sequences; chat template: "
-          f"{chat}; tool calls: {args.tool_call_parser or 'not parsed'}", flush=True)
+          f"{plain(report.token_capacity)} KV tokens, {report.max_sequences} sequences; requests up to "
+          f"{plain(engine.max_model_len)} tokens, prompts up to {plain(engine.max_prompt_tokens)}; "
+          f"{engine.max_batch_tokens} tokens a step; chat template: {chat}; tool calls: "
+          f"{args.tool_call_parser or 'not parsed'}", flush=True)
     run_server(create_app(engine, tokenizer, settings, template), args.host, args.port, log_level=args.log_level,
                shutdown_timeout=args.shutdown_timeout)
+
+
+def plain(count) -> str:
+    """A token count as a plain integer ("1030580", not "1.03058e+06"); "unbounded" for none or infinity."""
+    return "unbounded" if count is None or count == float("inf") else str(int(count))
+
+
+def model_context(model_dir: str | None) -> int | None:
+    """The checkpoint's context length (its config.json's ``max_position_embeddings``, as Hugging Face writes
+    it), or None: a recipe, a folder without one, or a file."""
+    import json
+    from pathlib import Path
+
+    if model_dir is None or not (Path(model_dir) / "config.json").is_file():
+        return None
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None  # loading the checkpoint has already checked (and named) its config
+    return value if isinstance(value, int) and value > 1 else None

@@ -124,6 +124,27 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
                            param=what)
         return ids
 
+    def check_length(prompts: list[list[int]], max_tokens: int | None, param: str) -> int:
+        """Refuse (400, naming the limit and its flag) a prompt over the engine's ``max_prompt_tokens`` or a
+        prompt + ``max_tokens`` over its ``max_model_len``; returns ``max_tokens``, or when the request gave
+        none the default, shortened to what ``max_model_len`` leaves after the longest prompt (as vLLM)."""
+        longest = max(len(p) for p in prompts)
+        limit = engine.max_prompt_tokens
+        if limit is not None and longest > limit:
+            raise APIError(f"the prompt has {longest} tokens, more than this server's limit of {limit} prompt tokens "
+                           "(hybrid serve --max-prompt-tokens); shorten the prompt", param=param,
+                           code="context_length_exceeded")
+        length = engine.max_model_len
+        if max_tokens is None:
+            default = settings.default_chat_tokens if param == "messages" else settings.default_completion_tokens
+            return default if length is None else max(1, min(default, length - longest))
+        if length is not None and longest + max_tokens > length:
+            raise APIError(f"this server's maximum context length is {length} tokens (hybrid serve --max-model-len), "
+                           f"but the request asks for {longest + max_tokens}: {longest} in the prompt + {max_tokens} "
+                           "max_tokens; lower max_tokens or shorten the prompt", param="max_tokens",
+                           code="context_length_exceeded")
+        return max_tokens
+
     def sampling(body, max_tokens: int, stop: tuple[str, ...], j: int) -> SamplingParams | None:
         if max_tokens == 0:
             return None
@@ -244,12 +265,15 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
             raise APIError("best_of is not supported (it must equal n)", param="best_of")
         if body.suffix:
             raise APIError("suffix (insertion) is not supported", param="suffix")
-        texts, prompts = completion_prompts(body.prompt, tokenizer)
-        prompts = [check_ids(p) for p in prompts]
-        max_tokens = settings.default_completion_tokens if body.max_tokens is None else body.max_tokens
+        def tokenized() -> tuple[list[str], list[list[int]]]:
+            texts, prompts = completion_prompts(body.prompt, tokenizer)
+            return texts, [check_ids(p) for p in prompts]
+        # tokenizing (and checking) a long prompt takes a while: off the event loop, which serves everyone else
+        texts, prompts = await asyncio.to_thread(tokenized)
+        max_tokens = check_length(prompts, body.max_tokens, "prompt")
         stop = stop_list(body.stop)
         n = body.n
-        choices = [Choice(p, sampling(body, max_tokens, stop, j), body.logprobs, body.echo)
+        choices = [Choice(p, sampling(body, max_tokens, stop, j), body.logprobs, body.echo, body.priority)
                    for p in prompts for j in range(n)]
         group = RequestGroup(choices, asyncio.get_running_loop())
         await submit(group)
@@ -293,18 +317,21 @@ def create_app(engine, tokenizer, settings: ServerSettings, chat_template: ChatT
             raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
         if body.stream and body.logprobs:
             raise APIError("logprobs with stream=true is not supported yet; ask without stream", param="logprobs")
-        try:
-            text = template.render([m.model_dump(exclude_none=True) for m in body.messages],
-                                   add_generation_prompt=True,
-                                   tools=body.tools if body.tools and body.tool_choice != "none" else None)
-        except ChatTemplateError as e:
-            raise APIError(str(e), param="messages") from e
-        prompt = check_ids(tokenizer.encode(text, add_special_tokens=False), "messages")
+        def chat_prompt() -> list[int]:  # rendering and tokenizing a long chat: off the event loop
+            try:
+                text = template.render([m.model_dump(exclude_none=True) for m in body.messages],
+                                       add_generation_prompt=True,
+                                       tools=body.tools if body.tools and body.tool_choice != "none" else None)
+            except ChatTemplateError as e:
+                raise APIError(str(e), param="messages") from e
+            return check_ids(tokenizer.encode(text, add_special_tokens=False), "messages")
+        prompt = await asyncio.to_thread(chat_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = settings.default_chat_tokens if max_tokens is None else max_tokens
+        max_tokens = check_length([prompt], max_tokens, "messages")
         stop = stop_list(body.stop) + template.stop
         logprobs = (top or 0) if body.logprobs else None
-        choices = [Choice(prompt, sampling(body, max_tokens, stop, j), logprobs) for j in range(body.n)]
+        choices = [Choice(prompt, sampling(body, max_tokens, stop, j), logprobs, priority=body.priority)
+                   for j in range(body.n)]
         group = RequestGroup(choices, asyncio.get_running_loop())
         await submit(group)
         rid, model, created = R.new_id("chatcmpl"), settings.model_name, int(time.time())

@@ -51,6 +51,7 @@ class Choice:
     params: SamplingParams | None
     logprobs: int | None = None
     echo: bool = False
+    priority: int = 0  # lower is scheduled first (the request's ``priority``)
 
 
 @dataclass
@@ -241,6 +242,8 @@ class EngineLoop:
             if track is None:
                 continue
             if out.new_token_ids:
+                if track.first_token_at is None:
+                    self._observe_queue_time(out.request_id, track)
                 self._observe_tokens(track, len(out.new_token_ids), now)
             if out.finished:
                 event = self._finish(out.request_id, track, out.new_token_ids, out.text, out.finish_reason, now)
@@ -249,6 +252,11 @@ class EngineLoop:
             batches.setdefault(track.group.aio_loop, []).append((track.group, event))
         for aio_loop, items in batches.items():
             deliver(aio_loop, items)
+
+    def _observe_queue_time(self, rid: int, track: _Track) -> None:
+        req = self.engine.requests.get(rid)
+        if req is not None and req.first_scheduled_time is not None:
+            self.metrics.queue_time.observe(max(0.0, req.first_scheduled_time - track.group.arrival))
 
     def _observe_tokens(self, track: _Track, n: int, now: float) -> None:
         m = self.metrics
@@ -283,7 +291,7 @@ class EngineLoop:
         try:
             for i, choice in enumerate(group.choices):
                 if choice.params is not None:
-                    rid = self.engine.add_request(choice.prompt, choice.params)
+                    rid = self.engine.add_request(choice.prompt, choice.params, priority=choice.priority)
                     added.append(rid)
                     self._tracks[rid] = _Track(group, i)
         except Exception:

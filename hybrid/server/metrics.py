@@ -92,6 +92,9 @@ class ServerMetrics:
         self.ttft = Histogram(p + "time_to_first_token_seconds",
                               "from the HTTP request's arrival to its first generated token",
                               buckets=TTFT_BUCKETS, registry=reg)
+        self.queue_time = Histogram(p + "request_queue_time_seconds",
+                                    "from the HTTP request's arrival to its first engine step (waiting for a slot, "
+                                    "blocks or step budget)", buckets=TTFT_BUCKETS, registry=reg)
         self.itl = Histogram(p + "inter_token_latency_seconds",
                              "between consecutive generated tokens of one request", buckets=ITL_BUCKETS, registry=reg)
         self.e2e = Histogram(p + "e2e_request_latency_seconds",

@@ -56,6 +56,8 @@ class _Request(BaseModel):
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # vLLM's: lower values are scheduled first (ties: first come, first served); may be negative
+    priority: int = 0
 
 
 class CompletionRequest(_Request):
@@ -105,6 +107,8 @@ def check_common(req: _Request) -> None:
         raise bad("n", f"n must be >= 1 (the number of choices per prompt), got {req.n}")
     if req.n > MAX_N:
         raise bad("n", f"n must be <= {MAX_N}, got {req.n}")
+    if not -2**63 <= req.priority < 2**63:
+        raise bad("priority", f"priority must be a signed 64-bit integer (lower runs first), got {req.priority}")
     if req.seed is not None and not -2**63 <= req.seed < 2**63:
         raise bad("seed", f"seed must be a signed 64-bit integer, got {req.seed}")
     if req.max_tokens is not None and req.max_tokens < 0:
