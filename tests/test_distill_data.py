@@ -15,7 +15,7 @@ QUESTION = "Which of the following best describes the function of the mitochondr
 @pytest.fixture(scope="module")
 def teacher():
     torch.manual_seed(0)
-    return HybridLM(recipes.get("llama-tiny")).eval()  # vocab >= 259: byte ids and the byte tokenizer's EOS
+    return HybridLM(recipes.get("llama-tiny")).eval()  # byte vocabulary (256): it never samples the EOS, 257
 
 
 @pytest.fixture
