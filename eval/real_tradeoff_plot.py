@@ -1,0 +1,69 @@
+"""The real-family report's PNG: (a) MMLU-cloze accuracy against prefill speed-up over the teacher at the
+longest length every member was timed at, one point per member labelled by attention share and mixer, with
+the 95% interval as the error bar; (b) top-1 agreement with the teacher and recall against the attention
+share, per mixer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _prefill(m: dict) -> dict[int, float]:
+    return {r["seq_len"]: r["prefill_ms"] for r in m.get("prefill", []) if "prefill_ms" in r}
+
+
+def plot(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .real_tradeoff_report import _share
+
+    members = result["members"]
+    fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(13, 5))
+    teacher = next((m for m in members if m["mixer"] == "attention"), None)
+    timed = [set(_prefill(m)) for m in members]
+    common = set.intersection(*timed) if timed and teacher else set()
+    L = max(common) if common else None
+    markers = {"attention": "s", "mamba2": "o", "gdn": "^"}
+    for m in members:
+        acc = (m.get("mmlu_cloze") or {}).get("acc")
+        if acc is None:
+            continue
+        x = _prefill(teacher)[L] / _prefill(m)[L] if L else 1.0
+        lo, hi = m["mmlu_cloze"]["acc_ci95"]
+        ax_a.errorbar([x], [100 * acc], yerr=[[100 * (acc - lo)], [100 * (hi - acc)]], fmt=markers.get(m["mixer"], "o"),
+                      capsize=4, markersize=8, label=m["mixer"])
+        ax_a.annotate(f"attn={_share(m)} {m['mixer']}", (x, 100 * acc), textcoords="offset points", xytext=(7, 4),
+                      fontsize=9)
+    handles, labels = ax_a.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax_a.legend(unique.values(), unique.keys(), fontsize=8)
+    ax_a.set_xlabel(f"prefill speed-up over the teacher at {L} tokens (x)" if L else "prefill speed-up (not timed)")
+    ax_a.set_ylabel("MMLU cloze acc % (0-shot; bars: 95% Wilson)")
+    ax_a.set_title("(a) accuracy vs prefill speed-up")
+    ax_a.grid(True, alpha=0.3)
+    for mixer in sorted({m["mixer"] for m in members if m["mixer"] != "attention"}):
+        ms = sorted([m for m in members if m["mixer"] in (mixer, "attention")], key=lambda m: m["attn_share"])
+        xs = [m["attn_share"] for m in ms]
+        if all(m.get("heldout") for m in ms):
+            ax_b.plot(xs, [100 * m["heldout"]["top1_agreement"] for m in ms], marker=markers.get(mixer, "o"),
+                      label=f"{mixer}: top-1 agreement")
+        for length in sorted({k for m in ms for k in (m.get("recall") or {})}, key=int):
+            ax_b.plot(xs, [100 * (m.get("recall") or {}).get(length, {}).get("exact", float("nan")) for m in ms],
+                      marker=markers.get(mixer, "o"), linestyle="--",
+                      label=f"{mixer}: recall@{int(length) // 1024}K")
+    ax_b.set_xlabel("attention share (1 = the teacher)")
+    ax_b.set_ylabel("%")
+    ax_b.set_title("(b) agreement with the teacher and recall vs attention share")
+    ax_b.grid(True, alpha=0.3)
+    ax_b.legend(fontsize=8)
+    s = result["settings"]
+    fig.suptitle(f"{Path(s['teacher']).name}: distilled family, budget {s['budget']['name']}, "
+                 f"{s.get('machine', {}).get('cpu', '')} ({s.get('threads')} threads), {str(s.get('date', ''))[:10]}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
