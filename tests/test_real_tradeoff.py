@@ -114,3 +114,12 @@ def test_report_from_fake_members(tmp_path):
     csv_text = paths["csv"].read_text().splitlines()
     assert len(csv_text) == 4 and csv_text[0].startswith("model,attn_share,mixer")
     assert paths["png"].stat().st_size > 10_000
+
+
+def test_cli_names_a_bad_teacher_in_one_line(capsys, tmp_path):
+    from hybrid.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["tradeoff", "--teacher", str(tmp_path / "nope")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--teacher" in err and "config.json" in err
