@@ -54,6 +54,7 @@ def flat_row(m: dict, lengths: list[int]) -> dict:
     row["top1_agreement"] = round(h["top1_agreement"], 4) if "top1_agreement" in h else None
     for L, r in sorted((m.get("recall") or {}).items(), key=lambda kv: int(kv[0])):
         row[f"recall_{L}"] = round(r["exact"], 4)
+        row[f"recall_{L}_digits"] = round(r["token_acc"], 4) if "token_acc" in r else None
     pre = _prefill(m)
     for L in lengths:
         row[f"prefill_{L}_ms"] = pre[L]["prefill_ms"] if L in pre else None
@@ -79,7 +80,7 @@ def summary_table(members: list[dict], lengths: list[int]) -> list[dict]:
                "ppl": f"{m['heldout']['ppl']:.2f}" if m.get("heldout") else "",
                "top-1 agree %": _pct((m.get("heldout") or {}).get("top1_agreement"))}
         for L, r in sorted((m.get("recall") or {}).items(), key=lambda kv: int(kv[0])):
-            row[f"recall@{int(L) // 1024}K %"] = _pct(r["exact"])
+            row[f"recall@{int(L) // 1024}K % (digits %)"] = f"{_pct(r['exact'])} ({_pct(r.get('token_acc'))})"
         for L in lengths:
             if L in pre:
                 speedup = f" ({ref[L]['prefill_ms'] / pre[L]['prefill_ms']:.2f}x)" if L in ref else ""
@@ -139,8 +140,9 @@ def markdown_report(result: dict, lengths: list[int]) -> str:
         "choice's text; acc_norm: per byte), MC = the `mmlu` letter format. Brackets: 95% Wilson score interval.",
         f"- ppl / top-1 agree: on {b['heldout_tokens']} held-out teacher-written tokens (never trained on), windows "
         f"of {min(b['seq_len'], b['heldout_tokens'])}; agreement = share of positions whose argmax is the teacher's.",
-        f"- recall: phonebook lookup in natural language, greedy exact match of the number, "
-        f"{b['recall_queries'] * b['recall_contexts']} queries per length (chance ~0).",
+        f"- recall: phonebook lookup in natural language, greedy exact match of the number's four random digits "
+        f"(chance 10^-4), and in brackets the share of digits right (chance ~10%); "
+        f"{b['recall_queries'] * b['recall_contexts']} queries per length.",
         "- prefill: engine prefill time (median of the timed runs) and the speed-up over the teacher; decode: "
         f"batch-1 tok/s at {b['decode_context']} tokens of context; MiB at 32K: KV cache + constant state one "
         "sequence holds at 32768 tokens (fp32 K/V, fp32 state).",

@@ -93,7 +93,7 @@ def _fake_member(name, share, mixer, acc, prefill_ms):
             "mmlu_cloze": {"acc": acc, "acc_ci95": [acc - 0.03, acc + 0.03], "acc_norm": acc + 0.01,
                            "acc_norm_ci95": [acc - 0.02, acc + 0.04], "questions": 600},
             "heldout": {"ppl": 5.0 / (share + 0.5), "top1_agreement": 0.5 + share / 2},
-            "recall": {"1024": {"exact": share}, "4096": {"exact": share / 2}},
+            "recall": {"1024": {"exact": share, "token_acc": 0.5}, "4096": {"exact": share / 2, "token_acc": 0.25}},
             "prefill": [{"seq_len": 2048, "prefill_ms": prefill_ms}, {"seq_len": 8192, "prefill_ms": 4 * prefill_ms}],
             "decode": {"decode_tok/s": 50.0 / (share + 0.5)}, "memory": {"seq_len": 32768, "cache_bytes": int(share * 2**30)}}
 
@@ -108,7 +108,7 @@ def test_report_from_fake_members(tmp_path):
     table = summary_table(members, [2048, 8192])
     assert table[0]["cloze acc % [95% CI]"] == "28.8 [25.8, 31.8]"
     assert table[1]["prefill 2K s"] == "0.40 (2.50x)" and table[2]["prefill 8K s"] == "1.00 (4.00x)"
-    assert table[1]["attn"] == "1/4" and table[2]["recall@4K %"] == "0.0"
+    assert table[1]["attn"] == "1/4" and table[2]["recall@4K % (digits %)"] == "0.0 (25.0)"
     row = flat_row(members[1], [2048, 8192, 32768])
     assert row["prefill_32768_ms"] is None and row["bytes_at_32K"] == 2**28 and row["mmlu_cloze_acc"] == 0.26
     csv_text = paths["csv"].read_text().splitlines()

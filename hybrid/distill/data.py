@@ -214,7 +214,8 @@ def generate_documents(model, tokenizer, prompts: list[list[int]], *, n_tokens: 
                 docs.append(doc)
                 total += len(doc) + 1
                 bar.update(min(len(doc) + 1, bar.total - bar.n))
-        bar.set_postfix(gen_tok_s=f"{made / max(time.perf_counter() - t0, 1e-9):.0f}")
+        running = made + sum(len(engine.requests[r].output) for r in in_flight)
+        bar.set_postfix(gen_tok_s=f"{running / max(time.perf_counter() - t0, 1e-9):.0f}", refresh=False)
     for rid in in_flight:
         engine.abort(rid)
     bar.close()
