@@ -69,11 +69,11 @@ class Budget:
 
 
 BUDGETS = {
-    "default": Budget("default", data_tokens=120_000, align_tokens=16_384, kl_tokens=16_384, seq_len=512,
-                      batch_size=4, mmlu_subjects=DEFAULT_SUBJECTS, mmlu_limit=20, mmlu_mc=True,
+    "default": Budget("default", data_tokens=32_768, align_tokens=16_384, kl_tokens=16_384, seq_len=512,
+                      batch_size=4, mmlu_subjects=DEFAULT_SUBJECTS, mmlu_limit=10, mmlu_mc=True,
                       heldout_tokens=4096, recall_queries=8, recall_contexts=1, recall_lengths=(1024, 4096),
                       prefill_lengths=(2048, 8192), decode_context=1024, decode_steps=16, repeats=1),
-    "large": Budget("large", data_tokens=2_000_000, align_tokens=262_144, kl_tokens=524_288, seq_len=1024,
+    "large": Budget("large", data_tokens=1_000_000, align_tokens=262_144, kl_tokens=524_288, seq_len=1024,
                     batch_size=8, mmlu_subjects=DEFAULT_SUBJECTS, mmlu_limit=60, mmlu_mc=True,
                     heldout_tokens=16_384, recall_queries=16, recall_contexts=2, recall_lengths=(1024, 4096),
                     prefill_lengths=(2048, 8192, 32768), decode_context=2048, decode_steps=32, repeats=3),

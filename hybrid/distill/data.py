@@ -284,7 +284,7 @@ def _load(folder: Path) -> TokenSource | None:
 
 def build_token_source(teacher, tokenizer=None, *, cache_dir, n_tokens: int, text_files=(), seed: int = 0,
                        progress: bool = True, mmlu_dir: str | os.PathLike | None = None,
-                       max_seqs: int = 16) -> TokenSource:
+                       max_seqs: int = 32) -> TokenSource:
     """``n_tokens`` training tokens (and a held-out split, :data:`HELDOUT_FRACTION` of them, at least
     :data:`MIN_HELDOUT_TOKENS`) written by ``teacher`` (a checkpoint folder or a HybridLM) plus ``text_files``.
 
