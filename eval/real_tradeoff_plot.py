@@ -27,16 +27,20 @@ def plot(result: dict, path: Path) -> Path:
     common = set.intersection(*timed) if timed and teacher else set()
     L = max(common) if common else None
     markers = {"attention": "s", "mamba2": "o", "gdn": "^"}
+    colors = {"attention": "black", "mamba2": "tab:blue", "gdn": "tab:orange"}
+    offsets = {"attention": (7, 4), "mamba2": (7, 4), "gdn": (7, -12)}  # gdn's labels below: shares coincide
     for m in members:
         acc = (m.get("mmlu_cloze") or {}).get("acc")
         if acc is None:
             continue
         x = _prefill(teacher)[L] / _prefill(m)[L] if L else 1.0
         lo, hi = m["mmlu_cloze"]["acc_ci95"]
-        ax_a.errorbar([x], [100 * acc], yerr=[[100 * (acc - lo)], [100 * (hi - acc)]], fmt=markers.get(m["mixer"], "o"),
-                      capsize=4, markersize=8, label=m["mixer"])
-        ax_a.annotate(f"attn={_share(m)} {m['mixer']}", (x, 100 * acc), textcoords="offset points", xytext=(7, 4),
-                      fontsize=9)
+        mixer = m["mixer"]
+        ax_a.errorbar([x], [100 * acc], yerr=[[100 * (acc - lo)], [100 * (hi - acc)]], fmt=markers.get(mixer, "o"),
+                      color=colors.get(mixer), capsize=4, markersize=8, label=mixer)
+        ax_a.annotate(f"attn={_share(m)}", (x, 100 * acc), textcoords="offset points",
+                      xytext=offsets.get(mixer, (7, 4)), fontsize=9, color=colors.get(mixer))
+    ax_a.axhline(25, color="grey", linestyle=":", linewidth=1, label="chance (25%)")
     handles, labels = ax_a.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax_a.legend(unique.values(), unique.keys(), fontsize=8)
@@ -47,13 +51,13 @@ def plot(result: dict, path: Path) -> Path:
     for mixer in sorted({m["mixer"] for m in members if m["mixer"] != "attention"}):
         ms = sorted([m for m in members if m["mixer"] in (mixer, "attention")], key=lambda m: m["attn_share"])
         xs = [m["attn_share"] for m in ms]
+        style = dict(marker=markers.get(mixer, "o"), color=colors.get(mixer))
         if all(m.get("heldout") for m in ms):
-            ax_b.plot(xs, [100 * m["heldout"]["top1_agreement"] for m in ms], marker=markers.get(mixer, "o"),
+            ax_b.plot(xs, [100 * m["heldout"]["top1_agreement"] for m in ms], linestyle="-", **style,
                       label=f"{mixer}: top-1 agreement")
-        for length in sorted({k for m in ms for k in (m.get("recall") or {})}, key=int):
+        for length, dash in zip(sorted({k for m in ms for k in (m.get("recall") or {})}, key=int), ("--", ":", "-.")):
             ax_b.plot(xs, [100 * (m.get("recall") or {}).get(length, {}).get("exact", float("nan")) for m in ms],
-                      marker=markers.get(mixer, "o"), linestyle="--",
-                      label=f"{mixer}: recall@{int(length) // 1024}K")
+                      linestyle=dash, **style, label=f"{mixer}: recall@{int(length) // 1024}K")
     ax_b.set_xlabel("attention share (1 = the teacher)")
     ax_b.set_ylabel("%")
     ax_b.set_title("(b) agreement with the teacher and recall vs attention share")
