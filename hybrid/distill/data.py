@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 # how the teacher is asked to write; bump VERSION when the lists or the sampling change (it is in the cache key)
-VERSION = 1
+VERSION = 2
 TEMPERATURE = 0.8
 TOP_P = 0.95
 MAX_NEW_TOKENS = 320
@@ -64,7 +64,7 @@ TASKS = (
     "What questions would you ask an expert on {topic}? Answer two of them.",
     "Write a news report about a recent discovery involving {topic}.",
     "Plan a weekend activity around {topic}.",
-    "Write a persuasive paragraph arguing that {topic} matters.",
+    "Write a persuasive paragraph about why {topic} deserves more attention.",
     "Describe {topic} using only simple words.",
     "Tell me a fun fact about {topic} and explain why it is true.",
 )
