@@ -7,7 +7,7 @@ samples logged; then compares, per question, the choice each makes (argmax of th
 the log-likelihoods per byte of the choice for acc_norm) and prints every disagreement with both models' margin
 between the two choices. A disagreement on a near-tie (margin within fp32 noise) is reported as such.
 
-    python -m benchmarks.mmlu_parity --model /path/to/hf-folder --limit 20
+    python -m benchmarks.mmlu_parity --model /path/to/hf-folder --limit 20   # from the repo root, without -P
     python -m benchmarks.mmlu_parity --model DIR --subjects astronomy nutrition --kinds cloze mc --json out.json
 """
 
