@@ -288,7 +288,8 @@ def build_token_source(teacher, tokenizer=None, *, cache_dir, n_tokens: int, tex
     """``n_tokens`` training tokens (and a held-out split, :data:`HELDOUT_FRACTION` of them, at least
     :data:`MIN_HELDOUT_TOKENS`) written by ``teacher`` (a checkpoint folder or a HybridLM) plus ``text_files``.
 
-    ``tokenizer``: the teacher's (None: the folder's). ``mmlu_dir``: an MMLU folder to guard against (its
+    ``tokenizer``: the teacher's (a tokenizer, or a folder / tokenizer.json to load it from; None: the teacher
+    folder's). ``mmlu_dir``: an MMLU folder to guard against (its
     test questions never enter the data). Cached under ``cache_dir/<key>`` with the key from the teacher
     and every setting; a second call with the same ones loads the tokens instead of generating."""
     from ..pretrained import from_pretrained
@@ -299,6 +300,8 @@ def build_token_source(teacher, tokenizer=None, *, cache_dir, n_tokens: int, tex
     teacher_dir = Path(teacher) if isinstance(teacher, (str, os.PathLike)) else None
     if teacher_dir is not None and not teacher_dir.is_dir():
         raise FileNotFoundError(f"teacher {teacher_dir} is not a checkpoint folder")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
     if tokenizer is None:
         if teacher_dir is None:
             raise ValueError("a HybridLM teacher needs its tokenizer: build_token_source(model, tokenizer, ...)")
