@@ -69,7 +69,7 @@ class Budget:
 
 
 BUDGETS = {
-    "default": Budget("default", data_tokens=32_768, align_tokens=16_384, kl_tokens=16_384, seq_len=512,
+    "default": Budget("default", data_tokens=32_768, align_tokens=16_384, kl_tokens=8192, seq_len=512,
                       batch_size=4, mmlu_subjects=DEFAULT_SUBJECTS, mmlu_limit=10, mmlu_mc=True,
                       heldout_tokens=4096, recall_queries=8, recall_contexts=1, recall_lengths=(1024, 4096),
                       prefill_lengths=(2048, 8192), decode_context=1024, decode_steps=16, repeats=1),
