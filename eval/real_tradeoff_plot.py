@@ -18,7 +18,7 @@ def plot(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .real_tradeoff_report import _share
+    from .tradeoff import share_label
 
     members = result["members"]
     fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(13, 5))
@@ -38,7 +38,7 @@ def plot(result: dict, path: Path) -> Path:
         mixer = m["mixer"]
         ax_a.errorbar([x], [100 * acc], yerr=[[100 * (acc - lo)], [100 * (hi - acc)]], fmt=markers.get(mixer, "o"),
                       color=colors.get(mixer), capsize=4, markersize=8, label=mixer)
-        ax_a.annotate(f"attn={_share(m)}", (x, 100 * acc), textcoords="offset points",
+        ax_a.annotate(share_label(m["attn_share"]), (x, 100 * acc), textcoords="offset points",
                       xytext=offsets.get(mixer, (7, 4)), fontsize=9, color=colors.get(mixer))
     ax_a.axhline(25, color="grey", linestyle=":", linewidth=1, label="chance (25%)")
     handles, labels = ax_a.get_legend_handles_labels()
