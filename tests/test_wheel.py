@@ -25,6 +25,7 @@ for name in names:
     importlib.import_module(name)
 from hybrid.eval.tasks import TASKS_DIR
 assert (TASKS_DIR / "_mmlu_local.yaml").is_file() and (TASKS_DIR / "_default_template_yaml").is_file()
+assert (TASKS_DIR / "_cloze_template_yaml").is_file() and (TASKS_DIR / "_mmlu_local_cloze.yaml").is_file()
 print(len(names), hybrid.__file__)
 """
 

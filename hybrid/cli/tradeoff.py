@@ -9,7 +9,22 @@ from .errors import CLIError
 def add_parser(sub) -> None:
     # MQAR defaults live in hybrid.eval.mqar.TrainConfig (imported only when the command runs); the report
     # and its JSON record the values used
-    p = sub.add_parser("tradeoff", help="prefill speed vs accuracy over attention shares (MQAR by default)")
+    p = sub.add_parser("tradeoff", help="prefill speed vs accuracy over attention shares (MQAR by default; "
+                                        "--teacher: a real model's distilled family)")
+    p.add_argument("--teacher", help="a Llama-family checkpoint folder: distil it into its hybrid family (attention "
+                                     "shares 1, 1/2, 1/4, 1/8, 0 with Mamba-2; 1/4 and 0 with Gated DeltaNet) and "
+                                     "measure every member (MMLU cloze + MC, perplexity, agreement, recall, speed)")
+    p.add_argument("--budget", default="default", choices=["default", "large"],
+                   help="with --teacher: token and sample sizes of every stage (default: about 30 min on 2 cores; "
+                        "large: the one for the record)")
+    p.add_argument("--text-files", nargs="*", default=[],
+                   help="with --teacher: local UTF-8 text files added to the teacher-written training data")
+    p.add_argument("--mmlu-limit", type=int, help="with --teacher: MMLU questions per subject (default: the budget's)")
+    p.add_argument("--subjects", nargs="+", help="with --teacher: MMLU subjects (default: the budget's ten)")
+    p.add_argument("--data-tokens", type=int, help="with --teacher: teacher-written training tokens (default: the "
+                                                   "budget's)")
+    p.add_argument("--align-tokens", type=int, help="with --teacher: layer-alignment tokens per mixer")
+    p.add_argument("--kl-tokens", type=int, help="with --teacher: end-to-end KL tokens per student")
     p.add_argument("--checkpoints", nargs="+", help="checkpoint folders scored with lm-eval --tasks (and timed "
                                                      "themselves) instead of training the MQAR family")
     p.add_argument("--tasks", nargs="+", default=["mmlu_local"], help="lm-eval tasks for --checkpoints")
@@ -71,13 +86,16 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
     p.add_argument("--device", default="cpu", type=device_arg, help="where the models run (cpu, cuda, cuda:N)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per CPU core this process may use)")
-    p.add_argument("--output", default="out/tradeoff", help="folder for tradeoff.{json,csv,md,png}")
+    p.add_argument("--output", help="folder for tradeoff.{json,csv,md,png} (default: out/tradeoff, with --teacher "
+                                    "out/tradeoff_real)")
     p.add_argument("--lock", help="file to hold an exclusive flock on while timing (not while training), e.g. "
                                   "/tmp/bench.lock on a machine shared with other benchmarks")
     p.set_defaults(func=run)
 
 
 def run(args) -> None:
+    if args.teacher:
+        return run_teacher(args)
     from ..eval import mqar
     from ..eval.tables import markdown
     from ..eval.tradeoff import run as run_tradeoff
@@ -102,7 +120,8 @@ def run(args) -> None:
             lengths=tuple(args.lengths), long_lengths=tuple(args.long_lengths), long_shares=tuple(args.long_shares),
             chunk=args.chunk, repeats=args.repeats, long_repeats=args.long_repeats, warmup=args.warmup,
             max_spread=args.max_spread, cache_budget=int(args.cache_gib * 2**30), device=args.device,
-            dtype=args.dtype, threads=args.threads, output=args.output, lock=args.lock, kv_dtype=args.kv_dtype,
+            dtype=args.dtype, threads=args.threads, output=args.output or "out/tradeoff", lock=args.lock,
+            kv_dtype=args.kv_dtype,
             state_dtype=args.state_dtype, mixer=args.mixer)
     except KeyError as e:  # recipes.attention_family's unknown --size / --speed-size; any other KeyError is a bug
         if not (e.args and str(e.args[0]).startswith("unknown size")):
@@ -112,5 +131,36 @@ def run(args) -> None:
     print(f"# {s['date']} UTC, {s['machine']['cpu']}, {s['threads']} threads, {s['dtype']}, wall {s['wall_s']} s")
     print(markdown(summary_table(result.members, s)))
     print("\n".join(["", *claim_lines(result.members, s), ""]))
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}")
+
+
+def run_teacher(args) -> None:
+    """``--teacher``: the real family's report (hybrid.eval.real_tradeoff)."""
+    import dataclasses
+    from pathlib import Path
+
+    from ..eval.real_tradeoff import BUDGETS
+    from ..eval.real_tradeoff import run as run_real
+    from ..eval.real_tradeoff_report import summary_table
+    from ..eval.tables import markdown
+    from .eval import check_mmlu_dir
+
+    if not (Path(args.teacher) / "config.json").is_file():
+        raise CLIError(f"--teacher {args.teacher} is not a checkpoint folder (no config.json); give a Llama-family "
+                       f"folder, e.g. one transformers' save_pretrained wrote")
+    check_mmlu_dir(["mmlu_local"], args.mmlu_dir)
+    changes = {k: v for k, v in {"mmlu_limit": args.mmlu_limit, "data_tokens": args.data_tokens,
+                                 "align_tokens": args.align_tokens, "kl_tokens": args.kl_tokens,
+                                 "mmlu_subjects": tuple(args.subjects) if args.subjects else None}.items()
+               if v is not None}
+    budget = dataclasses.replace(BUDGETS[args.budget], **changes)
+    result, paths = run_real(args.teacher, output=args.output or "out/tradeoff_real", budget=budget,
+                             mmlu_dir=args.mmlu_dir, text_files=tuple(args.text_files), lock=args.lock,
+                             threads=args.threads)
+    s = result["settings"]
+    print(f"# {s['date']} UTC, {s['machine']['cpu']}, {s['threads']} threads, budget {budget.name}, "
+          f"wall {s['wall_s']} s")
+    print(markdown(summary_table(result["members"], list(budget.prefill_lengths))))
     for kind, path in paths.items():
         print(f"wrote {kind}: {path}")
