@@ -111,7 +111,7 @@ def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[
             u, target = capture.io[n]
             loss = nmse(rep(u), target)
             loss.backward()  # layer by layer: each graph is freed before the next is built
-            per_layer.append(float(loss))
+            per_layer.append(float(loss.detach()))
         capture.io.clear()
         return {"loss": sum(per_layer) / len(per_layer), "layers": per_layer}
 

@@ -54,7 +54,7 @@ def chunked_kl_backward(student: HybridLM, teacher: HybridLM, h_student: torch.T
     for s in range(0, n, chunk):
         kl = _kl_chunk(student, teacher, leaf[s:s + chunk], ht[s:s + chunk]) / n
         kl.backward()
-        total += float(kl)
+        total += float(kl.detach())
     h_student.backward(leaf.grad.view_as(h_student))
     return total
 

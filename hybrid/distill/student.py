@@ -19,7 +19,8 @@ def build_student(teacher: HybridLM, replacements: dict[int, dict[str, torch.Ten
     keep = set(keep)
     cfg = student_config(teacher.config, keep, mixer)
     positions = attention_positions(teacher.config)
-    state = teacher.state_dict()
+    # copies: the student trains in place, and must never write into the teacher's tensors
+    state = {k: v.clone() for k, v in teacher.state_dict().items()}
     dtype = teacher.embed.weight.dtype
     for n, pos in enumerate(positions):
         if n in keep:
