@@ -87,3 +87,23 @@ def test_student_config_replaces_the_chosen_attention_layers():
         student_config(teacher.config, {4}, "mamba2")
     with pytest.raises(TeacherError, match="Llama-family"):
         check_teacher(cfg)
+
+
+@pytest.mark.parametrize("mixer", ["mamba2", "gdn"])
+def test_head_scale_calibration_is_the_least_squares_fit(mixer):
+    """calibrate_head_scales: per head the out_proj columns scaled by the least-squares factors, so the fit is
+    no worse than the raw mapping (factors 1 are a candidate) and a second calibration finds factors 1."""
+    from hybrid.distill.align import calibrate_head_scales, nmse
+
+    teacher = tiny_teacher()
+    attn = teacher.layers[2].mixer
+    rep = replacement_from_attention(teacher.config, attn, mixer)
+    u = torch.randn(3, 29, 32)
+    with torch.no_grad():
+        target = attn(u)
+        before = float(nmse(rep(u), target))
+        alpha = calibrate_head_scales(rep, u, target)
+        after = float(nmse(rep(u), target))
+        again = calibrate_head_scales(rep, u, target)
+    assert after <= before and not torch.allclose(alpha, torch.ones_like(alpha))
+    assert torch.allclose(again, torch.ones_like(again), atol=1e-3), again

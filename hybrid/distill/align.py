@@ -26,7 +26,7 @@ from ..config import HybridConfig
 from ..layers.mamba2 import Mamba2
 from .ddp import World
 from .init import attention_positions, check_teacher, new_mixer, replacement_from_attention
-from .trainer import MasterAdamW, train
+from .trainer import MasterAdamW, load_state, train
 
 
 def layer_file(directory: Path, n: int) -> Path:
@@ -57,6 +57,34 @@ def nmse(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (y - target).square().mean() / target.square().mean().clamp_min(1e-12)
 
 
+@torch.no_grad()
+def calibrate_head_scales(rep: torch.nn.Module, u: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Scale each head's columns of ``rep.out_proj`` by the least-squares factor that best fits ``target``
+    from input ``u`` (returns the factors [H]).
+
+    Why: the mapped mixer's per-head norm outputs ~unit RMS per channel, while softmax attention outputs a
+    convex mix of values whose size differs by layer and head by orders of magnitude (a head parked on the
+    first token outputs almost nothing); the raw mapping can be further from the target than zero is.
+    One linear solve per layer (H unknowns) puts every head at its best scale before the first step."""
+    cap = {}
+    hook = rep.out_proj.register_forward_hook(lambda mod, args, out: cap.__setitem__("x", args[0]))
+    rep(u)
+    hook.remove()
+    H = rep.n_heads
+    W = rep.out_proj.weight
+    d_out, d_in = W.shape
+    x = cap["x"].float().reshape(-1, H, d_in // H)
+    cols = torch.einsum("nhk,dhk->hnd", x, W.float().view(d_out, H, d_in // H)).reshape(H, -1)
+    t = target.float().reshape(-1, d_out)
+    if rep.out_proj.bias is not None:
+        t = t - rep.out_proj.bias.float()
+    gram = cols @ cols.T
+    ridge = 1e-6 * gram.diagonal().mean().clamp_min(1e-12) * torch.eye(H)
+    alpha = torch.linalg.solve(gram + ridge, cols @ t.reshape(-1))
+    W.view(d_out, H, d_in // H).mul_(alpha.to(W.dtype)[None, :, None])
+    return alpha
+
+
 def mixer_flops(cfg: HybridConfig, mixer: torch.nn.Module, seq_len: int) -> float:
     """Forward FLOPs per token of one replacement mixer: its projections and what its kind adds."""
     weights = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, torch.nn.Linear))
@@ -70,12 +98,13 @@ def _with_section(cfg: HybridConfig, mixer) -> HybridConfig:
 
 
 def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[[int], Iterable[torch.Tensor]],
-                 held_out: torch.Tensor, start: int, steps: int, lr: float = 1e-3, progress: bool = True, world: World = World(),
-                 checkpoint_every: int = 50) -> dict:
+                 held_out: torch.Tensor, start: int, steps: int, lr: float = 1e-3, progress: bool = True,
+                 world: World = World(), checkpoint_every: int = 50) -> dict:
     """Train one ``mixer`` replacement per attention layer of ``teacher`` (a :class:`hybrid.HybridLM`, in the
     dtype to train in) for ``steps`` batches ``batches(start + i)``; write them and ``losses.json`` to
     ``out_dir`` and return ``losses.json``'s content (``"losses"``: per layer, on the batch ``held_out`` [B, L];
-    ``"initial_losses"``: the same before training; ``"loss_history"``, ``"tokens"``, ``"seconds"``,
+    ``"initial_losses"``: the same before training, after :func:`calibrate_head_scales` on the first
+    training batch; ``"uncalibrated_losses"``: the mapping's alone; ``"loss_history"``, ``"tokens"``, ``"seconds"``,
     ``"steps"``). A finished ``out_dir`` is read back, not retrained."""
     out_dir = Path(out_dir)
     done = out_dir / "losses.json"
@@ -87,7 +116,6 @@ def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[
     reps = torch.nn.ModuleList(replacement_from_attention(cfg, teacher.layers[p].mixer, mixer)
                                for p in positions).to(dtype)
     teacher.requires_grad_(False)
-    opt = MasterAdamW(list(reps.parameters()), lr=lr)
     out_dir.mkdir(parents=True, exist_ok=True)
     capture = _Capture(teacher, positions)
 
@@ -116,14 +144,22 @@ def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[
         return {"loss": sum(per_layer) / len(per_layer), "layers": per_layer}
 
     try:
+        uncalibrated = held_out_losses()
+        if load_state(out_dir / "state.pt") is None:  # a fresh start (a resumed run's weights come from its state)
+            run_teacher(next(iter(batches(start))))
+            for n, rep in enumerate(reps):
+                calibrate_head_scales(rep, *capture.io[n])
+            capture.io.clear()
         initial = held_out_losses()
+        opt = MasterAdamW(list(reps.parameters()), lr=lr)
         record = train(opt=opt, step_fn=step_fn, batches=batches, start=start, steps=steps, lr=lr,
                        state_path=out_dir / "state.pt", world=world, record={}, desc=f"align {mixer}",
                        progress=progress, checkpoint_every=checkpoint_every)
         losses = held_out_losses()
     finally:
         capture.close()
-    result = {"mixer": mixer, "losses": losses, "initial_losses": initial, "steps": steps,
+    result = {"mixer": mixer, "losses": losses, "initial_losses": initial, "uncalibrated_losses": uncalibrated,
+              "steps": steps,
               "tokens": record["tokens"], "seconds": record["seconds"],
               "loss_history": [h["loss"] for h in record["history"]]}
     if world.main:
