@@ -161,7 +161,8 @@ def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[
     result = {"mixer": mixer, "losses": losses, "initial_losses": initial, "uncalibrated_losses": uncalibrated,
               "steps": steps,
               "tokens": record["tokens"], "seconds": record["seconds"],
-              "loss_history": [h["loss"] for h in record["history"]]}
+              "loss_history": [h["loss"] for h in record["history"]],
+              "step_seconds": [h["seconds"] for h in record["history"]]}
     if world.main:
         # the fp32 masters, not the weights rounded to the training dtype
         masters = dict(zip((id(p) for p in opt.params), opt.masters))

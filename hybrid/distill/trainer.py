@@ -96,7 +96,8 @@ def train(*, opt: MasterAdamW, step_fn: Callable[[torch.Tensor], dict], batches:
     its shard), resuming from ``state_path`` when it holds an earlier run's state.
 
     ``step_fn(shard)`` computes the loss on this process's rows, calls backward, and returns a dict of floats
-    (``"loss"`` and any per-part numbers); their averages over processes are appended to ``record["history"]``.
+    (``"loss"`` and any per-part numbers); with the step's wall seconds (``"seconds"``: step_fn and the optimizer
+    step) and averaged over processes, they are appended to ``record["history"]``.
     Returns ``record`` with ``"history"``, ``"tokens"`` (global tokens trained on) and ``"seconds"``.
     """
     from tqdm.auto import tqdm
@@ -118,8 +119,10 @@ def train(*, opt: MasterAdamW, step_fn: Callable[[torch.Tensor], dict], batches:
     secs0 = record["seconds"]
     for step in range(done, steps):
         batch = next(stream)
+        t_step = time.perf_counter()
         out = step_fn(world.shard(batch))
         opt.step(world, lr_at(step, steps, lr))
+        out["seconds"] = time.perf_counter() - t_step
         out = {k: world.mean(v) if isinstance(v, float) else v for k, v in out.items()}
         record["history"].append(out)
         record["tokens"] += batch.numel()
