@@ -57,13 +57,14 @@ def baseline(teacher_dir: str, batches, steps: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    from hybrid.eval.timing import matmul_peak_flops, set_threads
+
+    from hybrid import from_pretrained
     from hybrid.distill.align import align_layers, mixer_flops
     from hybrid.distill.init import attention_positions, new_mixer
     from hybrid.distill.kl import distill_kl
     from hybrid.distill.pipeline import _kl_flops_per_token, default_dtype
     from hybrid.distill.student import build_student
-    from hybrid.eval.timing import matmul_peak_flops, set_threads
-    from hybrid import from_pretrained
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("teacher")
@@ -98,7 +99,8 @@ def main() -> None:
         krec, masters = distill_kl(student, teacher, f"{tmp}/kl.pt", batches=batches, start=0, steps=a.steps + 1,
                                    progress=False, checkpoint_every=10 ** 9)
     trained = sum(p.numel() for n, p in student.named_parameters() if n in masters and p.dim() == 2)
-    rows["kl_all_replaced"] = (_steady(a.batch * a.seq_len, [h["seconds"] for h in krec["history"]], a.steps), _kl_flops_per_token(student, teacher, a.seq_len, trained),
+    kl_tps = _steady(a.batch * a.seq_len, [h["seconds"] for h in krec["history"]], a.steps)
+    rows["kl_all_replaced"] = (kl_tps, _kl_flops_per_token(student, teacher, a.seq_len, trained),
                                dname)
     out = {"threads": threads, "batch": a.batch, "seq_len": a.seq_len, "steps": a.steps,
            "peak_GFLOP/s": {k: round(v / 1e9, 1) for k, v in peaks.items()}, "rows": {}}

@@ -12,8 +12,9 @@ def tiny_teacher(n_layers: int = 4, seed: int = 0, vocab: int = 97) -> HybridLM:
     torch.manual_seed(seed)
     # initializer_range 0.2: peaked next-token distributions (the default 0.02 gives near-uniform ones, whose
     # KL to anything is too small to show learning)
-    cfg = HybridConfig(vocab_size=vocab, d_model=32, pattern="*-" * n_layers, tie_embeddings=True, initializer_range=0.2,
-                       attention=AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8), mlp=MLPConfig(d_ff=64))
+    cfg = HybridConfig(vocab_size=vocab, d_model=32, pattern="*-" * n_layers, tie_embeddings=True,
+                       initializer_range=0.2, attention=AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8),
+                       mlp=MLPConfig(d_ff=64))
     return HybridLM(cfg).eval()
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from distill_helpers import tiny_teacher
+from hybrid.kernels.gated_delta import gated_delta_ref, l2norm_heads
 
 from hybrid import kernels
-from hybrid.distill.init import (TeacherError, check_teacher, replacement_from_attention, student_config)
-from hybrid.kernels.gated_delta import gated_delta_ref, l2norm_heads
+from hybrid.distill.init import TeacherError, check_teacher, replacement_from_attention, student_config
 
 
 def linear_attention(q, k, v):

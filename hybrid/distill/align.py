@@ -99,14 +99,14 @@ def _with_section(cfg: HybridConfig, mixer) -> HybridConfig:
 
 def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[[int], Iterable[torch.Tensor]],
                  held_out: torch.Tensor, start: int, steps: int, lr: float = 1e-3, progress: bool = True,
-                 world: World = World(), checkpoint_every: int = 50) -> dict:
+                 world: World | None = None, checkpoint_every: int = 50) -> dict:
     """Train one ``mixer`` replacement per attention layer of ``teacher`` (a :class:`hybrid.HybridLM`, in the
     dtype to train in) for ``steps`` batches ``batches(start + i)``; write them and ``losses.json`` to
     ``out_dir`` and return ``losses.json``'s content (``"losses"``: per layer, on the batch ``held_out`` [B, L];
     ``"initial_losses"``: the same before training, after :func:`calibrate_head_scales` on the first
     training batch; ``"uncalibrated_losses"``: the mapping's alone; ``"loss_history"``, ``"tokens"``, ``"seconds"``,
     ``"steps"``). A finished ``out_dir`` is read back, not retrained."""
-    out_dir = Path(out_dir)
+    out_dir, world = Path(out_dir), world or World()
     done = out_dir / "losses.json"
     if done.is_file():
         return json.loads(done.read_text())
@@ -165,7 +165,7 @@ def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[
               "step_seconds": [h["seconds"] for h in record["history"]]}
     if world.main:
         # the fp32 masters, not the weights rounded to the training dtype
-        masters = dict(zip((id(p) for p in opt.params), opt.masters))
+        masters = dict(zip((id(p) for p in opt.params), opt.masters, strict=True))
         for n, rep in enumerate(reps):
             save_file({k: masters[id(p)].detach().float().contiguous() for k, p in rep.named_parameters()},
                       layer_file(out_dir, n))

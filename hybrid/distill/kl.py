@@ -80,12 +80,13 @@ def trained_parameters(student: HybridLM, train_all: bool = False) -> list[torch
 
 def distill_kl(student: HybridLM, teacher: HybridLM, state_path: str | Path, *,
                batches: Callable[[int], Iterable[torch.Tensor]], start: int, steps: int, lr: float = 3e-4,
-               train_all: bool = False, progress: bool = True, world: World = World(), desc: str = "kl",
+               train_all: bool = False, progress: bool = True, world: World | None = None, desc: str = "kl",
                checkpoint_every: int = 50) -> tuple[dict, dict[str, torch.Tensor]]:
     """Train ``student`` (in place) on ``steps`` batches ``batches(start + i)`` against ``teacher``; resumable
     through ``state_path``. Returns the record (``history``: per step ``{"loss": KL}``; ``tokens``; ``seconds``)
     and the trained parameters' fp32 master weights by name (the student itself holds them rounded to its
     dtype)."""
+    world = world or World()
     teacher.requires_grad_(False)
     params = trained_parameters(student, train_all)
     names = {id(p): n for n, p in student.named_parameters()}
@@ -104,4 +105,4 @@ def distill_kl(student: HybridLM, teacher: HybridLM, state_path: str | Path, *,
                        checkpoint_every=checkpoint_every)
     finally:
         student.eval()
-    return record, {names[id(p)]: m.detach() for p, m in zip(params, opt.masters)}
+    return record, {names[id(p)]: m.detach() for p, m in zip(params, opt.masters, strict=True)}

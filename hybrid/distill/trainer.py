@@ -51,7 +51,7 @@ class MasterAdamW:
     @torch.no_grad()
     def step(self, world: World, lr: float) -> None:
         grads = []
-        for p, m in zip(self.params, self.masters):
+        for p, m in zip(self.params, self.masters, strict=True):
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             m.grad = g.float() if m is not p else g
             grads.append(m.grad)
@@ -61,7 +61,7 @@ class MasterAdamW:
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
-        for p, m in zip(self.params, self.masters):
+        for p, m in zip(self.params, self.masters, strict=True):
             if m is not p:
                 p.copy_(m)
             p.grad = None
@@ -72,7 +72,7 @@ class MasterAdamW:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        for p, m, saved in zip(self.params, self.masters, state["masters"]):
+        for p, m, saved in zip(self.params, self.masters, state["masters"], strict=True):
             m.copy_(saved)
             if m is not p:
                 p.copy_(saved)
