@@ -8,6 +8,7 @@ cached under ``OUT/data``) plus the ``--data`` files; with ``--teacher-tokens 0`
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from .common import positive_int
@@ -112,10 +113,14 @@ def run(args) -> None:
         peaks = {"fp32": matmul_peak_flops("cpu", torch.float32)}
         if train_dtype == torch.bfloat16:
             peaks["bf16"] = matmul_peak_flops("cpu", torch.bfloat16)
-    print(f"data: {n:,} tokens; {needed:,} needed for the budget ({'wrapping around' if n < needed else 'one pass'})")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"data: {n:,} tokens; {needed:,} needed for the budget "
+              f"({'wrapping around' if n < needed else 'one pass'})")
     m = distill_family(args.teacher, args.out, shares=args.share, mixer=args.mixer, batches=batches,
                        align_tokens=args.align_tokens, kl_tokens=args.kl_tokens, keep=args.keep, dtype=dtype,
                        train_all=args.train_all, align_lr=args.align_lr, kl_lr=args.kl_lr, peak_flops=peaks)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+        return
     b = m.budget
     print(f"alignment ({b['dtype']}): {b['align']['tokens']:,} tokens, {b['align']['tokens_per_s']} tok/s, "
           f"{b['align']['GFLOP/s']} GFLOP/s ({_pct(b['align']['of_peak'])} of peak); per-layer loss "
