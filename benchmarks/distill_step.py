@@ -60,10 +60,10 @@ def main() -> None:
     from hybrid.eval.timing import matmul_peak_flops, set_threads
 
     from hybrid import from_pretrained
-    from hybrid.distill.align import align_layers, mixer_flops
+    from hybrid.distill.align import align_flops_per_token, align_layers
     from hybrid.distill.init import attention_positions, new_mixer
-    from hybrid.distill.kl import distill_kl
-    from hybrid.distill.pipeline import _kl_flops_per_token, default_dtype
+    from hybrid.distill.kl import distill_kl, kl_flops_per_token
+    from hybrid.distill.pipeline import default_dtype
     from hybrid.distill.student import build_student
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -91,16 +91,15 @@ def main() -> None:
         rec = align_layers(teacher, f"{tmp}/align", mixer=a.mixer, batches=batches, held_out=next(batches(10 ** 6)),
                            start=0, steps=a.steps + 1, progress=False, checkpoint_every=10 ** 9)
         reps = {n: new_mixer(cfg, a.mixer).state_dict() for n in range(len(attention_positions(cfg)))}
-    n_attn = len(attention_positions(cfg))
-    align_fpt = teacher.flops_per_token(a.seq_len) + 3 * n_attn * mixer_flops(cfg, new_mixer(cfg, a.mixer), a.seq_len)
-    rows["align"] = (_steady(a.batch * a.seq_len, rec["step_seconds"], a.steps), align_fpt, dname)
+    rows["align"] = (_steady(a.batch * a.seq_len, rec["step_seconds"], a.steps),
+                     align_flops_per_token(teacher, a.mixer, a.seq_len), dname)
     student = build_student(teacher, reps, [], a.mixer)
     with tempfile.TemporaryDirectory() as tmp:
         krec, masters = distill_kl(student, teacher, f"{tmp}/kl.pt", batches=batches, start=0, steps=a.steps + 1,
                                    progress=False, checkpoint_every=10 ** 9)
     trained = sum(p.numel() for n, p in student.named_parameters() if n in masters and p.dim() == 2)
     kl_tps = _steady(a.batch * a.seq_len, [h["seconds"] for h in krec["history"]], a.steps)
-    rows["kl_all_replaced"] = (kl_tps, _kl_flops_per_token(student, teacher, a.seq_len, trained),
+    rows["kl_all_replaced"] = (kl_tps, kl_flops_per_token(student, teacher, a.seq_len, trained),
                                dname)
     out = {"threads": threads, "batch": a.batch, "seq_len": a.seq_len, "steps": a.steps,
            "peak_GFLOP/s": {k: round(v / 1e9, 1) for k, v in peaks.items()}, "rows": {}}

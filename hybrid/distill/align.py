@@ -91,6 +91,14 @@ def mixer_flops(cfg: HybridConfig, mixer: torch.nn.Module, seq_len: int) -> floa
     return 2.0 * weights + type(mixer).flops_per_token(_with_section(cfg, mixer), seq_len)
 
 
+def align_flops_per_token(teacher, mixer: str, seq_len: int) -> float:
+    """Model FLOPs per token of the alignment pass: the teacher's forward and every replacement's forward and
+    backward (about twice the forward: input and weight gradients)."""
+    cfg = teacher.config
+    n = len(attention_positions(cfg))
+    return teacher.flops_per_token(seq_len) + 3 * n * mixer_flops(cfg, new_mixer(cfg, mixer), seq_len)
+
+
 def _with_section(cfg: HybridConfig, mixer) -> HybridConfig:
     import dataclasses
     key = "mamba2" if isinstance(mixer, Mamba2) else "gated_deltanet"

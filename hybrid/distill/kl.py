@@ -68,6 +68,13 @@ def kl_divergence(student: HybridLM, teacher: HybridLM, ids: torch.Tensor, chunk
     return sum(float(_kl_chunk(student, teacher, hs[s:s + chunk], ht[s:s + chunk])) for s in range(0, n, chunk)) / n
 
 
+def kl_flops_per_token(student: HybridLM, teacher: HybridLM, seq_len: int, trained_weights: int) -> float:
+    """Model FLOPs per token of a KL step: the teacher's forward, the student's forward, its backward to the
+    inputs (about its forward again) and the weight gradients of the ``trained_weights`` matrix entries (2 per
+    weight and token)."""
+    return teacher.flops_per_token(seq_len) + 2 * student.flops_per_token(seq_len) + 2.0 * trained_weights
+
+
 def trained_parameters(student: HybridLM, train_all: bool = False) -> list[torch.nn.Parameter]:
     """The parameters the KL stage trains (the others get ``requires_grad=False``): every mixer's by default."""
     student.requires_grad_(train_all)

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from .align import align_layers, choose_attention_layers, load_replacements, mixer_flops
+from .align import align_flops_per_token, align_layers, choose_attention_layers, load_replacements
 from .ddp import World, world_from_env
-from .init import MIXERS, attention_positions, check_teacher, new_mixer
-from .kl import distill_kl, kl_divergence
+from .init import MIXERS, attention_positions, check_teacher
+from .kl import distill_kl, kl_divergence, kl_flops_per_token
 from .student import build_student, save_student, student_name
 
 
@@ -89,12 +89,6 @@ def _rate(flops_per_token: float, tokens: int, seconds: float, peak: float | Non
             "of_peak": round(gflops * 1e9 / peak, 3) if gflops and peak else None}
 
 
-def _kl_flops_per_token(student, teacher, seq_len: int, trained: int) -> float:
-    """Teacher forward, student forward, the student's backward to its inputs (about its forward again) and
-    the weight gradients of the trained weights (2 FLOPs per weight and token)."""
-    return teacher.flops_per_token(seq_len) + 2 * student.flops_per_token(seq_len) + 2.0 * trained
-
-
 def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence[float], mixer: str = "mamba2",
                    batches: Callable[[int], Iterable[torch.Tensor]], align_tokens: int, kl_tokens: int,
                    keep: str = "worst", progress: bool = True, threads: int | None = None,
@@ -141,8 +135,7 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
                            checkpoint_every=checkpoint_every)
     manifest.align_losses = aligned["losses"]
     n_attn = len(attention_positions(teacher_fp32.config))
-    rep_flops = n_attn * mixer_flops(teacher_fp32.config, new_mixer(teacher_fp32.config, mixer), seq_len)
-    align_fpt = teacher_fp32.flops_per_token(seq_len) + 3 * rep_flops  # forward + backward of the replacements
+    align_fpt = align_flops_per_token(teacher_fp32, mixer, seq_len)
     budget = {"dtype": dname, "tokens_per_step": per_step, "seq_len": seq_len,
               "align": {"tokens": aligned["tokens"], "steps": align_steps, "seconds": round(aligned["seconds"], 1),
                         "tokens_per_s": _per_s(aligned["tokens"], aligned["seconds"]),
@@ -206,7 +199,7 @@ def _train_student(teacher_fp32, teacher_train, replacements, kept, mixer, dtype
     rec = {"kept_layers": kept, "kl_before": before, "kl_after": after,
            "kl_last_steps": hist[-max(1, len(hist) // 10):] if hist else [], "kl_history": hist,
            "tokens": record["tokens"], "seconds": record["seconds"], "dtype": str(dtype),
-           "flops_per_token": _kl_flops_per_token(student, teacher_train, held_out.shape[1], trained)}
+           "flops_per_token": kl_flops_per_token(student, teacher_train, held_out.shape[1], trained)}
     if world.main:
         # saved from the fp32 teacher and the fp32 masters, not from the weights rounded to the training dtype
         keep_fp32 = build_student(teacher_fp32, replacements, kept, mixer)
