@@ -18,8 +18,9 @@ import json
 import sys
 import time
 
-from benchmarks.common import add_threads, set_threads
 from hybrid.eval.real_tradeoff_measure import DEFAULT_SUBJECTS
+
+from benchmarks.common import add_threads, set_threads
 
 NEAR_TIE = 1e-3  # nats: below this two choices' log-likelihoods are within fp32 reduction-order noise
 
@@ -39,10 +40,9 @@ def _choices(samples: list[dict], choices_of) -> dict[int, dict]:
 
 def run_both(model: str, tasks: list[str], *, limit: int | None, mmlu_dir: str | None, batch_size: int) -> dict:
     import lm_eval
-    from lm_eval.tasks import TaskManager
-
     from hybrid.eval.lm_eval_run import run as run_hybrid
     from hybrid.eval.tasks import TASKS_DIR
+    from lm_eval.tasks import TaskManager
 
     metadata = {"mmlu_dir": mmlu_dir} if mmlu_dir else None
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)

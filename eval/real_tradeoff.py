@@ -32,8 +32,6 @@ from datetime import datetime, timezone
 from fractions import Fraction
 from pathlib import Path
 
-import torch
-
 from .real_tradeoff_measure import DEFAULT_SUBJECTS
 
 # (attention share, constant-state mixer); share 1 is the teacher itself
@@ -97,7 +95,8 @@ def _default_distill():
     return distill_family
 
 
-def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff_real", budget: Budget | str = "default",
+def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff_real",
+        budget: Budget | str = "default",
         mmlu_dir: str | None = None, text_files: tuple[str, ...] = (), family=FAMILY, lock: str | None = None,
         threads: int | None = None, seed: int = 0, progress: bool = True,
         distill: Callable | None = None) -> tuple[dict, dict[str, Path]]:
@@ -114,7 +113,9 @@ def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff
 
     t_start = time.perf_counter()
     budget = BUDGETS[budget] if isinstance(budget, str) else budget
-    teacher = Path(teacher)
+    from ..pretrained_names import resolve
+
+    teacher = Path(resolve(teacher))  # a model name -> its converted folder
     if not (teacher / "config.json").is_file():
         raise FileNotFoundError(f"teacher {teacher} is not a checkpoint folder (no config.json); give a Llama-family "
                                 f"folder such as the one `hybrid convert` or transformers' save_pretrained writes")

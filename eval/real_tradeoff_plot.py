@@ -42,7 +42,7 @@ def plot(result: dict, path: Path) -> Path:
                       xytext=offsets.get(mixer, (7, 4)), fontsize=9, color=colors.get(mixer))
     ax_a.axhline(25, color="grey", linestyle=":", linewidth=1, label="chance (25%)")
     handles, labels = ax_a.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
+    unique = dict(zip(labels, handles, strict=True))
     ax_a.legend(unique.values(), unique.keys(), fontsize=8)
     ax_a.set_xlabel(f"prefill speed-up over the teacher at {L} tokens (x)" if L else "prefill speed-up (not timed)")
     ax_a.set_ylabel("MMLU cloze acc % (0-shot; bars: 95% Wilson)")
@@ -55,7 +55,8 @@ def plot(result: dict, path: Path) -> Path:
         if all(m.get("heldout") for m in ms):
             ax_b.plot(xs, [100 * m["heldout"]["top1_agreement"] for m in ms], linestyle="-", **style,
                       label=f"{mixer}: top-1 agreement")
-        for length, dash in zip(sorted({k for m in ms for k in (m.get("recall") or {})}, key=int), ("--", ":", "-.")):
+        lengths = sorted({k for m in ms for k in (m.get("recall") or {})}, key=int)
+        for length, dash in zip(lengths, ("--", ":", "-."), strict=False):  # at most three line styles
             # the digits' accuracy, not the whole-number exact match: at 135M the exact match is near 0 even for
             # the teacher, the digits separate retrieval (teacher ~45-60%) from chance (10%)
             ax_b.plot(xs, [100 * (m.get("recall") or {}).get(length, {}).get("token_acc", float("nan")) for m in ms],

@@ -130,6 +130,12 @@ BAD = {
              (["chat", *TINY, "--max-context", "0"], {}, ["--max-context"]),
              (["chat", *TINY, "--max-new-tokens", "300", "--max-context", "256"], {}, ["--max-context"]),
              (["chat", *TINY, "--top-p", "2"], {}, ["top_p must be in (0, 1]"])],
+    "distill": [(["distill", "/tmp/does-not-exist", "--share", "0.5", "--out", "/tmp/x", "--no-peak"], {},
+                 ["/tmp/does-not-exist"]),
+                (["distill", "/tmp/does-not-exist", "--share", "0.5", "--out", "/tmp/x", "--align-tokens", "-1"], {},
+                 ["--align-tokens", ">= 0"]),
+                (["distill", "/tmp/does-not-exist", "--share", "0.5", "--out", "/tmp/x", "--seq-len", "0"], {},
+                 ["--seq-len"])],
     "doctor": [(["doctor"], {"HYBRID_BACKEND": "fast"}, ["HYBRID_BACKEND", "not a kernel backend"])],
 }
 if NO_CUDA:  # the device a CPU machine lacks, asked for by flag and by variable

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from hybrid.eval.tasks import TASKS_DIR
+from test_eval_mmlu_local import ROWS, write_csv
 
 from hybrid import HybridLM, recipes
-from hybrid.eval.tasks import TASKS_DIR
-
-from test_eval_mmlu_local import ROWS, write_csv
 
 
 @pytest.fixture

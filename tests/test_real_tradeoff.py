@@ -6,13 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from hybrid import HybridLM, recipes, save_pretrained
 from hybrid.eval import real_tradeoff
 from hybrid.eval.real_tradeoff import BUDGETS, FAMILY, member_name
 from hybrid.eval.real_tradeoff_report import flat_row, summary_table, write_report
-
 from test_eval_mmlu_local import ROWS, write_csv
+
+from hybrid import HybridLM, recipes, save_pretrained
 
 TINY = dataclasses.replace(BUDGETS["default"], name="test", data_tokens=3000, seq_len=64, batch_size=2,
                            mmlu_subjects=("anatomy",), mmlu_limit=2, heldout_tokens=256, recall_queries=3,
@@ -36,8 +35,9 @@ def fake_distill(calls):
         first = next(iter(batches(0)))
         assert first.shape == (TINY.batch_size, TINY.seq_len) and first.dtype == torch.int64
         calls.append((mixer, tuple(shares), align_tokens, kl_tokens))
-        return SimpleNamespace(students={s: teacher for s in shares}, budget={"align": {"tokens": align_tokens,
-                               "seconds": 1.0}, "kl": {f"{s:g}": {"tokens": kl_tokens, "seconds": 2.0} for s in shares}},
+        budget = {"align": {"tokens": align_tokens, "seconds": 1.0},
+                  "kl": {f"{s:g}": {"tokens": kl_tokens, "seconds": 2.0} for s in shares}}
+        return SimpleNamespace(students={s: teacher for s in shares}, budget=budget,
                                kept_layers={s: [] for s in shares}, align_losses=[0.1, 0.2])
 
     return distill
@@ -95,7 +95,8 @@ def _fake_member(name, share, mixer, acc, prefill_ms):
             "heldout": {"ppl": 5.0 / (share + 0.5), "top1_agreement": 0.5 + share / 2},
             "recall": {"1024": {"exact": share, "token_acc": 0.5}, "4096": {"exact": share / 2, "token_acc": 0.25}},
             "prefill": [{"seq_len": 2048, "prefill_ms": prefill_ms}, {"seq_len": 8192, "prefill_ms": 4 * prefill_ms}],
-            "decode": {"decode_tok/s": 50.0 / (share + 0.5)}, "memory": {"seq_len": 32768, "cache_bytes": int(share * 2**30)}}
+            "decode": {"decode_tok/s": 50.0 / (share + 0.5)},
+            "memory": {"seq_len": 32768, "cache_bytes": int(share * 2**30)}}
 
 
 def test_report_from_fake_members(tmp_path):

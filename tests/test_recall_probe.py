@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
-
-from hybrid import ByteTokenizer, HybridLM, recipes
 from hybrid.eval.intervals import wilson
 from hybrid.eval.perplexity import perplexity, top1
 from hybrid.eval.recall_probe import make_probe, recall, score_probe
+
+from hybrid import ByteTokenizer, HybridLM, recipes
 
 
 class Oracle(torch.nn.Module):

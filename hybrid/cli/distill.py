@@ -11,28 +11,30 @@ import math
 import os
 from pathlib import Path
 
-from .common import positive_int
+from .common import non_negative_int, positive_int
+from .errors import CLIError
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("distill", help="distil a transformer checkpoint into Mamba-2 / Gated DeltaNet hybrids")
-    p.add_argument("teacher", help="checkpoint folder of a Llama-family transformer (anything hybrid.from_pretrained "
-                                   "loads)")
+    p.add_argument("teacher", help="a Llama-family transformer: checkpoint folder or model name "
+                                   "(smollm2-135m-instruct)")
     p.add_argument("--share", type=float, nargs="+", required=True,
                    help="attention shares to make students for, each in [0, 1] (1 is the teacher itself)")
     p.add_argument("--mixer", choices=("mamba2", "gdn"), default="mamba2", help="what replaces attention")
     p.add_argument("--out", required=True, help="output folder (students, alignment, manifest.json)")
     p.add_argument("--data", nargs="*", default=[], help="local text files to train on")
-    p.add_argument("--teacher-tokens", type=int, default=None,
+    p.add_argument("--teacher-tokens", type=non_negative_int, default=None,
                    help="tokens of teacher-written text (hybrid.distill.data; default: what the budget needs; "
                         "0: the --data files alone)")
-    p.add_argument("--align-tokens", type=int, default=65536, help="tokens of layer alignment (once for all shares)")
-    p.add_argument("--kl-tokens", type=int, default=32768, help="tokens of end-to-end KL per student")
+    p.add_argument("--align-tokens", type=non_negative_int, default=65536,
+                   help="tokens of layer alignment (once for all shares)")
+    p.add_argument("--kl-tokens", type=non_negative_int, default=32768, help="tokens of end-to-end KL per student")
     p.add_argument("--keep", choices=("worst", "even"), default="worst",
                    help="which attention layers stay: where the replacement aligned worst, or evenly spaced")
     p.add_argument("--seq-len", type=positive_int, default=512, help="tokens per sequence")
     p.add_argument("--batch", type=positive_int, default=4, help="sequences per step (global, over all processes)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=non_negative_int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="training dtype; auto: bf16 (fp32 master weights) where the CPU has native bf16")
     p.add_argument("--train-all", action="store_true", help="KL stage trains MLPs, norms and embeddings too")
@@ -86,9 +88,12 @@ def run(args) -> None:
     import torch
 
     from ..distill.pipeline import default_dtype, distill_family
+    from ..pretrained_names import resolve
 
-    if args.align_tokens < 0 or args.kl_tokens < 0:
-        raise ValueError("--align-tokens and --kl-tokens must be >= 0")
+    args.teacher = str(resolve(args.teacher))  # a model name -> its converted folder
+    if not Path(args.teacher).is_dir():
+        raise CLIError(f"teacher {args.teacher} is not a checkpoint folder; give a Llama-family checkpoint folder "
+                       f"or a model name (hybrid.NAMED_MODELS)")
     per_step = args.batch * args.seq_len
     needed = (1 + math.ceil(args.align_tokens / per_step) + math.ceil(args.kl_tokens / per_step)) * per_step
     has_data_module = importlib.util.find_spec("hybrid.distill.data") is not None

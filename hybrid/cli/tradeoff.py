@@ -11,7 +11,8 @@ def add_parser(sub) -> None:
     # and its JSON record the values used
     p = sub.add_parser("tradeoff", help="prefill speed vs accuracy over attention shares (MQAR by default; "
                                         "--teacher: a real model's distilled family)")
-    p.add_argument("--teacher", help="a Llama-family checkpoint folder: distil it into its hybrid family (attention "
+    p.add_argument("--teacher", help="a Llama-family checkpoint folder or model name (smollm2-135m-instruct): "
+                                     "distil it into its hybrid family (attention "
                                      "shares 1, 1/2, 1/4, 1/8, 0 with Mamba-2; 1/4 and 0 with Gated DeltaNet) and "
                                      "measure every member (MMLU cloze + MC, perplexity, agreement, recall, speed)")
     p.add_argument("--budget", default="default", choices=["default", "large"],
@@ -144,8 +145,10 @@ def run_teacher(args) -> None:
     from ..eval.real_tradeoff import run as run_real
     from ..eval.real_tradeoff_report import summary_table
     from ..eval.tables import markdown
+    from ..pretrained_names import resolve
     from .eval import check_mmlu_dir
 
+    args.teacher = str(resolve(args.teacher))  # a model name (smollm2-135m-instruct) -> its converted folder
     if not (Path(args.teacher) / "config.json").is_file():
         raise CLIError(f"--teacher {args.teacher} is not a checkpoint folder (no config.json); give a Llama-family "
                        f"folder, e.g. one transformers' save_pretrained wrote")

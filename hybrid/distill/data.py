@@ -224,7 +224,8 @@ def generate_documents(model, tokenizer, prompts: list[list[int]], *, n_tokens: 
                   "generate_s": round(seconds, 1), "generated_tok_s": round(made / max(seconds, 1e-9), 1)}
 
 
-def file_documents(paths: Sequence[str | os.PathLike], tokenizer, guard: MMLUGuard | None) -> tuple[list[list[int]], dict]:
+def file_documents(paths: Sequence[str | os.PathLike], tokenizer,
+                   guard: MMLUGuard | None) -> tuple[list[list[int]], dict]:
     """Each text file as one document, less any paragraph (blank-line separated) the guard flags."""
     docs, dropped = [], 0
     for p in paths:

@@ -102,6 +102,9 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
     measured by the caller) for the share of peak. Writes and returns the manifest (``out_dir/manifest.json``).
     A rerun with the same arguments resumes an interrupted stage and skips finished ones."""
     from ..pretrained import from_pretrained
+    from ..pretrained_names import resolve
+
+    teacher = resolve(teacher)  # a model name -> its converted folder
 
     if mixer not in MIXERS:
         raise ValueError(f"unknown mixer {mixer!r}; choose one of {sorted(MIXERS)}")
