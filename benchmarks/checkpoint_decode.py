@@ -1,7 +1,7 @@
 """Batch-1 (or batch-B) decode speed of a real checkpoint folder through the engine, per quantisation scheme:
 what ``benchmarks/decode.py`` measures for the seed-0 recipes, on the weights users run.
 
-    python -m benchmarks.checkpoint_decode /work/models/smollm2-135m-instruct-hf \\
+    python -m benchmarks.checkpoint_decode smollm2-135m-instruct \\
         --schemes none int8dq int8wo int4wo 8da4w --dtype float32 --threads 2
 
 Each scheme loads the folder afresh, quantises it (``hybrid.quantize``), holds ``--batch`` sequences at

@@ -11,7 +11,7 @@ each as tokens/s, model GFLOP/s (2 FLOPs a multiply-add; a backward counted at i
 about the forward again, weight gradients 2 per trained weight and token) and the share of the peak in its
 dtype. Run under ``flock /tmp/bench.lock`` on a shared machine.
 
-    python -P benchmarks/distill_step.py /work/models/smollm2-135m-instruct-hf --steps 3 --json out.json
+    python -P benchmarks/distill_step.py smollm2-135m-instruct --steps 3 --json out.json
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """``hybrid distill``: a pretrained transformer distilled into hybrid students (one per attention share).
 
-The data: when :mod:`hybrid.distill.data` is installed, text the teacher writes itself (``--teacher-tokens``,
-cached under ``OUT/data``) plus the ``--data`` files; with ``--teacher-tokens 0`` (or without that module) the
-``--data`` text files alone, tokenised by the teacher's tokenizer, joined with EOS and cut into windows.
+The data: text the teacher writes itself (:mod:`hybrid.distill.data`, ``--teacher-tokens``, cached under
+``OUT/data``) plus the ``--data`` files; with ``--teacher-tokens 0`` the ``--data`` text files alone, tokenised by the teacher's tokenizer, joined with EOS and cut into windows.
 ``torchrun --nproc-per-node N -m hybrid.cli distill ...`` splits each global batch over N processes."""
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output folder (students, alignment, manifest.json)")
     p.add_argument("--data", nargs="*", default=[], help="local text files to train on")
     p.add_argument("--teacher-tokens", type=non_negative_int, default=None,
-                   help="tokens of teacher-written text (hybrid.distill.data; default: what the budget needs; "
+                   help="tokens of teacher-written text (default: what the budget needs; "
                         "0: the --data files alone)")
     p.add_argument("--align-tokens", type=non_negative_int, default=65536,
                    help="tokens of layer alignment (once for all shares)")
@@ -71,9 +70,8 @@ def _file_batches(teacher: str, files: list[str], seq_len: int, batch: int):
 
 
 def _teacher_batches(args, needed: int):
-    import importlib
+    from ..distill import data
 
-    data = importlib.import_module("hybrid.distill.data")
     source = data.build_token_source(args.teacher, cache_dir=Path(args.out) / "data", n_tokens=needed,
                                      text_files=args.data)
 
@@ -83,8 +81,6 @@ def _teacher_batches(args, needed: int):
 
 
 def run(args) -> None:
-    import importlib.util
-
     import torch
 
     from ..distill.pipeline import default_dtype, distill_family
@@ -96,12 +92,8 @@ def run(args) -> None:
                        f"or a model name (hybrid.NAMED_MODELS)")
     per_step = args.batch * args.seq_len
     needed = (1 + math.ceil(args.align_tokens / per_step) + math.ceil(args.kl_tokens / per_step)) * per_step
-    has_data_module = importlib.util.find_spec("hybrid.distill.data") is not None
-    teacher_tokens = args.teacher_tokens if args.teacher_tokens is not None else (needed if has_data_module else 0)
+    teacher_tokens = args.teacher_tokens if args.teacher_tokens is not None else needed
     if teacher_tokens > 0:
-        if not has_data_module:
-            raise ValueError("teacher-written data needs hybrid.distill.data, which this install lacks; give "
-                             "--teacher-tokens 0 and --data FILE ... to train on local text")
         batches, n = _teacher_batches(args, teacher_tokens)
     elif args.data:
         batches, n = _file_batches(args.teacher, args.data, args.seq_len, args.batch)
