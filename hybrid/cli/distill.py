@@ -1,7 +1,8 @@
 """``hybrid distill``: a pretrained transformer distilled into hybrid students (one per attention share).
 
 The data: text the teacher writes itself (:mod:`hybrid.distill.data`, ``--teacher-tokens``, cached under
-``OUT/data``) plus the ``--data`` files; with ``--teacher-tokens 0`` the ``--data`` text files alone, tokenised by the teacher's tokenizer, joined with EOS and cut into windows.
+``OUT/data``) plus the ``--data`` files; with ``--teacher-tokens 0`` the ``--data`` text files alone, tokenised
+by the teacher's tokenizer, joined with EOS and cut into windows.
 ``torchrun --nproc-per-node N -m hybrid.cli distill ...`` splits each global batch over N processes."""
 
 from __future__ import annotations
