@@ -93,6 +93,21 @@ class HybridLM(nn.Module):
             if mod is not self and hasattr(mod, "reset_special_parameters"):
                 mod.reset_special_parameters(std=std)
 
+    def untie_head(self, *, meta: bool = False) -> bool:
+        """Give a model whose LM head is its embedding (``lm_head`` None) a head of its own: a copy of the
+        embedding's matrix, or an empty one on the meta device with ``meta=True`` (for a loader to assign), the
+        embedding left as it is (:func:`hybrid.quantize.quantized_head` quantises the copy). Returns whether a head
+        was added (False: the model has one)."""
+        if self.lm_head is not None:
+            return False
+        emb = self.embed.weight
+        with torch.device("meta"):
+            head = Linear(emb.shape[1], emb.shape[0], bias=False, dtype=emb.dtype)
+        if not meta:
+            head.weight = nn.Parameter(emb.detach().clone(), requires_grad=False)
+        self.lm_head = head
+        return True
+
     # ---- forward -------------------------------------------------------------------------------
     def check_token_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.dtype not in (torch.int64, torch.int32):

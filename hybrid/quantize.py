@@ -101,15 +101,7 @@ def quantized_head(model: torch.nn.Module, *, device: torch.device | str | None 
     whether a head was added (False: the model has one)."""
     if getattr(model, "lm_head", False) is not None:
         return False
-    from .layers.linear import Linear
-
-    emb = model.embed.weight
-    with torch.device("meta"):
-        head = Linear(emb.shape[1], emb.shape[0], bias=False, dtype=emb.dtype)
-    if str(device) != "meta":
-        head.weight = torch.nn.Parameter(emb.detach().clone(), requires_grad=False)
-    model.lm_head = head
-    return True
+    return model.untie_head(meta=str(device) == "meta")
 
 
 def _int4_cpu(model: torch.nn.Module, quantize_) -> None:

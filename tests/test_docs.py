@@ -85,6 +85,8 @@ SKIP_RULES = [
                                                "tests/test_chat.py and test_pretrained_names.py run these paths"),
     (r"\.gguf\b", "needs a GGUF file: tests/test_interop_gguf.py writes tiny ones and loads them the same ways"),
     (r"^hybrid distill\b", "distils a teacher (minutes); tests/test_distill_cli.py runs it on a tiny teacher"),
+    (r"family/students/", "a student the (skipped) hybrid distill command above makes; tests/test_distill_student.py "
+                          "runs students through the engine"),
 ]
 # examples known not to run as written, skipped with what is wrong (reported in the test's output, never silent);
 # fixing the page means taking its entry off this list

@@ -87,8 +87,10 @@ def test_load_lists_missing_unexpected_and_misshaped(tmp_path):
     state["layers.99.mixer.bogus"] = torch.zeros(3)
     state["norm_f.weight"] = torch.zeros(7)
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(CheckpointError, match="checksums.json"):  # the rewritten file no longer matches its checksum
         hybrid.from_pretrained(tmp_path)
+    with pytest.raises(CheckpointError) as err:  # past the checksum: what the tensors themselves say is wrong
+        hybrid.from_pretrained(tmp_path, verify=False)
     msg = str(err.value)
     assert "missing tensors (1): layers.0.mixer.A_log" in msg
     assert "unexpected tensors (1): layers.99.mixer.bogus" in msg
