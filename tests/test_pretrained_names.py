@@ -26,7 +26,7 @@ def tiny_named(tmp_path, monkeypatch):
     model = tiny_llama()
     write_llama_gguf(model, pkg / "tiny.gguf", "Q8_0")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HYBRID_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setitem(pretrained_names.NAMED_MODELS, "tiny-test",
                         NamedModel(module="hybrid_tiny_pkg", file="tiny.gguf", architecture="llama",
                                    install="pip install hybrid-tiny-pkg"))

@@ -51,6 +51,11 @@ def check_environment(device: str = "cpu", *, backend_usable: bool = True) -> No
         value = os.environ.get(name)
         if value is not None and value.strip().lower() not in SWITCH_VALUES:
             raise CLIError(f"{name}={value!r} is not a switch; set it to 1 or 0 (or unset it)")
+    from ..kernels.native import SPIN_ENV, spin_us
+
+    if spin_us(os.environ.get(SPIN_ENV)) is None:
+        raise CLIError(f"{SPIN_ENV}={os.environ[SPIN_ENV]!r} is not a whole number of microseconds >= 0; set it to "
+                       f"e.g. 50 (or unset it)")
     cache = os.environ.get("HYBRID_CACHE_DIR")
     if cache and os.path.exists(cache) and not os.path.isdir(cache):
         raise CLIError(f"HYBRID_CACHE_DIR={cache!r} is a file, not a folder; point it at a folder (or unset it)")

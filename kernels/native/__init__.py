@@ -36,7 +36,24 @@ VARIANT_ENV = "HYBRID_NATIVE_VARIANT"  # load this variant (x86-64-v3, x86-64-v4
 # project (llama-d512 fp32 decode step, median): no spin 14.5 ms, 50 us 17.1 ms, 20 ms 20.0 ms: a spinning
 # worker slowed the Python between the products more than its wake-ups cost; a dedicated machine may prefer
 # some (HYBRID_NATIVE_SPIN_US).
-SPIN = int(os.environ.get("HYBRID_NATIVE_SPIN_US", "0"))
+SPIN_ENV = "HYBRID_NATIVE_SPIN_US"
+
+
+def spin_us(raw: str | None) -> int | None:
+    """``HYBRID_NATIVE_SPIN_US`` as microseconds >= 0 (unset: 0), or None when it is not one."""
+    try:
+        value = int(raw if raw is not None else "0")
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+# read at import: a bad value must not break `import hybrid` (the CLI refuses it in one line before a command runs)
+SPIN = spin_us(os.environ.get(SPIN_ENV))
+if SPIN is None:
+    warnings.warn(f"{SPIN_ENV}={os.environ.get(SPIN_ENV)!r} is not a whole number of microseconds >= 0; using 0",
+                  stacklevel=2)
+    SPIN = 0
 MAX_ROWS = 64  # input rows one product takes (decode batches up to this; larger ones go through torch's GEMM)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
