@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import DTYPES, device_arg
+from .common import DTYPES, device_arg, non_negative_int, positive_int
 from .errors import CLIError
 
 
@@ -20,12 +20,12 @@ def add_parser(sub) -> None:
                         "large: the one for the record)")
     p.add_argument("--text-files", nargs="*", default=[],
                    help="with --teacher: local UTF-8 text files added to the teacher-written training data")
-    p.add_argument("--mmlu-limit", type=int, help="with --teacher: MMLU questions per subject (default: the budget's)")
+    p.add_argument("--mmlu-limit", type=positive_int, help="with --teacher: MMLU questions per subject (default: the budget's)")
     p.add_argument("--subjects", nargs="+", help="with --teacher: MMLU subjects (default: the budget's ten)")
-    p.add_argument("--data-tokens", type=int, help="with --teacher: teacher-written training tokens (default: the "
+    p.add_argument("--data-tokens", type=non_negative_int, help="with --teacher: teacher-written training tokens (default: the "
                                                    "budget's)")
-    p.add_argument("--align-tokens", type=int, help="with --teacher: layer-alignment tokens per mixer")
-    p.add_argument("--kl-tokens", type=int, help="with --teacher: end-to-end KL tokens per student")
+    p.add_argument("--align-tokens", type=non_negative_int, help="with --teacher: layer-alignment tokens per mixer")
+    p.add_argument("--kl-tokens", type=non_negative_int, help="with --teacher: end-to-end KL tokens per student")
     p.add_argument("--checkpoints", nargs="+", help="checkpoint folders scored with lm-eval --tasks (and timed "
                                                      "themselves) instead of training the MQAR family")
     p.add_argument("--tasks", nargs="+", default=["mmlu_local"], help="lm-eval tasks for --checkpoints")
@@ -33,11 +33,11 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=float, default=None, help="questions per lm-eval task (quick runs; default: all)")
     p.add_argument("--mmlu-dir", help="MMLU folder for mmlu_local (default $HYBRID_MMLU_DIR, or in a source "
                                       "checkout ../shared/data/mmlu)")
-    p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="lm-eval batch size")
     p.add_argument("--size", default="tiny", help="width of the MQAR models (recipes.attention_family size)")
     p.add_argument("--speed-size", default="small",
                    help="width the same patterns are timed and sized at (recipes.attention_family size)")
-    p.add_argument("--n-blocks", type=int, default=4,
+    p.add_argument("--n-blocks", type=positive_int, default=4,
                    help="mixers per family member (timed models: blocks of mixer + MLP; MQAR models: mixers only)")
     from ..recipes import FAMILY_MIXER_NAMES, FAMILY_MIXERS  # the table of mixers a family can be built with
 
@@ -46,10 +46,10 @@ def add_parser(sub) -> None:
                        f"{FAMILY_MIXER_NAMES[m]} ({s})" for m, s in FAMILY_MIXERS.items()))
     p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="attention shares of the family members")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="MQAR training seeds per member")
-    p.add_argument("--steps", type=int, help="MQAR training steps per model (default: TrainConfig's)")
-    p.add_argument("--train-tokens", type=int, help="MQAR tokens per training step (default: TrainConfig's)")
-    p.add_argument("--train-batch", type=int, help="fixed MQAR sequences per step instead of --train-tokens")
+    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1], help="MQAR training seeds per member")
+    p.add_argument("--steps", type=positive_int, help="MQAR training steps per model (default: TrainConfig's)")
+    p.add_argument("--train-tokens", type=positive_int, help="MQAR tokens per training step (default: TrainConfig's)")
+    p.add_argument("--train-batch", type=positive_int, help="fixed MQAR sequences per step instead of --train-tokens")
     p.add_argument("--init-std", type=float, help="weight init std of the MQAR models (default: TrainConfig's)")
     p.add_argument("--lr", type=float, help="MQAR peak learning rate (default: TrainConfig's)")
     p.add_argument("--mamba-lr-scale", type=float,
@@ -57,26 +57,26 @@ def add_parser(sub) -> None:
     p.add_argument("--state-lr-scale", type=float,
                    help="lr of the other constant-state mixers (Gated DeltaNet, GLA) relative to --lr in models with "
                         "attention (default: TrainConfig's)")
-    p.add_argument("--mqar-vocab", type=int, help="MQAR tokens = the MQAR models' vocabulary (default: TrainConfig's)")
-    p.add_argument("--train-kv-pairs", type=int, nargs="+",
+    p.add_argument("--mqar-vocab", type=positive_int, help="MQAR tokens = the MQAR models' vocabulary (default: TrainConfig's)")
+    p.add_argument("--train-kv-pairs", type=positive_int, nargs="+",
                    help="key-value pair counts to train on (default: TrainConfig's)")
-    p.add_argument("--kv-pairs", type=int, nargs="+", help="key-value pair counts to score (default: TrainConfig's)")
-    p.add_argument("--eval-sequences", type=int,
+    p.add_argument("--kv-pairs", type=positive_int, nargs="+", help="key-value pair counts to score (default: TrainConfig's)")
+    p.add_argument("--eval-sequences", type=positive_int,
                    help="held-out MQAR sequences per pair count (default: TrainConfig's)")
     p.add_argument("--curriculum", type=float,
                    help="share of the MQAR steps over which the trained pair counts grow from the smallest to all "
                         "(0: all from the start; default: TrainConfig's)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192],
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[2048, 8192],
                    help="prefill context lengths timed for every member")
-    p.add_argument("--long-lengths", type=int, nargs="*", default=[32768],
+    p.add_argument("--long-lengths", type=positive_int, nargs="*", default=[32768],
                    help="longer prefill lengths, timed only for --long-shares (an all-attention prefill there "
                         "takes minutes on a CPU)")
     p.add_argument("--long-shares", type=float, nargs="*", default=[0.0, 1.0],
                    help="members timed at --long-lengths (with checkpoints: all)")
-    p.add_argument("--chunk", type=int, default=2048, help="engine prefill chunk (max_batch_tokens)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per length")
-    p.add_argument("--long-repeats", type=int, default=1, help="timed runs per long length")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before each member's first length")
+    p.add_argument("--chunk", type=positive_int, default=2048, help="engine prefill chunk (max_batch_tokens)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per length")
+    p.add_argument("--long-repeats", type=positive_int, default=1, help="timed runs per long length")
+    p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed runs before each member's first length")
     p.add_argument("--max-spread", type=float, default=0.25,
                    help="re-measure a timing whose (max-min)/median exceeds this, then flag it")
     p.add_argument("--cache-gib", type=float, default=4.0, help="cache budget the sequences-that-fit column counts")
@@ -86,7 +86,7 @@ def add_parser(sub) -> None:
                    help="memory columns: Mamba state storage (float32, bfloat16, int8; default: float32)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
     p.add_argument("--device", default="cpu", type=device_arg, help="where the models run (cpu, cuda, cuda:N)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per CPU core this process may use)")
+    p.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (0: one per CPU core this process may use)")
     p.add_argument("--output", help="folder for tradeoff.{json,csv,md,png} (default: out/tradeoff, with --teacher "
                                     "out/tradeoff_real)")
     p.add_argument("--lock", help="file to hold an exclusive flock on while timing (not while training), e.g. "
