@@ -20,10 +20,11 @@ def add_parser(sub) -> None:
                         "large: the one for the record)")
     p.add_argument("--text-files", nargs="*", default=[],
                    help="with --teacher: local UTF-8 text files added to the teacher-written training data")
-    p.add_argument("--mmlu-limit", type=positive_int, help="with --teacher: MMLU questions per subject (default: the budget's)")
+    p.add_argument("--mmlu-limit", type=positive_int,
+                   help="with --teacher: MMLU questions per subject (default: the budget's)")
     p.add_argument("--subjects", nargs="+", help="with --teacher: MMLU subjects (default: the budget's ten)")
-    p.add_argument("--data-tokens", type=non_negative_int, help="with --teacher: teacher-written training tokens (default: the "
-                                                   "budget's)")
+    p.add_argument("--data-tokens", type=non_negative_int,
+                   help="with --teacher: teacher-written training tokens (default: the budget's)")
     p.add_argument("--align-tokens", type=non_negative_int, help="with --teacher: layer-alignment tokens per mixer")
     p.add_argument("--kl-tokens", type=non_negative_int, help="with --teacher: end-to-end KL tokens per student")
     p.add_argument("--checkpoints", nargs="+", help="checkpoint folders scored with lm-eval --tasks (and timed "
@@ -57,10 +58,12 @@ def add_parser(sub) -> None:
     p.add_argument("--state-lr-scale", type=float,
                    help="lr of the other constant-state mixers (Gated DeltaNet, GLA) relative to --lr in models with "
                         "attention (default: TrainConfig's)")
-    p.add_argument("--mqar-vocab", type=positive_int, help="MQAR tokens = the MQAR models' vocabulary (default: TrainConfig's)")
+    p.add_argument("--mqar-vocab", type=positive_int,
+                   help="MQAR tokens = the MQAR models' vocabulary (default: TrainConfig's)")
     p.add_argument("--train-kv-pairs", type=positive_int, nargs="+",
                    help="key-value pair counts to train on (default: TrainConfig's)")
-    p.add_argument("--kv-pairs", type=positive_int, nargs="+", help="key-value pair counts to score (default: TrainConfig's)")
+    p.add_argument("--kv-pairs", type=positive_int, nargs="+",
+                   help="key-value pair counts to score (default: TrainConfig's)")
     p.add_argument("--eval-sequences", type=positive_int,
                    help="held-out MQAR sequences per pair count (default: TrainConfig's)")
     p.add_argument("--curriculum", type=float,
@@ -86,7 +89,8 @@ def add_parser(sub) -> None:
                    help="memory columns: Mamba state storage (float32, bfloat16, int8; default: float32)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
     p.add_argument("--device", default="cpu", type=device_arg, help="where the models run (cpu, cuda, cuda:N)")
-    p.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (0: one per CPU core this process may use)")
+    p.add_argument("--threads", type=non_negative_int, default=0,
+                   help="torch threads (0: one per CPU core this process may use)")
     p.add_argument("--output", help="folder for tradeoff.{json,csv,md,png} (default: out/tradeoff, with --teacher "
                                     "out/tradeoff_real)")
     p.add_argument("--lock", help="file to hold an exclusive flock on while timing (not while training), e.g. "
