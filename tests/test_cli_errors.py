@@ -6,17 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from cli_helpers import one_line_exit
 
 from hybrid.cli import build_parser, main
-
-
-def one_line_exit(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
 
 
 @pytest.mark.parametrize("argv,says", [

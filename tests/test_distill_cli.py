@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
+from cli_helpers import one_line_exit
 from distill_helpers import tiny_teacher
 
 from hybrid import HybridConfig, HybridLM, from_pretrained, save_pretrained
@@ -42,26 +42,17 @@ def test_distill_cli_makes_a_family_and_a_rerun_reuses_it(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["align_losses"] == m.align_losses
 
 
-def _one_line(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
-
-
 def test_distill_cli_refuses_a_teacher_that_is_not_a_transformer(tmp_path, capsys):
     torch.manual_seed(0)
     hybrid_model = HybridLM(HybridConfig(vocab_size=260, d_model=32, pattern="M-*-"))
     save_pretrained(hybrid_model, tmp_path / "hybrid")
     (tmp_path / "text.txt").write_text(TEXT)
-    err = _one_line(capsys, _args(tmp_path / "hybrid", tmp_path / "out", tmp_path / "text.txt"))
+    err = one_line_exit(capsys, _args(tmp_path / "hybrid", tmp_path / "out", tmp_path / "text.txt"))
     assert "Llama-family" in err and "'M-*-'" in err
 
 
 def test_distill_cli_wants_data(tmp_path, capsys):
     save_pretrained(tiny_teacher(vocab=260), tmp_path / "teacher")
-    err = _one_line(capsys, ["distill", str(tmp_path / "teacher"), "--share", "0.5", "--out", str(tmp_path / "o"),
+    err = one_line_exit(capsys, ["distill", str(tmp_path / "teacher"), "--share", "0.5", "--out", str(tmp_path / "o"),
                              "--teacher-tokens", "0", "--no-peak"])
     assert "--data" in err

@@ -4,18 +4,9 @@ checkpoint's context length is read from its config.json, and the banner's count
 import json
 
 import pytest
+from cli_helpers import one_line_exit
 
-from hybrid.cli import main
 from hybrid.cli.serve import model_context, plain
-
-
-def one_line_exit(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
 
 
 @pytest.mark.parametrize("extra,says", [
