@@ -138,6 +138,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a ``hybrid serve`` process as Ctrl-C does (it drains), killing it if it is still up after 60 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def wait_healthy(host: str, port: int, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -230,11 +239,7 @@ def bench_recipe(name: str, args) -> list[dict]:
                          **http_load(host, port, name, c, args.prompt_len, args.max_tokens, vocab, args.duration,
                                      seed=c)})
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = HybridLM(recipes.get(name)).to(getattr(torch, args.dtype)).eval()

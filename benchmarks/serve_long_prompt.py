@@ -26,7 +26,6 @@ import http.client
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from datetime import date
 
 from tqdm import tqdm
 
-from .serve import free_port, percentile, stream_one, wait_healthy
+from .serve import free_port, percentile, stop_server, stream_one, wait_healthy
 
 
 def ttft(sample) -> float:
@@ -114,11 +113,7 @@ def run(args) -> dict:
             t.join()
         after = server_ttft(host, port)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
     contended = [ttft(results[k]) for k in range(args.shorts)]
     long_contended = results["long"].last - results["long"].sent

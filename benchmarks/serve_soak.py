@@ -28,14 +28,13 @@ import http.client
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 
-from .serve import free_port, wait_healthy
+from .serve import free_port, stop_server, wait_healthy
 
 GARBAGE = [
     (b'{"prompt": "x", ', "not valid JSON"),
@@ -219,11 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
         rss.append((time.perf_counter() - t0, rss_kib(proc.pid)))
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     print(f"requests: {dict(soak.counts)}; failures: {len(soak.failures)}")
     for f in soak.failures[:20]:
         print("  " + f)
