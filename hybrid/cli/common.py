@@ -28,41 +28,37 @@ def device_arg(text: str) -> str:
     return text
 
 
-def positive_int(text: str) -> int:
+def _parsed(text: str, cast, what: str):
+    """``text`` as ``cast`` (int or float), or argparse's one-line error naming ``what`` it is not."""
     try:
-        value = int(text)
+        return cast(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _parsed(text, int, "an integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _parsed(text, int, "an integer")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _parsed(text, float, "a number")
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _parsed(text, float, "a number")
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
@@ -70,10 +66,7 @@ def non_negative_float(text: str) -> float:
 
 def port_number(text: str) -> int:
     """``--port``: a TCP port, 0 (any free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    value = _parsed(text, int, "a port number")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
     return value
