@@ -41,7 +41,7 @@ FAMILY = ((1.0, "attention"), (0.5, "mamba2"), (0.25, "mamba2"), (0.125, "mamba2
 
 @dataclass(frozen=True)
 class Budget:
-    """Tokens and sample sizes of every stage. ``default`` is sized to finish in about 30 minutes on 2 CPU
+    """Tokens and sample sizes of every stage. ``default`` finishes in about 20 minutes on 2 quiet CPU
     cores (see docs/evaluation.md for the measured cost of each part); ``large`` is the one for the record."""
 
     name: str

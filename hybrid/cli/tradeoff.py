@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
                                      "shares 1, 1/2, 1/4, 1/8, 0 with Mamba-2; 1/4 and 0 with Gated DeltaNet) and "
                                      "measure every member (MMLU cloze + MC, perplexity, agreement, recall, speed)")
     p.add_argument("--budget", default="default", choices=["default", "large"],
-                   help="with --teacher: token and sample sizes of every stage (default: about 30 min on 2 cores; "
+                   help="with --teacher: token and sample sizes of every stage (default: ~20 min on 2 quiet cores; "
                         "large: the one for the record)")
     p.add_argument("--text-files", nargs="*", default=[],
                    help="with --teacher: local UTF-8 text files added to the teacher-written training data")
