@@ -24,6 +24,17 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
+
+def _add_tensor(w, name: str, values, qtype: str) -> None:
+    """One tensor into the writer as llama.cpp stores it: F32, F16, or quantised by gguf's own quantiser."""
+    if qtype == "F32":
+        w.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+    elif qtype == "F16":
+        w.add_tensor(name, values.astype(np.float16))
+    else:
+        q = QTYPES[qtype]
+        w.add_tensor(name, gguf.quants.quantize(values, q), raw_dtype=q)
+
 def tiny_llama(seed: int = 0, *, qkv_bias: bool = False, out_bias: bool | None = None,
                tie: bool = True) -> hybrid.HybridLM:
     """A 2-layer GQA Llama whose rows are multiples of 32 (the quantised types' block)."""
@@ -76,13 +87,7 @@ def write_llama_gguf(model: hybrid.HybridLM, path: Path, qtype: str = "F32", *, 
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             values = permute_rows(values, a.n_heads if ".q_proj." in hf_name else a.n_kv_heads)
         name = _gguf_name(hf_name)
-        if values.ndim == 1 or qtype == "F32":
-            w.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
-        elif qtype == "F16":
-            w.add_tensor(name, values.astype(np.float16))
-        else:
-            q = QTYPES[qtype]
-            w.add_tensor(name, gguf.quants.quantize(values, q), raw_dtype=q)
+        _add_tensor(w, name, values, "F32" if values.ndim == 1 else qtype)
     if extra_tensor is not None:
         w.add_tensor(*extra_tensor)
     w.write_header_to_file()
@@ -155,13 +160,8 @@ def write_mamba_gguf(model: hybrid.HybridLM, path: Path, qtype: str = "F32") -> 
             else:
                 name = f"blk.{layer}.{to_gguf[stem]}.{kind}"
         kept_f32 = name.split(".")[2] in _MAMBA_F32 if name.startswith("blk.") else False
-        if qtype == "F32" or values.ndim == 1 or values.shape[-1] % 32 or kept_f32:
-            w.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
-        elif qtype == "F16":
-            w.add_tensor(name, values.astype(np.float16))
-        else:
-            q = QTYPES[qtype]
-            w.add_tensor(name, gguf.quants.quantize(values, q), raw_dtype=q)
+        f32 = values.ndim == 1 or values.shape[-1] % 32 or kept_f32
+        _add_tensor(w, name, values, "F32" if f32 else qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
