@@ -76,6 +76,11 @@ BUDGETS = {
                     heldout_tokens=16_384, recall_queries=16, recall_contexts=2, recall_lengths=(1024, 4096),
                     prefill_lengths=(2048, 8192, 32768), decode_context=2048, decode_steps=32, repeats=3),
 }
+# between the two: 8x the default's training and 3x its questions, about 2 hours on 2 cores (the accuracy part
+# can run on one busy core with --no-speed, the timing part then on a quiet machine)
+BUDGETS["medium"] = dataclasses.replace(BUDGETS["large"], name="medium", data_tokens=98_304, align_tokens=65_536,
+                                        kl_tokens=65_536, batch_size=4, mmlu_limit=30, heldout_tokens=8192,
+                                        recall_queries=16, recall_contexts=1, repeats=2)
 MEMORY_LENGTH = 32768
 
 
@@ -98,10 +103,14 @@ def _default_distill():
 def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff_real",
         budget: Budget | str = "default",
         mmlu_dir: str | None = None, text_files: tuple[str, ...] = (), family=FAMILY, lock: str | None = None,
-        threads: int | None = None, seed: int = 0, progress: bool = True,
+        threads: int | None = None, seed: int = 0, progress: bool = True, speed: bool = True,
         distill: Callable | None = None) -> tuple[dict, dict[str, Path]]:
     """The whole report for ``teacher`` (a Llama-family checkpoint folder). ``distill``: the family builder
-    (default ``hybrid.distill.pipeline.distill_family``). Returns the result dict and the written files."""
+    (default ``hybrid.distill.pipeline.distill_family``). Returns the result dict and the written files.
+
+    ``speed=False`` stops after the accuracy stage (nothing timed, no report written, no files returned): the
+    training and the accuracy columns tolerate a busy machine, the timings do not, so a long run can do those
+    first and a later run with the same arguments (members reused by key) times them on a quiet machine."""
     from ..distill.data import build_token_source, token_batches
     from ..tokenizer import load_tokenizer
     from . import real_tradeoff_measure as measure
@@ -195,6 +204,9 @@ def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff
         path.write_text(json.dumps(m, indent=1) + "\n")
         members.append(m)
     stages["measure_accuracy"] = {"seconds": round(time.perf_counter() - t_acc, 1), "members_reused": reused}
+    if not speed:
+        settings["wall_s"] = round(time.perf_counter() - t_start, 1)
+        return {"settings": settings, "members": members}, {}
 
     t0 = time.perf_counter()
     with timing_lock(lock, settings, progress):

@@ -77,6 +77,26 @@ def test_run_measures_every_member_writes_files_and_resumes(teacher_dir, tmp_pat
     assert [m["mmlu_cloze"] for m in again["members"]] == [m["mmlu_cloze"] for m in result["members"]]
 
 
+def test_no_speed_scores_only_and_a_later_run_times_the_same_members(teacher_dir, tmp_path, monkeypatch):
+    write_csv(tmp_path / "mmlu", "anatomy", ROWS)
+    monkeypatch.setattr("hybrid.distill.data.MAX_NEW_TOKENS", 32)
+    monkeypatch.setattr("hybrid.distill.data.MIN_HELDOUT_TOKENS", 256)
+    family = ((1.0, "attention"), (0.0, "mamba2"))
+    kw = dict(output=tmp_path / "out", budget=TINY, mmlu_dir=tmp_path / "mmlu", family=family, threads=1,
+              progress=False)
+    monkeypatch.setattr("hybrid.eval.real_tradeoff_measure.speed", lambda *a, **k: pytest.fail("timed"))
+    first, paths = real_tradeoff.run(teacher_dir, distill=fake_distill([]), speed=False, **kw)
+    assert paths == {} and not (tmp_path / "out" / "tradeoff.md").exists()
+    assert all("mmlu_cloze" in m and "prefill" not in m for m in first["members"])
+    monkeypatch.undo()
+    monkeypatch.setattr("hybrid.distill.data.MAX_NEW_TOKENS", 32)
+    monkeypatch.setattr("hybrid.distill.data.MIN_HELDOUT_TOKENS", 256)
+    monkeypatch.setattr("hybrid.eval.real_tradeoff_measure.mmlu", lambda *a, **k: pytest.fail("scored again"))
+    second, paths = real_tradeoff.run(teacher_dir, distill=fake_distill([]), **kw)
+    assert second["settings"]["stages"]["measure_accuracy"]["members_reused"] == 2
+    assert all(m["prefill"] for m in second["members"]) and paths["md"].is_file()
+
+
 def test_family_is_the_issues():
     assert sorted(s for s, m in FAMILY if m == "mamba2") == [0.0, 0.125, 0.25, 0.5]
     assert sorted(s for s, m in FAMILY if m == "gdn") == [0.0, 0.25] and (1.0, "attention") in FAMILY

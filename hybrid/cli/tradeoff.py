@@ -15,9 +15,12 @@ def add_parser(sub) -> None:
                                      "distil it into its hybrid family (attention "
                                      "shares 1, 1/2, 1/4, 1/8, 0 with Mamba-2; 1/4 and 0 with Gated DeltaNet) and "
                                      "measure every member (MMLU cloze + MC, perplexity, agreement, recall, speed)")
-    p.add_argument("--budget", default="default", choices=["default", "large"],
+    p.add_argument("--budget", default="default", choices=["default", "medium", "large"],
                    help="with --teacher: token and sample sizes of every stage (default: ~20 min on 2 quiet cores; "
-                        "large: the one for the record)")
+                        "medium: 8x its training, 3x its questions, ~2 h; large: the papers' direction, many hours)")
+    p.add_argument("--no-speed", action="store_true",
+                   help="with --teacher: stop after the accuracy stage (train and score only; a busy machine is fine); "
+                        "run again without it to time the members on a quiet machine and write the report")
     p.add_argument("--text-files", nargs="*", default=[],
                    help="with --teacher: local UTF-8 text files added to the teacher-written training data")
     p.add_argument("--mmlu-limit", type=positive_int,
@@ -164,8 +167,12 @@ def run_teacher(args) -> None:
     budget = dataclasses.replace(BUDGETS[args.budget], **changes)
     result, paths = run_real(args.teacher, output=args.output or "out/tradeoff_real", budget=budget,
                              mmlu_dir=args.mmlu_dir, text_files=tuple(args.text_files), lock=args.lock,
-                             threads=args.threads)
+                             threads=args.threads, speed=not args.no_speed)
     s = result["settings"]
+    if args.no_speed:
+        print(f"# accuracy measured for {len(result['members'])} members in {s['wall_s']} s (budget {budget.name}); "
+              f"run the same command without --no-speed on a quiet machine to time them and write the report")
+        return
     print(f"# {s['date']} UTC, {s['machine']['cpu']}, {s['threads']} threads, budget {budget.name}, "
           f"wall {s['wall_s']} s")
     print(markdown(summary_table(result["members"], list(budget.prefill_lengths))))
