@@ -11,6 +11,7 @@ leaves a half-written folder under the name. Add a model by adding a :data:`NAME
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError
 
-SOURCE_FILE = "hybrid_source.json"  # in a converted folder: which GGUF (path, size, mtime) it came from
+SOURCE_FILE = "hybrid_source.json"  # in a converted folder: which GGUF (path, size, mtime, sha256) it came from
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,31 @@ def gguf_path(name: str) -> Path:
     return path
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _source_record(path: Path) -> dict:
     st = path.stat()
-    return {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(path)}
 
 
-def _is_current(folder: Path, record: dict) -> bool:
+def _is_current(folder: Path, source: Path) -> bool:
+    """Whether ``folder`` was converted from the file ``source`` holds now: the same path, size and mtime (no
+    read), or else the same bytes (sha256) at another path — every virtual environment installs its own copy
+    of the package, and one converted folder serves them all instead of each venv converting it again."""
     try:
-        return json.loads((folder / SOURCE_FILE).read_text()) == record
+        saved = json.loads((folder / SOURCE_FILE).read_text())
     except (OSError, ValueError):
         return False
+    st = source.stat()
+    if saved.get("gguf") == str(source) and saved.get("size") == st.st_size and saved.get("mtime_ns") == st.st_mtime_ns:
+        return "sha256" in saved  # a record without the hash predates it: converted again, once
+    return saved.get("size") == st.st_size and saved.get("sha256") == _sha256(source)
 
 
 def pretrained_path(name: str, *, progress: bool = True) -> Path:
@@ -90,10 +106,10 @@ def pretrained_path(name: str, *, progress: bool = True) -> Path:
     from .interop.gguf_tokenizer import write_tokenizer_files
 
     source = gguf_path(name)
-    record = _source_record(source)
     final = cache_dir() / name
-    if _is_current(final, record):
+    if _is_current(final, source):
         return final
+    record = _source_record(source)
     arch = GGUFFile(source).arch
     if arch != named_model(name).architecture:
         raise CheckpointError(f"model {name!r}: {source} is a GGUF {arch!r} model, expected "
@@ -105,7 +121,7 @@ def pretrained_path(name: str, *, progress: bool = True) -> Path:
         export(model, tmp, "hf")  # save_pretrained(model, tmp, format="hf")
         write_tokenizer_files(source, tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        if _is_current(final, record):  # another process finished the same conversion meanwhile: use that one
+        if _is_current(final, source):  # another process finished the same conversion meanwhile: use that one
             return final
         if final.exists():
             # stale (converted from another copy of the file): moved aside before it is deleted, so nothing
@@ -116,7 +132,7 @@ def pretrained_path(name: str, *, progress: bool = True) -> Path:
         try:
             os.rename(tmp, final)
         except OSError:  # another process renamed its own conversion into place first: use that one
-            if not _is_current(final, record):
+            if not _is_current(final, source):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

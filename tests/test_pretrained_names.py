@@ -4,6 +4,7 @@ and every loader takes the name; a missing package names the install command."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 
 import pytest
@@ -103,3 +104,26 @@ def test_a_stale_conversion_is_replaced(tiny_named, tmp_path):
     assert hybrid.pretrained_path("tiny-test") == folder
     assert '"size"' in record.read_text()  # converted again from the installed file
     assert [p.name for p in folder.parent.iterdir()] == ["tiny-test"]  # nothing left beside it
+
+
+def test_the_same_file_in_another_environment_is_not_converted_again(tiny_named, tmp_path, monkeypatch):
+    """Every venv installs its own copy of the package: one converted folder serves the same bytes anywhere."""
+    folder = hybrid.pretrained_path("tiny-test")
+    other = tmp_path / "other-venv" / "hybrid_tiny_pkg"
+    shutil.copytree(tmp_path / "site" / "hybrid_tiny_pkg", other)
+    monkeypatch.syspath_prepend(str(other.parent))
+    importlib.invalidate_caches()
+    assert pretrained_names.gguf_path("tiny-test") == other / "tiny.gguf"
+    class Converted(Exception):
+        pass
+
+    def convert(*a, **k):
+        raise Converted
+
+    monkeypatch.setattr("hybrid.interop.load_gguf", convert)
+    assert hybrid.pretrained_path("tiny-test") == folder
+    # other bytes under the same name are converted again
+    with open(other / "tiny.gguf", "ab") as f:
+        f.write(b"\0" * 32)
+    with pytest.raises(Converted):
+        hybrid.pretrained_path("tiny-test")
