@@ -238,3 +238,23 @@ def test_a_gguf_file_gives_its_tokenizer_and_template(smollm2_tokenizer_dir):
     assert load_tokenizer(path).eos_token_ids == (2,)
     assert load_chat_template(path).render(CONVERSATIONS[1]) == load_chat_template(
         smollm2_tokenizer_dir).render(CONVERSATIONS[1])
+
+
+def test_a_gguf_files_tokenizer_is_built_once(smollm2_tokenizer_dir, tmp_path, monkeypatch):
+    """The tokenizer, the chat template and the model's own tokenizer of one .gguf share one conversion
+    (transformers' GGUF tokenizer converter takes seconds on a 49K vocabulary), cached across processes."""
+    import hybrid.interop.gguf_tokenizer as gt
+    from hybrid.pretrained_names import gguf_path
+
+    monkeypatch.setenv("HYBRID_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    real = gt.write_tokenizer_files
+    monkeypatch.setattr(gt, "write_tokenizer_files", lambda *a: calls.append(a) or real(*a))
+    path = gguf_path("smollm2-135m-instruct")
+    first = load_tokenizer(path)
+    template = load_chat_template(path)
+    assert len(calls) == 1
+    assert load_tokenizer(path).encode("Paris <|im_end|>") == first.encode("Paris <|im_end|>")
+    assert template.render(CONVERSATIONS[1]) == load_chat_template(smollm2_tokenizer_dir).render(CONVERSATIONS[1])
+    assert len(calls) == 1
+    assert [p.name for p in (tmp_path / "cache" / "gguf-tokenizers").iterdir() if p.name.startswith(".")] == []

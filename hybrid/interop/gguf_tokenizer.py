@@ -11,7 +11,10 @@ GGUF may carry (``general.sampling.temp`` / ``top_k`` / ``top_p`` / ``min_p``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -74,8 +77,27 @@ def write_tokenizer_files(gguf_path: str | Path, dst: str | Path) -> list[str]:
 
 @contextlib.contextmanager
 def tokenizer_folder(gguf_path: str | Path):
-    """A temporary folder holding the tokenizer files of ``gguf_path`` (:func:`write_tokenizer_files`), for the
-    loaders that read a checkpoint folder; removed on exit (what they loaded stays in memory)."""
-    with tempfile.TemporaryDirectory(prefix="hybrid-gguf-tokenizer-") as folder:
-        write_tokenizer_files(gguf_path, folder)
-        yield Path(folder)
+    """A folder holding the tokenizer files of ``gguf_path`` (:func:`write_tokenizer_files`), for the loaders
+    that read a checkpoint folder. Written once per file (its resolved path, size and mtime) under the cache,
+    ``$HYBRID_CACHE_DIR/gguf-tokenizers/KEY``: transformers' converter takes seconds to build a large vocabulary
+    (tens of seconds for a 49K one on a busy core), and one command reads the tokenizer, the chat template and
+    the generation config. Written to a temporary folder and renamed into place, so a reader never sees half."""
+    from ..pretrained_names import cache_dir
+
+    gguf_path = Path(gguf_path).resolve()
+    st = gguf_path.stat()
+    key = hashlib.sha256(json.dumps([str(gguf_path), st.st_size, st.st_mtime_ns]).encode()).hexdigest()[:16]
+    final = cache_dir().parent / "gguf-tokenizers" / key
+    if not (final / "generation_config.json").is_file():  # written last: its presence means the folder is whole
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.writing-", dir=final.parent))
+        try:
+            write_tokenizer_files(gguf_path, tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process renamed its own copy into place first
+                if not (final / "generation_config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    yield final
