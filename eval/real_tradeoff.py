@@ -72,14 +72,16 @@ BUDGETS = {
                       heldout_tokens=4096, recall_queries=8, recall_contexts=1, recall_lengths=(1024, 4096),
                       prefill_lengths=(2048, 8192), decode_context=1024, decode_steps=16, repeats=1),
     "large": Budget("large", data_tokens=1_000_000, align_tokens=262_144, kl_tokens=524_288, seq_len=1024,
-                    batch_size=8, mmlu_subjects=DEFAULT_SUBJECTS, mmlu_limit=60, mmlu_mc=True,
+                    batch_size=2, mmlu_subjects=DEFAULT_SUBJECTS, mmlu_limit=60, mmlu_mc=True,
                     heldout_tokens=16_384, recall_queries=16, recall_contexts=2, recall_lengths=(1024, 4096),
                     prefill_lengths=(2048, 8192, 32768), decode_context=2048, decode_steps=32, repeats=3),
 }
 # between the two: 8x the default's training and 3x its questions, about 2 hours on 2 cores (the accuracy part
-# can run on one busy core with --no-speed, the timing part then on a quiet machine)
+# can run on one busy core with --no-speed, the timing part then on a quiet machine). Batches of 2 x 1024: the KL
+# stage holds [B, L, 49152] fp32 logits of teacher and student and their softmax terms (B = 4 reached 12.7 GB
+# and was OOM-killed on a 24 GB machine)
 BUDGETS["medium"] = dataclasses.replace(BUDGETS["large"], name="medium", data_tokens=98_304, align_tokens=65_536,
-                                        kl_tokens=65_536, batch_size=4, mmlu_limit=30, heldout_tokens=8192,
+                                        kl_tokens=65_536, batch_size=2, mmlu_limit=30, heldout_tokens=8192,
                                         recall_queries=16, recall_contexts=1, repeats=2)
 MEMORY_LENGTH = 32768
 
