@@ -5,7 +5,8 @@ ctypes call), and the whole dispatch path a layer takes (kernels.ssd_step: the p
 that file's path (its supports check, then its ctypes wrapper), loaded into the same process so the numbers are
 comparable. Prints min / median / max ns per call; run it alone (one thread, under flock /tmp/bench.lock).
 
-    OMP_NUM_THREADS=1 flock /tmp/bench.lock python -P -m benchmarks.native_op_overhead --old /tmp/old_ops.py
+    git show 9f7ebc7:kernels/native/ops.py > /tmp/old_ops.py
+    OMP_NUM_THREADS=1 flock /tmp/bench.lock python -m benchmarks.native_op_overhead --old /tmp/old_ops.py
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from hybrid.kernels import conv1d, native, ssd
+    from hybrid.kernels import conv1d, native, projection, ssd
     from hybrid.kernels.native import DTYPE_CODES
     from hybrid.kernels.native import ops as new
 
@@ -72,6 +73,13 @@ def main(argv: list[str] | None = None) -> None:
     cy = torch.empty(cx.shape)
     raw_conv = (cstate.data_ptr(), 0, None, cx.data_ptr(), 0, cx.stride(0), cw.data_ptr(), 0, cb.data_ptr(), 0, 1,
                 cy.data_ptr(), 1, cx.shape[1], cw.shape[1])
+    lx, lw = torch.randn(1, 576), torch.randn(576, 576)  # SmolLM2-135M's q_proj, one row
+
+    def linear_old_wrapper():  # what kernels/projection.py's _linear_native did before the op: allocate, call
+        y = torch.empty(1, 576)
+        lib.hl_gemv(lw.data_ptr(), 0, None, None, -1, lx.data_ptr(), 0, None, y.data_ptr(), 0, 1, 576, 576)
+        return y
+
     op_ssd, op_conv = torch.ops.hybrid.ssd_step.default, torch.ops.hybrid.conv_step.default
     rows = {
         "ssd_step raw ctypes": lambda: lib.hl_ssd_step(*raw_ssd),
@@ -81,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
         "conv_step custom op": lambda: op_conv(cstate, cx, cw, cb, "silu", None),
         "conv_step dispatch (kernels.causal_conv1d_step)": lambda: conv1d.causal_conv1d_step(cstate, cx, cw, cb,
                                                                                               activation="silu"),
+        "linear old wrapper (output + raw ctypes)": linear_old_wrapper,
+        "linear custom op": lambda: torch.ops.hybrid.linear.default(lx, lw, None, None, None),
+        "linear dispatch (kernels.linear)": lambda: projection.linear(lx, lw),
     }
     if old is not None:
         def old_ssd():

@@ -13,7 +13,7 @@ from hybrid.kernels.native import ops
 pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"native kernels: {native.available()}")
 
 OPS = ("ssd_step", "gdn_step", "conv_step", "paged_decode", "gla_step", "l2norm_heads", "gdn_gates", "gla_decay",
-       "gdn_ut_solve", "gdn_chunk_prep", "selective_scan")
+       "gdn_ut_solve", "gdn_chunk_prep", "selective_scan", "linear", "linear_int4", "linear_q")
 
 
 def _ssd_args(seed=0, dtype=torch.float32):
@@ -42,10 +42,18 @@ def _sample_args() -> dict[str, tuple]:
             torch.rand(1, 4, 8, generator=g), r(1, 4, 8, V))
     scan = (r(40, 19), torch.rand(40, 19, generator=g), -torch.rand(19, 16, generator=g), r(40, 16), r(40, 16),
             torch.tensor([0, 25, 40]), r(19), r(2, 19, 16))
-    return {"ssd_step": _ssd_args(), "conv_step": conv, "gdn_step": gdn, "gla_step": gla, "paged_decode": pages,
-            "l2norm_heads": (r(3, H, K), 1e-6), "gdn_gates": (r(3, H), r(3, H), r(H), r(H)),
-            "gla_decay": (r(3, 32), 16.0, None), "gdn_ut_solve": (tri, r(n, H, 8, 5)), "gdn_chunk_prep": prep,
-            "selective_scan": scan}
+    products = {
+        "linear": (r(2, 64), r(48, 64), r(48), r(2, 48), None),
+        "linear_int4": (r(3, 128), torch.randint(0, 256, (32, 64), dtype=torch.uint8, generator=g),
+                        r(4, 32, 2) * 0.1, 32, None, None, 64),
+        "linear_q": (r(2, 64), 0, torch.randint(-128, 128, (40, 64), dtype=torch.int8, generator=g),
+                     torch.rand(40, generator=g) * 0.01, r(40), None),
+    }
+    return products | {
+        "ssd_step": _ssd_args(), "conv_step": conv, "gdn_step": gdn, "gla_step": gla, "paged_decode": pages,
+        "l2norm_heads": (r(3, H, K), 1e-6), "gdn_gates": (r(3, H), r(3, H), r(H), r(H)),
+        "gla_decay": (r(3, 32), 16.0, None), "gdn_ut_solve": (tri, r(n, H, 8, 5)), "gdn_chunk_prep": prep,
+        "selective_scan": scan}
 
 
 def test_every_op_has_a_schema_and_a_sample():
@@ -136,6 +144,9 @@ def test_every_op_checks_its_arguments():
         "gdn_ut_solve": (1, s["gdn_ut_solve"][1][:, :, :7], "X has shape"),
         "gdn_chunk_prep": (6, s["gdn_chunk_prep"][6].double(), "v is torch.float64"),
         "selective_scan": (5, s["selective_scan"][5].int(), "cu_seqlens is torch.int32"),
+        "linear": (0, s["linear"][0][:, :63].contiguous(), "x has shape [2, 63]"),
+        "linear_int4": (3, 48, "group is 48"),
+        "linear_q": (2, s["linear_q"][2].to(torch.uint8), "w is torch.uint8"),
     }
     assert set(wrong) | {"ssd_step"} == set(OPS)
     for name, (i, bad_value, expected) in wrong.items():
@@ -155,3 +166,55 @@ def test_fake_tensors_see_the_same_errors():
         fake = [mode.from_tensor(t) for t in real]
         with pytest.raises(ValueError, match="hybrid::ssd_step: x is torch.float16"):
             torch.ops.hybrid.ssd_step(*fake)
+
+
+def _runnable_variants() -> list[str]:
+    from hybrid.kernels.native import variants
+
+    flags = variants.cpu_flags()
+    return [v.name for v in variants.runnable(flags)] if flags is not None else []
+
+
+def _run(name: str, args: tuple):
+    """The op on copies of ``args`` (mutated arguments included in what it returns)."""
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    out = getattr(torch.ops.hybrid, name)(*args)
+    out = out if isinstance(out, tuple) else (out,) if out is not None else ()
+    return [*out, *(a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())]
+
+
+@pytest.mark.parametrize("variant", _runnable_variants())
+def test_every_op_agrees_across_the_variants(variant):
+    """Each op on a variant this CPU runs (the AVX2 build on an AVX-512 machine too) against the loaded library,
+    which the reference tests (test_native_decode*, test_native_scan) hold to the *_ref functions."""
+    lib = native.load_variant(variant, threads=2)
+    for name, args in _sample_args().items():
+        expected = _run(name, args)
+        with native.using_library(lib):
+            got = _run(name, args)
+        for e, g in zip(expected, got, strict=True):
+            scale = e.abs().max().clamp_min(1e-6)
+            assert ((g - e).abs().max() / scale).item() < 1e-5, (name, variant)
+
+
+def test_the_dispatch_calls_the_checked_kernel_only_after_supports_passed():
+    """kernels/dispatch.py: a backend fn's ``after_supports`` runs right after its supports() said yes (the native
+    ops: the op's check was that test); a refused call goes to the next backend, a direct call through the op."""
+    from hybrid.kernels import dispatch
+
+    calls = []
+
+    def through_the_op(x):
+        calls.append("op")
+        return x
+
+    through_the_op.after_supports = lambda x: calls.append("kernel") or x
+    dispatch.register("_test_after_supports", "native", through_the_op, supports=lambda x: None if x > 0 else "neg")
+    dispatch.register("_test_after_supports", "torch", lambda x: calls.append("torch") or x)
+    try:
+        fn = dispatch.choose("_test_after_supports", "cpu")[1]
+        fn(1), fn(-1), through_the_op(2)
+        assert calls == ["kernel", "torch", "op"]
+    finally:
+        dispatch._registry.pop("_test_after_supports")
+        dispatch._cache.clear()

@@ -28,10 +28,29 @@ _F32 = (torch.float32,)
 _LIB = torch.library.Library("hybrid", "FRAGMENT")
 
 
-def _define(name: str, schema: str, cpu, fake) -> None:
+def _define(name: str, schema: str, check, kernel, fake) -> None:
+    """The op ``hybrid::name``: its CPU implementation is ``check`` (raising its message) then ``kernel`` (the ctypes
+    call), its fake one ``check`` then ``fake`` (the outputs' metadata)."""
+
+    def cpu(*args):
+        _raise(check(*args))
+        return kernel(*args)
+
+    def meta(*args):
+        _raise(check(*args))
+        return fake(*args)
+
     _LIB.define(name + schema)
     _LIB.impl(name, cpu, "CPU")
-    torch.library.register_fake(f"hybrid::{name}", fake, lib=_LIB)
+    torch.library.register_fake(f"hybrid::{name}", meta, lib=_LIB)
+
+
+def _after_supports(wrapper, kernel):
+    """The dispatch calls ``kernel`` for ``wrapper`` right after the op's supports_* (the op's check among its
+    tests) passed on the same arguments (kernels/dispatch.py): a decode step's ops validated once, without the
+    torch dispatcher's ~2 us a call. Everything else calling ``wrapper`` goes through the op."""
+    wrapper.after_supports = kernel
+    return wrapper
 
 
 def _raise(why: str | None) -> None:
@@ -83,8 +102,7 @@ def check_ssd_step(state, x, dt, A, B, C, D=None, slots=None) -> str | None:
     return why or None
 
 
-def _ssd_step_cpu(state, x, dt, A, B, C, D=None, slots=None):
-    _raise(check_ssd_step(state, x, dt, A, B, C, D, slots))
+def _ssd_step_kernel(state, x, dt, A, B, C, D=None, slots=None):
     n, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     y = torch.empty(n, H, P, dtype=x.dtype)
@@ -95,12 +113,11 @@ def _ssd_step_cpu(state, x, dt, A, B, C, D=None, slots=None):
 
 
 def _ssd_step_fake(state, x, dt, A, B, C, D=None, slots=None):
-    _raise(check_ssd_step(state, x, dt, A, B, C, D, slots))
     return x.new_empty(x.shape)
 
 
 _define("ssd_step", "(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D=None, "
-        "Tensor? slots=None) -> Tensor", _ssd_step_cpu, _ssd_step_fake)
+        "Tensor? slots=None) -> Tensor", check_ssd_step, _ssd_step_kernel, _ssd_step_fake)
 
 
 def supports_ssd_step(state, x, dt, A, B, C, *, D=None, slots=None) -> str | None:
@@ -110,6 +127,10 @@ def supports_ssd_step(state, x, dt, A, B, C, *, D=None, slots=None) -> str | Non
 
 def ssd_step(state, x, dt, A, B, C, *, D=None, slots=None) -> torch.Tensor:
     return torch.ops.hybrid.ssd_step.default(state, x, dt, A, B, C, D, slots)
+
+
+_after_supports(ssd_step, lambda state, x, dt, A, B, C, *, D=None, slots=None:
+                _ssd_step_kernel(state, x, dt, A, B, C, D, slots))
 
 
 # ---- Gated DeltaNet step ------------------------------------------------------------------------------------------
@@ -135,8 +156,7 @@ def check_gdn_step(state, q, k, v, g, beta, scale=None, slots=None) -> str | Non
     return why or None
 
 
-def _gdn_step_cpu(state, q, k, v, g, beta, scale=None, slots=None):
-    _raise(check_gdn_step(state, q, k, v, g, beta, scale, slots))
+def _gdn_step_kernel(state, q, k, v, g, beta, scale=None, slots=None):
     n, Hk, K = q.shape
     H, V = v.shape[1], v.shape[2]
     y = torch.empty(n, H, V, dtype=v.dtype)
@@ -147,12 +167,11 @@ def _gdn_step_cpu(state, q, k, v, g, beta, scale=None, slots=None):
 
 
 def _gdn_step_fake(state, q, k, v, g, beta, scale=None, slots=None):
-    _raise(check_gdn_step(state, q, k, v, g, beta, scale, slots))
     return v.new_empty(v.shape)
 
 
 _define("gdn_step", "(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale=None, "
-        "Tensor? slots=None) -> Tensor", _gdn_step_cpu, _gdn_step_fake)
+        "Tensor? slots=None) -> Tensor", check_gdn_step, _gdn_step_kernel, _gdn_step_fake)
 
 
 def supports_gdn_step(state, q, k, v, g, beta, *, scale=None, slots=None) -> str | None:
@@ -162,6 +181,10 @@ def supports_gdn_step(state, q, k, v, g, beta, *, scale=None, slots=None) -> str
 
 def gdn_step(state, q, k, v, g, beta, *, scale=None, slots=None) -> torch.Tensor:
     return torch.ops.hybrid.gdn_step.default(state, q, k, v, g, beta, scale, slots)
+
+
+_after_supports(gdn_step, lambda state, q, k, v, g, beta, *, scale=None, slots=None:
+                _gdn_step_kernel(state, q, k, v, g, beta, scale, slots))
 
 
 # ---- causal conv1d step -------------------------------------------------------------------------------------------
@@ -185,8 +208,7 @@ def check_conv_step(state, x, weight, bias=None, activation=None, slots=None) ->
     return why or None
 
 
-def _conv_step_cpu(state, x, weight, bias=None, activation=None, slots=None):
-    _raise(check_conv_step(state, x, weight, bias, activation, slots))
+def _conv_step_kernel(state, x, weight, bias=None, activation=None, slots=None):
     n, C = x.shape
     y = torch.empty(n, C, dtype=x.dtype)
     library().hl_conv_step(state.data_ptr(), DTYPE_CODES[state.dtype], _ptr(slots), x.data_ptr(),
@@ -196,12 +218,11 @@ def _conv_step_cpu(state, x, weight, bias=None, activation=None, slots=None):
 
 
 def _conv_step_fake(state, x, weight, bias=None, activation=None, slots=None):
-    _raise(check_conv_step(state, x, weight, bias, activation, slots))
     return x.new_empty(x.shape)
 
 
 _define("conv_step", "(Tensor(a!) state, Tensor x, Tensor weight, Tensor? bias=None, str? activation=None, "
-        "Tensor? slots=None) -> Tensor", _conv_step_cpu, _conv_step_fake)
+        "Tensor? slots=None) -> Tensor", check_conv_step, _conv_step_kernel, _conv_step_fake)
 
 
 def supports_conv_step(state, x, weight, bias=None, *, activation=None, slots=None) -> str | None:
@@ -211,6 +232,10 @@ def supports_conv_step(state, x, weight, bias=None, *, activation=None, slots=No
 
 def conv_step(state, x, weight, bias=None, *, activation=None, slots=None) -> torch.Tensor:
     return torch.ops.hybrid.conv_step.default(state, x, weight, bias, activation, slots)
+
+
+_after_supports(conv_step, lambda state, x, weight, bias=None, *, activation=None, slots=None:
+                _conv_step_kernel(state, x, weight, bias, activation, slots))
 
 
 # ---- paged decode attention ---------------------------------------------------------------------------------------
@@ -241,8 +266,7 @@ def check_paged_decode(q, k_pool, v_pool, seq_lens, block_tables, window=None, s
     return None
 
 
-def _paged_decode_cpu(q, k_pool, v_pool, seq_lens, block_tables, window=None, scale=None):
-    _raise(check_paged_decode(q, k_pool, v_pool, seq_lens, block_tables, window, scale))
+def _paged_decode_kernel(q, k_pool, v_pool, seq_lens, block_tables, window=None, scale=None):
     B, Hq, D = q.shape
     out = torch.empty_like(q)
     scale = D ** -0.5 if scale is None else scale
@@ -254,12 +278,11 @@ def _paged_decode_cpu(q, k_pool, v_pool, seq_lens, block_tables, window=None, sc
 
 
 def _paged_decode_fake(q, k_pool, v_pool, seq_lens, block_tables, window=None, scale=None):
-    _raise(check_paged_decode(q, k_pool, v_pool, seq_lens, block_tables, window, scale))
     return torch.empty_like(q)
 
 
 _define("paged_decode", "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor seq_lens, Tensor block_tables, "
-        "int? window=None, float? scale=None) -> Tensor", _paged_decode_cpu, _paged_decode_fake)
+        "int? window=None, float? scale=None) -> Tensor", check_paged_decode, _paged_decode_kernel, _paged_decode_fake)
 
 
 def supports_paged_decode(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None, k_scale=None,
@@ -276,6 +299,11 @@ def paged_decode(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scal
         raise ValueError("hybrid::paged_decode: k_scale/v_scale are given; it needs fp32/bf16 pages (quantised "
                          "pages run the torch path)")
     return torch.ops.hybrid.paged_decode.default(q, k_pool, v_pool, seq_lens, block_tables, window, scale)
+
+
+_after_supports(paged_decode, lambda q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scale=None,
+                k_scale=None, v_scale=None: _paged_decode_kernel(q, k_pool, v_pool, seq_lens, block_tables, window,
+                                                                 scale))
 
 
 # the activations of the native library's fused ops (sublayer.c; the decode program, hybrid/layers/fused_decode.py,
@@ -301,8 +329,7 @@ def check_gla_step(state, q, k, v, g, scale=None, slots=None) -> str | None:
     return why or None
 
 
-def _gla_step_cpu(state, q, k, v, g, scale=None, slots=None):
-    _raise(check_gla_step(state, q, k, v, g, scale, slots))
+def _gla_step_kernel(state, q, k, v, g, scale=None, slots=None):
     n, H, K = q.shape
     V = v.shape[2]
     y = torch.empty(n, H, V, dtype=v.dtype)
@@ -316,12 +343,11 @@ def _gla_step_cpu(state, q, k, v, g, scale=None, slots=None):
 
 
 def _gla_step_fake(state, q, k, v, g, scale=None, slots=None):
-    _raise(check_gla_step(state, q, k, v, g, scale, slots))
     return v.new_empty(v.shape)
 
 
 _define("gla_step", "(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, float? scale=None, "
-        "Tensor? slots=None) -> Tensor", _gla_step_cpu, _gla_step_fake)
+        "Tensor? slots=None) -> Tensor", check_gla_step, _gla_step_kernel, _gla_step_fake)
 
 
 def supports_gla_step(state, q, k, v, g, *, scale=None, slots=None) -> str | None:
@@ -332,6 +358,10 @@ def supports_gla_step(state, q, k, v, g, *, scale=None, slots=None) -> str | Non
 def gla_step(state, q, k, v, g, *, scale=None, slots=None) -> torch.Tensor:
     """kernels.gla.gla_step_ref's step in the native GLA loop (linear_attention.c): one pass over the state."""
     return torch.ops.hybrid.gla_step.default(state, q, k, v, g, scale, slots)
+
+
+_after_supports(gla_step, lambda state, q, k, v, g, *, scale=None, slots=None:
+                _gla_step_kernel(state, q, k, v, g, scale, slots))
 
 
 # ---- the linear-attention layers' gates and norms (a decode step's few rows) ---------------------------------------
@@ -349,8 +379,7 @@ def check_l2norm_heads(x, eps=1e-6) -> str | None:
     return off_cpu(op, "x", x) or _dims(op, "x", x, 3, "[n, heads, K]") or inner_rows(op, "x", x, tuple(x.shape))
 
 
-def _l2norm_heads_cpu(x, eps=1e-6):
-    _raise(check_l2norm_heads(x, eps))
+def _l2norm_heads_kernel(x, eps=1e-6):
     n, heads, K = x.shape
     y = torch.empty(n, heads, K, dtype=x.dtype)
     library().hl_l2norm_heads(x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], y.data_ptr(), heads * K, n, heads, K,
@@ -359,11 +388,11 @@ def _l2norm_heads_cpu(x, eps=1e-6):
 
 
 def _l2norm_heads_fake(x, eps=1e-6):
-    _raise(check_l2norm_heads(x, eps))
     return x.new_empty(x.shape)
 
 
-_define("l2norm_heads", "(Tensor x, float eps=1e-06) -> Tensor", _l2norm_heads_cpu, _l2norm_heads_fake)
+_define("l2norm_heads", "(Tensor x, float eps=1e-06) -> Tensor", check_l2norm_heads, _l2norm_heads_kernel,
+        _l2norm_heads_fake)
 
 
 def supports_l2norm_heads(x, eps=1e-6) -> str | None:
@@ -373,6 +402,9 @@ def supports_l2norm_heads(x, eps=1e-6) -> str | None:
 
 def l2norm_heads(x, eps=1e-6) -> torch.Tensor:
     return torch.ops.hybrid.l2norm_heads.default(x, eps)
+
+
+_after_supports(l2norm_heads, _l2norm_heads_kernel)
 
 
 def check_gdn_gates(b, a, A_log, dt_bias) -> str | None:
@@ -386,8 +418,7 @@ def check_gdn_gates(b, a, A_log, dt_bias) -> str | None:
     return why or None
 
 
-def _gdn_gates_cpu(b, a, A_log, dt_bias):
-    _raise(check_gdn_gates(b, a, A_log, dt_bias))
+def _gdn_gates_kernel(b, a, A_log, dt_bias):
     n, H = b.shape
     g, beta = torch.empty(n, H), torch.empty(n, H)
     library().hl_gdn_gates(b.data_ptr(), b.stride(0), a.data_ptr(), a.stride(0), DTYPE_CODES[b.dtype], A_log.data_ptr(),
@@ -397,12 +428,11 @@ def _gdn_gates_cpu(b, a, A_log, dt_bias):
 
 
 def _gdn_gates_fake(b, a, A_log, dt_bias):
-    _raise(check_gdn_gates(b, a, A_log, dt_bias))
     return b.new_empty(b.shape, dtype=torch.float32), b.new_empty(b.shape, dtype=torch.float32)
 
 
-_define("gdn_gates", "(Tensor b, Tensor a, Tensor A_log, Tensor dt_bias) -> (Tensor, Tensor)", _gdn_gates_cpu,
-        _gdn_gates_fake)
+_define("gdn_gates", "(Tensor b, Tensor a, Tensor A_log, Tensor dt_bias) -> (Tensor, Tensor)", check_gdn_gates,
+        _gdn_gates_kernel, _gdn_gates_fake)
 
 
 def supports_gdn_gates(b, a, A_log, dt_bias) -> str | None:
@@ -415,14 +445,16 @@ def gdn_gates(b, a, A_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.hybrid.gdn_gates.default(b, a, A_log, dt_bias)
 
 
+_after_supports(gdn_gates, _gdn_gates_kernel)
+
+
 def check_gla_decay(x, normalizer, clamp_min=None) -> str | None:
     op = "gla_decay"
     return off_cpu(op, "x", x) or contiguous(op, "x", x, tuple(x.shape)) \
         or (normalizer == 0 and bad(op, "normalizer", "is 0", "a non-zero divisor")) or None
 
 
-def _gla_decay_cpu(x, normalizer, clamp_min=None):
-    _raise(check_gla_decay(x, normalizer, clamp_min))
+def _gla_decay_kernel(x, normalizer, clamp_min=None):
     g = torch.empty(x.shape)
     library().hl_gla_decay(x.data_ptr(), DTYPE_CODES[x.dtype], g.data_ptr(), x.numel(), float(normalizer),
                            0.0 if clamp_min is None else float(clamp_min), int(clamp_min is not None))
@@ -430,11 +462,11 @@ def _gla_decay_cpu(x, normalizer, clamp_min=None):
 
 
 def _gla_decay_fake(x, normalizer, clamp_min=None):
-    _raise(check_gla_decay(x, normalizer, clamp_min))
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
-_define("gla_decay", "(Tensor x, float normalizer, float? clamp_min=None) -> Tensor", _gla_decay_cpu, _gla_decay_fake)
+_define("gla_decay", "(Tensor x, float normalizer, float? clamp_min=None) -> Tensor", check_gla_decay,
+        _gla_decay_kernel, _gla_decay_fake)
 
 
 def supports_gla_decay(x, normalizer, clamp_min=None) -> str | None:
@@ -444,6 +476,10 @@ def supports_gla_decay(x, normalizer, clamp_min=None) -> str | None:
 
 def gla_decay(x, normalizer, clamp_min=None) -> torch.Tensor:
     return torch.ops.hybrid.gla_decay.default(x, float(normalizer), clamp_min)
+
+
+_after_supports(gla_decay,
+                lambda x, normalizer, clamp_min=None: _gla_decay_kernel(x, float(normalizer), clamp_min))
 
 
 # ---- Gated DeltaNet prefill: the UT solve and a chunk's operands ---------------------------------------------------
@@ -460,17 +496,17 @@ def check_gdn_ut_solve(A, X) -> str | None:
     return contiguous(op, "A", A, tuple(A.shape), _F32) or contiguous(op, "X", X, tuple(X.shape), _F32)
 
 
-def _gdn_ut_solve_cpu(A, X):
-    _raise(check_gdn_ut_solve(A, X))
+def _gdn_ut_solve_kernel(A, X):
     C, W = X.shape[-2:]
     library().hl_gdn_ut_solve(A.data_ptr(), X.data_ptr(), X.numel() // (C * W) if C * W else 0, C, W)
 
 
 def _gdn_ut_solve_fake(A, X):
-    _raise(check_gdn_ut_solve(A, X))
+    return None
 
 
-_define("gdn_ut_solve", "(Tensor A, Tensor(a!) X) -> ()", _gdn_ut_solve_cpu, _gdn_ut_solve_fake)
+_define("gdn_ut_solve", "(Tensor A, Tensor(a!) X) -> ()", check_gdn_ut_solve, _gdn_ut_solve_kernel,
+        _gdn_ut_solve_fake)
 
 
 def supports_gdn_ut_solve(A, X) -> str | None:
@@ -503,8 +539,7 @@ def check_gdn_chunk_prep(q, k, kk, qk, c, beta, v) -> str | None:
     return why or None
 
 
-def _gdn_chunk_prep_cpu(q, k, kk, qk, c, beta, v):
-    _raise(check_gdn_chunk_prep(q, k, kk, qk, c, beta, v))
+def _gdn_chunk_prep_kernel(q, k, kk, qk, c, beta, v):
     n, Hk, C, K = q.shape
     H, V = v.shape[1], v.shape[-1]
     W, qe, kend = (torch.empty(n, H, C, K) for _ in range(3))
@@ -518,14 +553,13 @@ def _gdn_chunk_prep_cpu(q, k, kk, qk, c, beta, v):
 
 
 def _gdn_chunk_prep_fake(q, k, kk, qk, c, beta, v):
-    _raise(check_gdn_chunk_prep(q, k, kk, qk, c, beta, v))
     n, Hk, C, K = q.shape
     H = v.shape[1]
     return (*(q.new_empty(n, H, C, K) for _ in range(3)), q.new_empty(n, H, C, C))
 
 
 _define("gdn_chunk_prep", "(Tensor q, Tensor k, Tensor kk, Tensor qk, Tensor c, Tensor beta, Tensor(a!) v) -> "
-        "(Tensor, Tensor, Tensor, Tensor)", _gdn_chunk_prep_cpu, _gdn_chunk_prep_fake)
+        "(Tensor, Tensor, Tensor, Tensor)", check_gdn_chunk_prep, _gdn_chunk_prep_kernel, _gdn_chunk_prep_fake)
 
 
 def supports_gdn_chunk_prep(q, k, kk, qk, c, beta, v) -> str | None:
@@ -576,8 +610,7 @@ def check_offsets(cu: list[int], tokens: int) -> str | None:
     return None
 
 
-def _selective_scan_cpu(x, dt, A, B, C, cu_seqlens, D=None, initial_states=None):
-    _raise(check_selective_scan(x, dt, A, B, C, cu_seqlens, D, initial_states))
+def _selective_scan_kernel(x, dt, A, B, C, cu_seqlens, D=None, initial_states=None):
     T, Dm = x.shape
     N, nseq = A.shape[1], cu_seqlens.shape[0] - 1
     _raise(check_offsets(cu_seqlens.tolist(), T))
@@ -595,12 +628,12 @@ def _selective_scan_cpu(x, dt, A, B, C, cu_seqlens, D=None, initial_states=None)
 
 
 def _selective_scan_fake(x, dt, A, B, C, cu_seqlens, D=None, initial_states=None):
-    _raise(check_selective_scan(x, dt, A, B, C, cu_seqlens, D, initial_states))
     return x.new_empty(x.shape), x.new_empty(cu_seqlens.shape[0] - 1, x.shape[1], A.shape[1], dtype=torch.float32)
 
 
 _define("selective_scan", "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor cu_seqlens, Tensor? D=None, "
-        "Tensor? initial_states=None) -> (Tensor, Tensor)", _selective_scan_cpu, _selective_scan_fake)
+        "Tensor? initial_states=None) -> (Tensor, Tensor)", check_selective_scan, _selective_scan_kernel,
+        _selective_scan_fake)
 
 
 def _scan_gates(x, dt, A, B, C, D, init) -> str | None:
