@@ -161,3 +161,8 @@ def _linear_q_fake(x, kind, w, ws, bias=None, residual=None):
 
 _define("linear_q", "(Tensor x, int kind, Tensor w, Tensor ws, Tensor? bias=None, Tensor? residual=None) -> Tensor",
         check_linear_q, _linear_q_kernel, _linear_q_fake)
+
+# the kernels alone, for kernels/projection.py's dispatch once its supports (which end in check_*) passed
+linear_after_check = _linear_kernel
+linear_int4_after_check = _linear_int4_kernel
+linear_q_after_check = _linear_q_kernel
