@@ -110,8 +110,20 @@ def main(argv: list[str] | None = None) -> None:
             assert new.supports_conv_step(cstate, cx, cw, cb, activation="silu") is None
             new.conv_step(cstate, cx, cw, cb, activation="silu")
 
+        def new_ssd_kernel():  # what the dispatch's checked wrapper calls now: supports (the op's check), kernel
+            assert new.supports_ssd_step(state, x, dt, A, B, C, D=D) is None
+            new.ssd_step.after_supports(state, x, dt, A, B, C, D=D)
+
+        def new_conv_kernel():
+            assert new.supports_conv_step(cstate, cx, cw, cb, activation="silu") is None
+            new.conv_step.after_supports(cstate, cx, cw, cb, activation="silu")
+
         rows |= {"ssd_step old supports + ctypes wrapper": old_ssd, "ssd_step new supports + custom op": new_ssd,
-                 "conv_step old supports + ctypes wrapper": old_conv, "conv_step new supports + custom op": new_conv}
+                 "ssd_step new supports + kernel (dispatch)": new_ssd_kernel,
+                 "conv_step old supports + ctypes wrapper": old_conv, "conv_step new supports + custom op": new_conv,
+                 "conv_step new supports + kernel (dispatch)": new_conv_kernel}
+    from hybrid.kernels.native import products
+    rows["check_linear alone (what the linear dispatch added)"] = lambda: products.check_linear(lx, lw)
     with torch.inference_mode():
         for fn in rows.values():  # warm up every path before timing any
             fn()
