@@ -5,11 +5,14 @@ Per op, in one place:
 - ``check_<op>``: the op's arguments validated (shapes, dtypes, devices, layouts) with a one-line error naming the
   argument, what it got and what it needs (:mod:`.arguments`), or None. Metadata only, so the fake (meta)
   implementation runs it too: torch.compile / torch.export see the same errors at trace time.
-- the CPU implementation: the check, then the ctypes call into the library (the only place that call is made);
-- a fake implementation (``register_fake``): the outputs' shapes and dtypes, for torch.compile and torch.export;
+- ``_<op>_kernel``: the ctypes call into the library (the only place that call is made), on checked arguments;
+- ``_<op>_fake``: the outputs' shapes and dtypes; :func:`_define` makes the op's CPU implementation the check then
+  the kernel, and its fake (``register_fake``, for torch.compile and torch.export) the check then the fake;
 - ``supports_<op>``: for the dispatch (kernels/dispatch.py), None when the native op takes the call, else why not
   (then the torch path runs): the check plus what only the dispatch cares about (autograd, tracing, row counts).
-- the wrapper the dispatch registers (the ``<op>`` function here), with the op module's keyword signature.
+- ``<op>``: the wrapper the dispatch registers, with the op module's keyword signature, calling the op; for a
+  decode step's ops its ``after_supports`` is the kernel, which the dispatch calls once ``supports_<op>`` passed
+  (validated once, no second check, no dispatcher cost).
 
 The ops are defined with ``torch.library.Library.define`` + ``impl`` rather than ``torch.library.custom_op``: the
 latter's Python wrapper cost ~11 us a call against ~2 us for a plain dispatcher op (torch 2.13, one thread), and a
