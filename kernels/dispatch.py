@@ -138,11 +138,14 @@ def _with_fallbacks(op: str, usable: list[tuple[str, Impl]], forced: str | None)
     if impl.supports is None:
         return impl.fn
     fallback = _with_fallbacks(op, rest, forced) if rest else None
+    # a backend whose supports() validates everything its fn would (the native ops: supports_* runs the op's own
+    # argument check) may name the call to make once it passed, without validating again (kernels/native/ops.py)
+    after_supports = getattr(impl.fn, "after_supports", impl.fn)
 
     def checked(*args, **kwargs):
         why_not = impl.supports(*args, **kwargs)
         if why_not is None:
-            return impl.fn(*args, **kwargs)
+            return after_supports(*args, **kwargs)
         if fallback is None:
             how = f"HYBRID_BACKEND={forced} forces it" if forced else "no other backend is usable here"
             raise BackendError(f"{op}: the {name} backend cannot run this call ({why_not}) and {how}")

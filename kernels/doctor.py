@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from . import cpu_scan, cuda_backend, dispatch, host_memory, native, triton_support
+from . import cuda_backend, dispatch, host_memory, native, triton_support
 
 
 def _version(dist: str) -> str:
@@ -28,12 +28,10 @@ def report() -> str:
     lines += [f"{dist}: {note}" for dist, note in cuda_backend.versions().items()]
     mode = "run by the interpreter on the CPU" if triton_support.INTERPRET else "compiled for the GPU"
     lines.append(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '<unset>')} (Triton kernels {mode})")
-    scan_note = cpu_scan.available()
-    lines.append("compiled CPU selective scan (Mamba-1 prefill, inference): "
-                 + ("in use" if scan_note is None else f"not in use ({scan_note}); the torch token steps run"))
     native_note = native.available()
     lines.append("native CPU decode kernels (kernels/native: products, state steps, paged attention, fused "
-                 "sub-layers): " + ("in use" if native_note is None else f"not in use ({native_note}); torch runs"))
+                 "sub-layers, the Mamba-1 scan): "
+                 + ("in use" if native_note is None else f"not in use ({native_note}); torch runs"))
     if native_note is None:
         lines.append(f"native library: {native.variant()} (prebuilt per instruction set, kernels/native/variants.py; "
                      f"the best this CPU runs unless {native.VARIANT_ENV} names one)")

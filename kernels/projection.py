@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, native
+from .native import products as _native_products  # defines torch.ops.hybrid.linear*
 
 
 def _epilogue_refusal(x, bias, residual) -> str | None:
@@ -67,20 +68,14 @@ def _native_supports(x, weight, bias=None, residual=None, scale=None) -> str | N
         return "int8 weights need their row scales"
     if not (x.is_contiguous() and weight.is_contiguous()):
         return "not contiguous"
-    return _epilogue_refusal(x, bias, residual)
+    return _epilogue_refusal(x, bias, residual) or _native_products.check_linear(x, weight, bias, residual, scale)
 
 
 def _linear_native(x, weight, bias=None, residual=None, scale=None):
-    lib = native.library()
-    N, K = weight.shape
-    rows = x.numel() // K
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
-    codes = native.DTYPE_CODES
-    lib.hl_gemv(weight.data_ptr(), codes[weight.dtype], scale.data_ptr() if scale is not None else None,
-                bias.data_ptr() if bias is not None else None, codes[bias.dtype] if bias is not None else -1,
-                x.data_ptr(), codes[x.dtype], residual.data_ptr() if residual is not None else None,
-                y.data_ptr(), codes[x.dtype], rows, N, K)
-    return y
+    return torch.ops.hybrid.linear.default(x, weight, bias, residual, scale)  # kernels/native/products.py
+
+
+_linear_native.after_supports = _native_products.linear_after_check  # _native_supports ran check_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -210,7 +205,8 @@ def _int4_native_supports(x, qdata, scale_and_zero, group, bias=None, residual=N
     why = int4_layout_refusal()
     if why is not None:
         return why
-    return _epilogue_refusal(x, bias, residual)
+    return _epilogue_refusal(x, bias, residual) or _native_products.check_linear_int4(
+        x, qdata, scale_and_zero, group, bias, residual, int4pack_block())
 
 
 def int4_layout_refusal(block: int | None = None) -> str | None:
@@ -224,17 +220,12 @@ def int4_layout_refusal(block: int | None = None) -> str | None:
 
 
 def _linear_int4_native(x, qdata, scale_and_zero, group, bias=None, residual=None, block=None):
-    N, K = qdata.shape[0], x.shape[-1]
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
-    codes = native.DTYPE_CODES
-    rc = native.library().hl_gemv_int4(
-        qdata.data_ptr(), scale_and_zero.data_ptr(), codes[scale_and_zero.dtype], group,
-        bias.data_ptr() if bias is not None else None, codes[bias.dtype] if bias is not None else -1,
-        x.data_ptr(), codes[x.dtype], residual.data_ptr() if residual is not None else None, y.data_ptr(),
-        codes[x.dtype], x.numel() // K, N, K, int4pack_block() if block is None else block)
-    if rc:
-        raise RuntimeError(f"hl_gemv_int4 refused N={N} K={K} group {group} (a bug: _int4_native_supports passed it)")
-    return y
+    return torch.ops.hybrid.linear_int4.default(x, qdata, scale_and_zero, group, bias, residual,
+                                                int4pack_block() if block is None else block)
+
+
+_linear_int4_native.after_supports = lambda x, qdata, scale_and_zero, group, bias=None, residual=None: \
+    _native_products.linear_int4_after_check(x, qdata, scale_and_zero, group, bias, residual, int4pack_block())
 
 
 def linear_int4(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int,
@@ -361,20 +352,15 @@ def _q_native_supports(x, kind, w, ws, bias=None, residual=None, values=None) ->
         return f"8da4w nibbles {tuple(w.shape)} / scales {tuple(ws.shape)} for K={K}"
     if not (x.is_contiguous() and w.is_contiguous() and ws.is_contiguous()):
         return "not contiguous"
-    return _epilogue_refusal(x, bias, residual)
+    return _epilogue_refusal(x, bias, residual) or _native_products.check_linear_q(x, kind, w, ws, bias, residual)
 
 
 def _linear_q_native(x, kind, w, ws, bias=None, residual=None, values=None):
-    N, K = w.shape[0], x.shape[-1]
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
-    codes = native.DTYPE_CODES
-    rc = native.library().hl_gemv_q(
-        kind, w.data_ptr(), ws.data_ptr(), bias.data_ptr() if bias is not None else None,
-        codes[bias.dtype] if bias is not None else -1, x.data_ptr(), codes[x.dtype],
-        residual.data_ptr() if residual is not None else None, y.data_ptr(), codes[x.dtype], x.numel() // K, N, K)
-    if rc:
-        raise RuntimeError(f"hl_gemv_q refused kind {kind} N={N} K={K} (a bug: _q_native_supports passed it)")
-    return y
+    return torch.ops.hybrid.linear_q.default(x, kind, w, ws, bias, residual)
+
+
+_linear_q_native.after_supports = lambda x, kind, w, ws, bias=None, residual=None, values=None: \
+    _native_products.linear_q_after_check(x, kind, w, ws, bias, residual)
 
 
 def _linear_q_torch(x, kind, w, ws, bias=None, residual=None, values=None):

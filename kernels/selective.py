@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_scan, cuda_backend, dispatch, triton_support
+from . import cuda_backend, dispatch, native, triton_support
+from .native import ops as native_ops
 from .packing import check_cu_seqlens, sequences, slot_rows
 from .state_tiles import scratch, update_in_fp32_tiles
 from .triton_state_update import selective_state_update
@@ -105,12 +106,10 @@ def _selective_scan_torch(x, dt, A, B, C, *, D=None, initial_state=None):
     h = torch.zeros(b, Dm, N, device=x.device) if initial_state is None else initial_state.float()
     Af = A.float()
     if not needs_grad(x, dt, A, B, C, D, initial_state):
-        if cpu_scan.supports(x, A) is None:  # the compiled loop (kernels/cpu_scan.py), D folded in
-            y, h = cpu_scan.selective_scan_cpu(x, dt, Af, B, C, D, h)
-            return y.to(x.dtype), h
-        # Inference: token steps on an in-cache state beat the chunked form on a CPU (1 thread, jamba-small
-        # widths, 2K tokens: 0.61 s against 1.7-3.7 s): the chunked form's [T, D, N] work tensors cost a dozen
-        # passes through memory, a step touches its state while it is in cache.
+        # Inference where the native scan (kernels/native/scan.c, the ``native`` backend) does not run: token
+        # steps on an in-cache state beat the chunked form on a CPU (1 thread, jamba-small widths, 2K tokens:
+        # 0.61 s against 1.7-3.7 s): the chunked form's [T, D, N] work tensors cost a dozen passes through
+        # memory, a step touches its state while it is in cache.
         y, h = _scan_steps(x.float(), dt.float(), Af, B.float(), C.float(), h)
     else:  # autograd: the chunked form (the steps' in-place updates could not be differentiated)
         ys = []
@@ -226,6 +225,12 @@ def selective_varlen_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
 dispatch.register("selective_scan", "torch", _selective_scan_torch)
 dispatch.register("selective_varlen_scan", "torch", _selective_varlen_scan_torch)
 dispatch.register("selective_step", "torch", _selective_step_torch)
+# the native scan: a block of channels walked through a sequence's tokens with its states in L1, one native call for
+# a whole (packed) batch; inference only (autograd takes the torch path's chunked form)
+dispatch.register("selective_scan", "native", native_ops.selective_scan, native.available,
+                  native_ops.supports_selective_scan)
+dispatch.register("selective_varlen_scan", "native", native_ops.selective_varlen_scan, native.available,
+                  native_ops.supports_selective_varlen_scan)
 
 
 # --- Triton: the decode step (kernel shared with Mamba-2 in triton_state_update.py) ------------------

@@ -12,7 +12,7 @@ import os
 
 from .errors import CLIError
 
-SWITCHES = ("HYBRID_NATIVE", "HYBRID_NATIVE_SCAN", "HYBRID_KEEP_FREED_MEMORY", "HYBRID_HUGE_PAGES")
+SWITCHES = ("HYBRID_NATIVE", "HYBRID_KEEP_FREED_MEMORY", "HYBRID_HUGE_PAGES")
 SWITCH_VALUES = ("1", "0", "true", "false", "yes", "no", "on", "off")
 
 

@@ -207,10 +207,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hl_gla_decay.argtypes = [p, i32, p, i64, f32, f32, i32]
     lib.hl_gdn_ut_solve.argtypes = [p, p, i64, i64, i64]
     lib.hl_gdn_chunk_prep.argtypes = [p, p, p, p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64]
+    lib.hl_selective_scan.argtypes = [p, i32, i64, p, i32, i64, p, p, i32, i64, p, i32, i64, p, p, p, i32, i64, p, i64,
+                                      i64, i64]
     for fn in (lib.hl_l2norm_heads, lib.hl_gdn_gates, lib.hl_gla_decay, lib.hl_gdn_ut_solve):
         fn.restype = None
     for fn in (lib.hl_ssd_step, lib.hl_gdn_step, lib.hl_conv_step, lib.hl_paged_decode, lib.hl_gated_up,
-               lib.hl_qkv_rope, lib.hl_gdn_chunk_prep):
+               lib.hl_qkv_rope, lib.hl_gdn_chunk_prep, lib.hl_selective_scan):
         fn.restype = i32
     for fn in (lib.hl_rmsnorm, lib.hl_gated_rmsnorm, lib.hl_mamba2_dt):
         fn.restype = None
@@ -279,9 +281,26 @@ _threads = [0]
 _owned = [0]  # torch's thread count while a decode step holds it (torch itself runs on one meanwhile)
 
 
+_using = [None]  # a library using_library() put in place of the loaded one
+
+
+@contextlib.contextmanager
+def using_library(lib: ctypes.CDLL):
+    """The ops (torch.ops.hybrid.*, kernels/native/ops.py) call ``lib`` inside the block (this process): tests run
+    the public ops on every variant this CPU runs (:func:`load_variant`), the AVX2 one on an AVX-512 machine too.
+    ``lib``'s pool keeps the threads it was loaded with."""
+    prev, _using[0] = _using[0], lib
+    try:
+        yield lib
+    finally:
+        _using[0] = prev
+
+
 def library() -> ctypes.CDLL:
     """The loaded library, its pool sized to torch's intra-op thread count (re-sized when that changes), or to
-    the count :func:`owns_threads` took over."""
+    the count :func:`owns_threads` took over; inside :func:`using_library`, that block's library."""
+    if _using[0] is not None:
+        return _using[0]
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"the native kernels are unavailable: {why}")

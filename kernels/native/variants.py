@@ -29,7 +29,7 @@ LIB_DIR = "_lib"  # beside this file, in the source tree and in the installed pa
 # the decode kernels, one file per op family (decode.c until it was split: the same text, in this order). No file
 # #includes another: the library is one translation unit, so the ops stay static and program.c calls them directly.
 # native.h comes first: the includes, the dtype codes and the vector types every part uses.
-DECODE = ("native.h", "pool.c", "convert.c", "gemv.c", "amx.c", "int4.c", "ssd.c", "gated_delta.c", "conv.c",
+DECODE = ("native.h", "pool.c", "convert.c", "gemv.c", "amx.c", "int4.c", "ssd.c", "scan.c", "gated_delta.c", "conv.c",
           "attention.c", "sublayer.c", "int8_activation.c")
 SOURCES = (*DECODE, "linear_attention.c", "program.c")  # one translation unit, in this order
 # -fno-unsafe-math-optimizations under -ffast-math: no approximate reciprocals / rsqrt and no reassociated
