@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import CheckpointError
+from .user_cache import cache_root
 
 SOURCE_FILE = "hybrid_source.json"  # in a converted folder: which GGUF (path, size, mtime, sha256) it came from
 
@@ -46,8 +47,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
 def cache_dir() -> Path:
     """Where named models are converted to: ``$HYBRID_CACHE_DIR/models``, default ``~/.cache/hybrid-lm/models``
     (the one cache folder of the package: the native library's source builds live there too)."""
-    root = os.environ.get("HYBRID_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "hybrid-lm") / "models"
+    return cache_root() / "models"
 
 
 def named_model(name: str) -> NamedModel:

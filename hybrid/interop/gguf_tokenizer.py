@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
+from ..user_cache import cache_root
 from .gguf_file import GGUFFile
 
 # llama.cpp metadata keys whose ids end generation (its "end of generation" set), in this order
@@ -82,12 +83,10 @@ def tokenizer_folder(gguf_path: str | Path):
     ``$HYBRID_CACHE_DIR/gguf-tokenizers/KEY``: transformers' converter takes seconds to build a large vocabulary
     (tens of seconds for a 49K one on a busy core), and one command reads the tokenizer, the chat template and
     the generation config. Written to a temporary folder and renamed into place, so a reader never sees half."""
-    from ..pretrained_names import cache_dir
-
     gguf_path = Path(gguf_path).resolve()
     st = gguf_path.stat()
     key = hashlib.sha256(json.dumps([str(gguf_path), st.st_size, st.st_mtime_ns]).encode()).hexdigest()[:16]
-    final = cache_dir().parent / "gguf-tokenizers" / key
+    final = cache_root() / "gguf-tokenizers" / key
     if not (final / "generation_config.json").is_file():  # written last: its presence means the folder is whole
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.writing-", dir=final.parent))
