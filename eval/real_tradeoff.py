@@ -65,6 +65,17 @@ class Budget:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def check(self) -> None:
+        """Refuse a budget whose stages cannot all be fed, before hours of training find out: the data stage
+        holds out ``HELDOUT_FRACTION`` of ``data_tokens`` (at least ``MIN_HELDOUT_TOKENS``)."""
+        from ..distill.data import HELDOUT_FRACTION, MIN_HELDOUT_TOKENS
+
+        held = max(MIN_HELDOUT_TOKENS, int(self.data_tokens * HELDOUT_FRACTION))
+        if self.heldout_tokens > held:
+            raise ValueError(f"budget {self.name!r} asks for {self.heldout_tokens} held-out tokens but its "
+                             f"{self.data_tokens} data tokens hold out {held}; lower heldout_tokens or raise "
+                             f"data_tokens")
+
 
 BUDGETS = {
     "default": Budget("default", data_tokens=32_768, align_tokens=16_384, kl_tokens=8192, seq_len=512,
@@ -81,7 +92,7 @@ BUDGETS = {
 # stage holds [B, L, 49152] fp32 logits of teacher and student and their softmax terms (B = 4 reached 12.7 GB
 # and was OOM-killed on a 24 GB machine)
 BUDGETS["medium"] = dataclasses.replace(BUDGETS["large"], name="medium", data_tokens=98_304, align_tokens=65_536,
-                                        kl_tokens=65_536, batch_size=2, mmlu_limit=30, heldout_tokens=8192,
+                                        kl_tokens=65_536, batch_size=2, mmlu_limit=30, heldout_tokens=4096,
                                         recall_queries=16, recall_contexts=1, repeats=2)
 MEMORY_LENGTH = 32768
 
@@ -124,6 +135,7 @@ def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff
 
     t_start = time.perf_counter()
     budget = BUDGETS[budget] if isinstance(budget, str) else budget
+    budget.check()
     from ..pretrained_names import resolve
 
     teacher = Path(resolve(teacher))  # a model name -> its converted folder

@@ -103,6 +103,17 @@ def test_family_is_the_issues():
     assert [member_name(s, m) for s, m in FAMILY][:2] == ["teacher", "mamba2-attn1_2"]
 
 
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_every_budget_can_feed_its_held_out_stage(name):
+    BUDGETS[name].check()  # a preset asking more held-out text than its data holds out failed after 75 minutes
+
+
+def test_an_unfeedable_budget_is_refused_before_any_work(tmp_path):
+    bad = dataclasses.replace(TINY, heldout_tokens=5000)
+    with pytest.raises(ValueError, match="held-out tokens but its 3000 data tokens hold out 4096"):
+        real_tradeoff.run(tmp_path, output=tmp_path / "o", budget=bad)
+
+
 def test_bad_teacher_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
         real_tradeoff.run(tmp_path, output=tmp_path / "o", budget=TINY)
