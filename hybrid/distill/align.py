@@ -107,7 +107,7 @@ def _with_section(cfg: HybridConfig, mixer) -> HybridConfig:
 
 def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[[int], Iterable[torch.Tensor]],
                  held_out: torch.Tensor, start: int, steps: int, lr: float = 1e-3, progress: bool = True,
-                 world: World | None = None, checkpoint_every: int = 50) -> dict:
+                 world: World | None = None, checkpoint_every: int = 50, desc: str | None = None) -> dict:
     """Train one ``mixer`` replacement per attention layer of ``teacher`` (a :class:`hybrid.HybridLM`, in the
     dtype to train in) for ``steps`` batches ``batches(start + i)``; write them and ``losses.json`` to
     ``out_dir`` and return ``losses.json``'s content (``"losses"``: per layer, on the batch ``held_out`` [B, L];
@@ -161,7 +161,7 @@ def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[
         initial = held_out_losses()
         opt = MasterAdamW(list(reps.parameters()), lr=lr)
         record = train(opt=opt, step_fn=step_fn, batches=batches, start=start, steps=steps, lr=lr,
-                       state_path=out_dir / "state.pt", world=world, record={}, desc=f"align {mixer}",
+                       state_path=out_dir / "state.pt", world=world, record={}, desc=desc or f"align {mixer}",
                        progress=progress, checkpoint_every=checkpoint_every)
         losses = held_out_losses()
     finally:

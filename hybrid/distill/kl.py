@@ -24,6 +24,10 @@ from .ddp import World
 from .fused_kl import CHUNK_TOKENS, linear_kl_sum
 from .trainer import MasterAdamW, train
 
+# whether the KL stage trains the kept attention layers beside the replacements (see docs/distill.md for the
+# measured comparison that chose it)
+TRAIN_ATTENTION = True
+
 
 def final_hidden(model: HybridLM, ids: torch.Tensor) -> torch.Tensor:
     """ids [B, L] -> the last block's output [B, L, d_model] (before the final norm and LM head)."""
@@ -73,19 +77,23 @@ def kl_flops_per_token(student: HybridLM, teacher: HybridLM, seq_len: int, train
     return teacher.flops_per_token(seq_len) + 2 * student.flops_per_token(seq_len) + 2.0 * trained_weights
 
 
-def trained_parameters(student: HybridLM, train_all: bool = False) -> list[torch.nn.Parameter]:
-    """The parameters the KL stage trains (the others get ``requires_grad=False``): every mixer's by default."""
+def trained_parameters(student: HybridLM, train_all: bool = False,
+                       train_attention: bool = TRAIN_ATTENTION) -> list[torch.nn.Parameter]:
+    """The parameters the KL stage trains (the others get ``requires_grad=False``): the mixers' (with
+    ``train_attention=False`` the replacements' alone, the kept attention layers frozen at the teacher's
+    weights); ``train_all``: everything."""
     student.requires_grad_(train_all)
     if not train_all:
         for block in student.layers:
-            if SUBCONFIGS[block.kind].mixer:
+            if SUBCONFIGS[block.kind].mixer and (train_attention or block.kind != "attention"):
                 block.mixer.requires_grad_(True)
     return [p for p in student.parameters() if p.requires_grad]
 
 
 def distill_kl(student: HybridLM, teacher: HybridLM, state_path: str | Path, *,
                batches: Callable[[int], Iterable[torch.Tensor]], start: int, steps: int, lr: float = 3e-4,
-               train_all: bool = False, progress: bool = True, world: World | None = None, desc: str = "kl",
+               train_all: bool = False, train_attention: bool = TRAIN_ATTENTION, progress: bool = True,
+               world: World | None = None, desc: str = "kl",
                checkpoint_every: int = 50) -> tuple[dict, dict[str, torch.Tensor]]:
     """Train ``student`` (in place) on ``steps`` batches ``batches(start + i)`` against ``teacher``; resumable
     through ``state_path``. Returns the record (``history``: per step ``{"loss": KL}``; ``tokens``; ``seconds``)
@@ -93,7 +101,7 @@ def distill_kl(student: HybridLM, teacher: HybridLM, state_path: str | Path, *,
     dtype)."""
     world = world or World()
     teacher.requires_grad_(False)
-    params = trained_parameters(student, train_all)
+    params = trained_parameters(student, train_all, train_attention)
     names = {id(p): n for n, p in student.named_parameters()}
     opt = MasterAdamW(params, lr=lr)
 
