@@ -28,7 +28,6 @@ from .ddp import World
 from .init import attention_positions, check_teacher, new_mixer, replacement_from_attention
 from .trainer import MasterAdamW, load_state, train
 
-
 # each replacement's gradient clipped alone (not one norm over all layers): see docs/distill.md for the measured
 # comparison that chose it
 PER_LAYER_CLIP = False

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .align import align_flops_per_token, align_layers, choose_attention_layers, load_replacements
+from .align import PER_LAYER_CLIP, align_flops_per_token, align_layers, choose_attention_layers, load_replacements
 from .ddp import World, world_from_env
 from .init import MIXERS, attention_positions, check_teacher
 from .kl import TRAIN_ATTENTION, distill_kl, kl_divergence, kl_flops_per_token
@@ -102,7 +102,8 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
                    batches: Callable[[int], Iterable[torch.Tensor]], align_tokens: int, kl_tokens: int,
                    keep: str = "worst", progress: bool = True, threads: int | None = None,
                    dtype: torch.dtype | None = None, train_all: bool = False,
-                   train_attention: bool | None = None, align_lr: float = 1e-3,
+                   train_attention: bool | None = None, per_layer_clip: bool | None = None,
+                   align_lr: float = 1e-3,
                    kl_lr: float = 3e-4, peak_flops: dict[str, float] | None = None, world: World | None = None,
                    checkpoint_every: int = 50) -> FamilyManifest:
     """Distil the transformer checkpoint ``teacher`` into students keeping each share of ``shares`` of its
@@ -146,7 +147,8 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
     align_dir = out_dir / "align" / mixer
     aligned = align_layers(teacher_train, align_dir, mixer=mixer, batches=batches, held_out=held_out, start=1,
                            steps=align_steps, lr=align_lr, progress=progress, world=world,
-                           checkpoint_every=checkpoint_every, desc=f"align {mixer} [{precision}]")
+                           checkpoint_every=checkpoint_every, desc=f"align {mixer} [{precision}]",
+                           per_layer_clip=PER_LAYER_CLIP if per_layer_clip is None else per_layer_clip)
     manifest.align_losses = aligned["losses"]
     n_attn = len(attention_positions(teacher_fp32.config))
     align_fpt = align_flops_per_token(teacher_fp32, mixer, seq_len)
