@@ -42,6 +42,29 @@ def test_distill_cli_makes_a_family_and_a_rerun_reuses_it(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["align_losses"] == m.align_losses
 
 
+def test_distill_cli_frozen_attention_keeps_the_teachers_layers(tmp_path):
+    """--kl-attention freeze: the student's kept attention layers are the teacher's weights, bit for bit, while
+    its replacements and their alignment train (--align-clip per-layer taken)."""
+    teacher = tiny_teacher(vocab=260)
+    save_pretrained(teacher, tmp_path / "teacher")
+    (tmp_path / "text.txt").write_text(TEXT)
+    main(["distill", str(tmp_path / "teacher"), "--share", "0.5", "--out", str(tmp_path / "out"), "--data",
+          str(tmp_path / "text.txt"), "--teacher-tokens", "0", "--align-tokens", "96", "--kl-tokens", "64",
+          "--seq-len", "16", "--batch", "2", "--no-peak", "--dtype", "float32", "--threads", "1",
+          "--kl-attention", "freeze", "--align-clip", "per-layer"])
+    m = FamilyManifest.from_json(tmp_path / "out" / "manifest.json")
+    student = from_pretrained(m.students[0.5])
+    t_state, s_state = teacher.state_dict(), student.state_dict()
+    kinds = student.config.layer_kinds
+    attn = [i for i, k in enumerate(kinds) if k == "attention"]
+    assert len(attn) == 2
+    for i in attn:
+        for k, v in t_state.items():
+            if k.startswith(f"layers.{i}."):
+                assert torch.equal(s_state[k], v), k
+    assert m.kl[0.5]["kl_after"] < m.kl[0.5]["kl_before"]
+
+
 def test_distill_cli_refuses_a_teacher_that_is_not_a_transformer(tmp_path, capsys):
     torch.manual_seed(0)
     hybrid_model = HybridLM(HybridConfig(vocab_size=260, d_model=32, pattern="M-*-"))

@@ -37,11 +37,17 @@ def test_chunked_kl_equals_the_whole_vocab_kl_and_its_gradient():
     assert abs(kl - whole_kl) <= 1e-6 * whole_kl
     for g, p in zip(chunked, params, strict=True):  # fp32 sums in another order: relative 1e-5 of the largest
         assert torch.allclose(g, p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item())
-    # by default the mixers train (replacements and kept attention) and nothing else
+    # by default the replacements train and nothing else (the kept attention layer 1, at block 2, is frozen)
     trained = {n for n, p in student.named_parameters() if p.requires_grad}
-    mixers = {n for n, p in student.named_parameters()
-              if n.startswith("layers.") and student.layers[int(n.split(".")[1])].kind != "mlp" and ".mixer." in n}
-    assert trained == mixers and "embed.weight" not in trained and any("layers.0.mixer" in n for n in trained)
+    replacements = {n for n, p in student.named_parameters()
+                    if n.startswith("layers.") and student.layers[int(n.split(".")[1])].kind not in ("mlp", "attention")
+                    and ".mixer." in n}
+    assert trained == replacements and "embed.weight" not in trained and any("layers.0.mixer" in n for n in trained)
+    assert not any(n.startswith("layers.2.") for n in trained)
+    # train_attention: the kept attention layers' mixers too
+    trained_parameters(student, train_all=False, train_attention=True)
+    assert {n for n, p in student.named_parameters() if p.requires_grad} == replacements | {
+        n for n, _ in student.named_parameters() if n.startswith("layers.2.mixer.")}
 
 
 def test_kl_training_lowers_the_held_out_kl(tmp_path):
@@ -79,18 +85,18 @@ def test_kl_resume_equals_an_uninterrupted_run(tmp_path):
     batches = token_stream()
     full = _student(teacher, keep=(1, 3))  # kept attention layers train too: copies of the teacher's
     rec_full, _ = distill_kl(full, teacher, tmp_path / "full.pt", batches=batches, start=1, steps=9, lr=3e-3,
-                             progress=False, checkpoint_every=2)
+                             progress=False, checkpoint_every=2, train_attention=True)
     cut = _student(teacher, keep=(1, 3))
     try:
         distill_kl(cut, teacher, tmp_path / "cut.pt", batches=_interrupt_after(batches, 5), start=1, steps=9,
-                   lr=3e-3, progress=False, checkpoint_every=2)
+                   lr=3e-3, progress=False, checkpoint_every=2, train_attention=True)
         raise AssertionError("the run was to be interrupted")
     except KeyboardInterrupt:
         pass
     # a fresh process: the model as built, the rest from the checkpoint (step 4)
     resumed = _student(teacher, keep=(1, 3))
     rec, _ = distill_kl(resumed, teacher, tmp_path / "cut.pt", batches=batches, start=1, steps=9, lr=3e-3,
-                        progress=False, checkpoint_every=2)
+                        progress=False, checkpoint_every=2, train_attention=True)
     assert [h["loss"] for h in rec["history"]] == [h["loss"] for h in rec_full["history"]]
     for (n, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), n

@@ -38,6 +38,12 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="training dtype; auto: bf16 (fp32 master weights) where the CPU has native bf16")
     p.add_argument("--train-all", action="store_true", help="KL stage trains MLPs, norms and embeddings too")
+    p.add_argument("--kl-attention", choices=("train", "freeze"), default=None,
+                   help="whether the KL stage trains the kept attention layers or keeps them the teacher's "
+                        "(default: hybrid.distill.kl.TRAIN_ATTENTION, chosen by measurement; docs/distill.md)")
+    p.add_argument("--align-clip", choices=("global", "per-layer"), default=None,
+                   help="alignment gradient clip: one norm over all replacements, or each alone "
+                        "(default: hybrid.distill.align.PER_LAYER_CLIP; docs/distill.md)")
     p.add_argument("--align-lr", type=float, default=1e-3, help="peak learning rate of the alignment")
     p.add_argument("--kl-lr", type=float, default=3e-4, help="peak learning rate of the KL stage")
     p.add_argument("--no-peak", action="store_true", help="skip the matmul peak probe (no share of peak reported)")
@@ -116,7 +122,9 @@ def run(args) -> None:
               f"({'wrapping around' if n < needed else 'one pass'})")
     m = distill_family(args.teacher, args.out, shares=args.share, mixer=args.mixer, batches=batches,
                        align_tokens=args.align_tokens, kl_tokens=args.kl_tokens, keep=args.keep, dtype=dtype,
-                       train_all=args.train_all, align_lr=args.align_lr, kl_lr=args.kl_lr, peak_flops=peaks)
+                       train_all=args.train_all, align_lr=args.align_lr, kl_lr=args.kl_lr, peak_flops=peaks,
+                       train_attention=None if args.kl_attention is None else args.kl_attention == "train",
+                       per_layer_clip=None if args.align_clip is None else args.align_clip == "per-layer")
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
         return
     b = m.budget

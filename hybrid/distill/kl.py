@@ -3,12 +3,12 @@
 The loss is the forward KL over the vocabulary, ``KL(p_teacher || p_student)`` per token, averaged over tokens,
 from teacher logits computed on the fly. Neither model's full [tokens, vocab] logits exist at once: both models
 run to their final hidden states, then :func:`chunked_kl_backward` takes ``chunk`` tokens at a time through the
-LM heads, the KL and its backward into the student's hidden state (a detached leaf that gathers the gradient),
-and one backward from there runs through the student's layers. A chunk of 256 tokens over a 49152-word vocab is
-~50 MB of fp32 logits per model instead of 400 MB each for 2048 tokens.
+LM heads and the KL with its closed-form gradient (:mod:`.fused_kl`), and one backward from the student's final
+hidden state runs through its layers. A chunk of 256 tokens over a 49152-word vocab is ~50 MB of fp32 logits
+per model instead of 400 MB each for 2048 tokens.
 
-By default only the mixers (the replacements and the kept attention layers) train; the MLPs, norms and
-embeddings stay the teacher's (``train_all`` trains everything).
+By default only the replacements train; the kept attention layers, MLPs, norms and embeddings stay the
+teacher's (``train_attention`` trains the kept attention layers too, ``train_all`` everything).
 """
 
 from __future__ import annotations
@@ -17,14 +17,18 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..config import SUBCONFIGS
 from ..model import HybridLM
 from .ddp import World
+from .fused_kl import CHUNK_TOKENS, linear_kl_sum
 from .trainer import MasterAdamW, train
 
-CHUNK_TOKENS = 256
+# whether the KL stage trains the kept attention layers beside the replacements. Frozen (the papers' choice):
+# on SmolLM2-135M, 8192 tokens each, the held-out KL after was 1.237 frozen vs 1.223 trained at share 0.5 and
+# 1.005 vs 1.036 at share 0.75 (docs/distill.md); no clear winner on quality, and frozen is the cheaper step
+# and leaves the kept layers exactly the teacher's
+TRAIN_ATTENTION = False
 
 
 def final_hidden(model: HybridLM, ids: torch.Tensor) -> torch.Tensor:
@@ -35,37 +39,37 @@ def final_hidden(model: HybridLM, ids: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _kl_chunk(student: HybridLM, teacher: HybridLM, hs: torch.Tensor, ht: torch.Tensor) -> torch.Tensor:
-    """Summed forward KL of a chunk of tokens: hs (student, with grad) and ht (teacher) [n, d_model]."""
-    lp_s = F.log_softmax(student.logits(hs).float(), dim=-1)
-    with torch.no_grad():
-        lp_t = F.log_softmax(teacher.logits(ht).float(), dim=-1)
-    return (lp_t.exp() * (lp_t - lp_s)).sum()
+def head_weight(model: HybridLM) -> torch.Tensor:
+    """The LM head's weight [V, d] (the embedding when tied)."""
+    if model.lm_head is None:
+        return model.embed.weight
+    if getattr(model.lm_head, "bias", None) is not None:
+        raise ValueError("the KL stage's fused loss takes LM heads without a bias; this model's head has one")
+    return model.lm_head.weight
 
 
 def chunked_kl_backward(student: HybridLM, teacher: HybridLM, h_student: torch.Tensor, h_teacher: torch.Tensor,
-                        chunk: int = CHUNK_TOKENS) -> float:
+                        chunk: int = CHUNK_TOKENS, compiled: bool | None = None) -> float:
     """Mean per-token forward KL of the two final hidden states [B, L, d] and its backward through the student
-    (gradients accumulate in its parameters). Returns the KL."""
+    (gradients accumulate in its parameters). Returns the KL. The LM heads and the KL run fused, ``chunk``
+    tokens at a time (:func:`.fused_kl.linear_kl_sum`)."""
     n = h_student.shape[0] * h_student.shape[1]
-    leaf = h_student.detach().reshape(n, -1).requires_grad_()
-    ht = h_teacher.reshape(n, -1)
-    total = 0.0
-    for s in range(0, n, chunk):
-        kl = _kl_chunk(student, teacher, leaf[s:s + chunk], ht[s:s + chunk]) / n
-        kl.backward()
-        total += float(kl.detach())
-    h_student.backward(leaf.grad.view_as(h_student))
-    return total
+    hs = student.norm_f(h_student).reshape(n, -1)
+    with torch.no_grad():
+        ht = teacher.norm_f(h_teacher).reshape(n, -1)
+    kl = linear_kl_sum(hs, head_weight(student), ht, head_weight(teacher), chunk, compiled) / n
+    kl.backward()
+    return float(kl.detach())
 
 
 @torch.no_grad()
-def kl_divergence(student: HybridLM, teacher: HybridLM, ids: torch.Tensor, chunk: int = CHUNK_TOKENS) -> float:
+def kl_divergence(student: HybridLM, teacher: HybridLM, ids: torch.Tensor, chunk: int = CHUNK_TOKENS,
+                  compiled: bool | None = None) -> float:
     """Mean per-token forward KL(teacher || student) on ``ids`` [B, L], no training."""
-    hs, ht = final_hidden(student, ids), final_hidden(teacher, ids)
     n = ids.numel()
-    hs, ht = hs.reshape(n, -1), ht.reshape(n, -1)
-    return sum(float(_kl_chunk(student, teacher, hs[s:s + chunk], ht[s:s + chunk])) for s in range(0, n, chunk)) / n
+    hs = student.norm_f(final_hidden(student, ids)).reshape(n, -1)
+    ht = teacher.norm_f(final_hidden(teacher, ids)).reshape(n, -1)
+    return float(linear_kl_sum(hs, head_weight(student).detach(), ht, head_weight(teacher), chunk, compiled)) / n
 
 
 def kl_flops_per_token(student: HybridLM, teacher: HybridLM, seq_len: int, trained_weights: int) -> float:
@@ -75,19 +79,23 @@ def kl_flops_per_token(student: HybridLM, teacher: HybridLM, seq_len: int, train
     return teacher.flops_per_token(seq_len) + 2 * student.flops_per_token(seq_len) + 2.0 * trained_weights
 
 
-def trained_parameters(student: HybridLM, train_all: bool = False) -> list[torch.nn.Parameter]:
-    """The parameters the KL stage trains (the others get ``requires_grad=False``): every mixer's by default."""
+def trained_parameters(student: HybridLM, train_all: bool = False,
+                       train_attention: bool = TRAIN_ATTENTION) -> list[torch.nn.Parameter]:
+    """The parameters the KL stage trains (the others get ``requires_grad=False``): the mixers' (with
+    ``train_attention=False`` the replacements' alone, the kept attention layers frozen at the teacher's
+    weights); ``train_all``: everything."""
     student.requires_grad_(train_all)
     if not train_all:
         for block in student.layers:
-            if SUBCONFIGS[block.kind].mixer:
+            if SUBCONFIGS[block.kind].mixer and (train_attention or block.kind != "attention"):
                 block.mixer.requires_grad_(True)
     return [p for p in student.parameters() if p.requires_grad]
 
 
 def distill_kl(student: HybridLM, teacher: HybridLM, state_path: str | Path, *,
                batches: Callable[[int], Iterable[torch.Tensor]], start: int, steps: int, lr: float = 3e-4,
-               train_all: bool = False, progress: bool = True, world: World | None = None, desc: str = "kl",
+               train_all: bool = False, train_attention: bool = TRAIN_ATTENTION, progress: bool = True,
+               world: World | None = None, desc: str = "kl",
                checkpoint_every: int = 50) -> tuple[dict, dict[str, torch.Tensor]]:
     """Train ``student`` (in place) on ``steps`` batches ``batches(start + i)`` against ``teacher``; resumable
     through ``state_path``. Returns the record (``history``: per step ``{"loss": KL}``; ``tokens``; ``seconds``)
@@ -95,7 +103,7 @@ def distill_kl(student: HybridLM, teacher: HybridLM, state_path: str | Path, *,
     dtype)."""
     world = world or World()
     teacher.requires_grad_(False)
-    params = trained_parameters(student, train_all)
+    params = trained_parameters(student, train_all, train_attention)
     names = {id(p): n for n, p in student.named_parameters()}
     opt = MasterAdamW(params, lr=lr)
 

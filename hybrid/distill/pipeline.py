@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from .align import align_flops_per_token, align_layers, choose_attention_layers, load_replacements
+from .align import PER_LAYER_CLIP, align_flops_per_token, align_layers, choose_attention_layers, load_replacements
 from .ddp import World, world_from_env
 from .init import MIXERS, attention_positions, check_teacher
-from .kl import distill_kl, kl_divergence, kl_flops_per_token
+from .kl import TRAIN_ATTENTION, distill_kl, kl_divergence, kl_flops_per_token
 from .student import build_student, save_student, student_name
 
 
@@ -75,6 +75,15 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
+def precision_note(dtype: torch.dtype) -> str:
+    """How a stage trains, for its progress line: bf16 with fp32 masters, or fp32 and why."""
+    if dtype == torch.bfloat16:
+        return "bf16 weights, fp32 masters"
+    if dtype == torch.float32 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "fp32: this CPU has no native bf16 matmul (AVX512-BF16 / AMX)"
+    return str(dtype).replace("torch.", "")
+
+
 def _steps(tokens: int, per_step: int) -> int:
     if tokens < 0:
         raise ValueError(f"a token budget must be >= 0, got {tokens}")
@@ -92,7 +101,9 @@ def _rate(flops_per_token: float, tokens: int, seconds: float, peak: float | Non
 def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence[float], mixer: str = "mamba2",
                    batches: Callable[[int], Iterable[torch.Tensor]], align_tokens: int, kl_tokens: int,
                    keep: str = "worst", progress: bool = True, threads: int | None = None,
-                   dtype: torch.dtype | None = None, train_all: bool = False, align_lr: float = 1e-3,
+                   dtype: torch.dtype | None = None, train_all: bool = False,
+                   train_attention: bool | None = None, per_layer_clip: bool | None = None,
+                   align_lr: float = 1e-3,
                    kl_lr: float = 3e-4, peak_flops: dict[str, float] | None = None, world: World | None = None,
                    checkpoint_every: int = 50) -> FamilyManifest:
     """Distil the transformer checkpoint ``teacher`` into students keeping each share of ``shares`` of its
@@ -120,6 +131,7 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
     dtype = dtype or default_dtype()
     dname = "bf16" if dtype == torch.bfloat16 else "fp32" if dtype == torch.float32 else str(dtype)
     peak = (peak_flops or {}).get(dname)
+    precision = precision_note(dtype)
     teacher_train = teacher_fp32 if dtype == torch.float32 else _cast_copy(teacher_fp32, dtype)
 
     held_out = next(iter(batches(0)))
@@ -135,7 +147,8 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
     align_dir = out_dir / "align" / mixer
     aligned = align_layers(teacher_train, align_dir, mixer=mixer, batches=batches, held_out=held_out, start=1,
                            steps=align_steps, lr=align_lr, progress=progress, world=world,
-                           checkpoint_every=checkpoint_every)
+                           checkpoint_every=checkpoint_every, desc=f"align {mixer} [{precision}]",
+                           per_layer_clip=PER_LAYER_CLIP if per_layer_clip is None else per_layer_clip)
     manifest.align_losses = aligned["losses"]
     n_attn = len(attention_positions(teacher_fp32.config))
     align_fpt = align_flops_per_token(teacher_fp32, mixer, seq_len)
@@ -160,8 +173,9 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
         else:
             rec = _train_student(teacher_fp32, teacher_train, replacements, kept, mixer, dtype, folder,
                                  record_file, teacher, held_out=held_out, batches=batches, start=1 + align_steps,
-                                 steps=kl_steps, lr=kl_lr, train_all=train_all, progress=progress, world=world,
-                                 checkpoint_every=checkpoint_every, desc=f"kl {name}")
+                                 steps=kl_steps, lr=kl_lr, train_all=train_all, train_attention=train_attention,
+                                 progress=progress, world=world,
+                                 checkpoint_every=checkpoint_every, desc=f"kl {name} [{precision}]")
         manifest.students[share] = folder
         manifest.kl[share] = {k: rec[k] for k in ("kl_before", "kl_after", "kl_last_steps")}
         budget["kl"][f"{share:g}"] = {"tokens": rec["tokens"], "steps": kl_steps, "seconds": round(rec["seconds"], 1),
@@ -188,14 +202,15 @@ def _cast_copy(model, dtype):
 
 
 def _train_student(teacher_fp32, teacher_train, replacements, kept, mixer, dtype, folder: Path, record_file: Path,
-                   teacher_dir, *, held_out, batches, start, steps, lr, train_all, progress, world, checkpoint_every,
-                   desc) -> dict:
+                   teacher_dir, *, held_out, batches, start, steps, lr, train_all, train_attention, progress, world,
+                   checkpoint_every, desc) -> dict:
     student = build_student(teacher_train, replacements, kept, mixer)
     before = kl_divergence(student, teacher_train, held_out)
     record_file.parent.mkdir(parents=True, exist_ok=True)
     record, masters = distill_kl(student, teacher_train, record_file.with_suffix(".state.pt"), batches=batches,
-                                 start=start, steps=steps, lr=lr, train_all=train_all, progress=progress,
-                                 world=world, desc=desc, checkpoint_every=checkpoint_every)
+                                 start=start, steps=steps, lr=lr, train_all=train_all,
+                                 train_attention=TRAIN_ATTENTION if train_attention is None else train_attention,
+                                 progress=progress, world=world, desc=desc, checkpoint_every=checkpoint_every)
     after = kl_divergence(student, teacher_train, held_out)
     trained = sum(p.numel() for n, p in student.named_parameters() if n in masters and p.dim() == 2)
     hist = [h["loss"] for h in record["history"]]

@@ -37,14 +37,22 @@ def lr_at(step: int, total: int, lr: float) -> float:
 
 
 class MasterAdamW:
-    """AdamW over fp32 masters of ``params`` (the model's trained tensors, any float dtype)."""
+    """AdamW over fp32 masters of ``params`` (the model's trained tensors, any float dtype).
+
+    ``clip``: the gradient norm is clipped to it, over all ``params`` at once, or with ``clip_groups`` (lists of
+    indices into ``params``, covering each once) over each group alone: parts trained independently (the
+    alignment's replacements, each on its own loss) are then not scaled down by another part's large gradient.
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
-                 clip: float | None = 1.0):
+                 clip: float | None = 1.0, clip_groups: list[list[int]] | None = None):
         self.params = params
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_()
                         for p in params]
         self.lr, self.clip = lr, clip
+        if clip_groups is not None and sorted(i for g in clip_groups for i in g) != list(range(len(params))):
+            raise ValueError("clip_groups must cover every parameter index exactly once")
+        self.clip_groups = clip_groups or [list(range(len(params)))]
         self.opt = torch.optim.AdamW(self.masters, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                                      foreach=True)
 
@@ -57,7 +65,8 @@ class MasterAdamW:
             grads.append(m.grad)
         world.average(grads)
         if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.masters, self.clip, foreach=True)
+            for group in self.clip_groups:
+                torch.nn.utils.clip_grad_norm_([self.masters[i] for i in group], self.clip, foreach=True)
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
