@@ -38,6 +38,7 @@ from tqdm import tqdm
 from hybrid.cache import HybridCache, cache_dtypes
 from hybrid.cache_manager import CacheManager
 from hybrid.engine import Engine
+from hybrid.engine_config import EngineConfig
 from hybrid.kv_pruning import SnapKV, StreamingLLM
 from hybrid.model import HybridLM
 from hybrid.packed_batch import SeqChunk, build_batch
@@ -275,8 +276,8 @@ def pruned_logits(model: HybridLM, inputs: torch.Tensor, prompt_len: int, policy
     Also the KV blocks a sequence holds at the end and, for SnapKV, per (sequence, layer, KV head) the share
     of the first ``watch`` positions it kept."""
     B, L = inputs.shape
-    engine = Engine(model, num_blocks=B * -(-L // BLOCK_SIZE) + 1, block_size=BLOCK_SIZE, max_seqs=B,
-                    max_batch_tokens=B * L, kv_pruning=policy)
+    engine = Engine(model, EngineConfig(num_blocks=B * -(-L // BLOCK_SIZE) + 1, block_size=BLOCK_SIZE, max_seqs=B,
+                                        max_batch_tokens=B * L, kv_pruning=policy))
     m, cache, rows = engine.cache_manager, engine.cache, inputs.tolist()
     for b in range(B):
         m.admit(b, prompt_len, m.plan(rows[b], prompt_len, 0))

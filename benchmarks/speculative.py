@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from hybrid.config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from hybrid.engine import Engine
+from hybrid.engine_config import EngineConfig
 from hybrid.model import HybridLM
 from hybrid.pretrained import from_pretrained, save_pretrained
 from hybrid.report import format_table
@@ -89,8 +90,8 @@ def load_or_train(path: Path, cfg, *, steps, length, seed, desc) -> HybridLM:
 
 
 def run_once(target, spec, prompts, new_tokens):
-    engine = Engine(target, num_blocks=64 * len(prompts), block_size=16, max_seqs=len(prompts), max_batch_tokens=1024,
-                    speculative=spec)
+    engine = Engine(target, EngineConfig(num_blocks=64 * len(prompts), block_size=16, max_seqs=len(prompts),
+                                         max_batch_tokens=1024, speculative=spec))
     for p in prompts:
         engine.add_request(p, SamplingParams(max_new_tokens=new_tokens))
     engine.run()

@@ -16,6 +16,7 @@ from .config import (
     MoEConfig,
 )
 from .engine import Engine
+from .engine_config import EngineConfig
 from .generation import generate
 from .model import HybridLM
 from .pattern import PatternError, attention_share, blocks_pattern, parse_pattern, ratio_pattern
@@ -37,8 +38,9 @@ __all__ = [
     "NAMED_MODELS", "from_pretrained", "parse_pattern", "pretrained_path", "quantize", "ratio_pattern",
     "save_pretrained",
     # inference engine
-    "ByteTokenizer", "CacheFullError", "Engine", "HFTokenizer", "HybridCache", "PagedKVCache", "RequestOutput",
-    "SSMStateCache", "SamplingParams", "SpeculativeConfig", "StreamDecoder", "generate", "load_tokenizer",
+    "ByteTokenizer", "CacheFullError", "Engine", "EngineConfig", "HFTokenizer", "HybridCache", "PagedKVCache",
+    "RequestOutput", "SSMStateCache", "SamplingParams", "SpeculativeConfig", "StreamDecoder", "generate",
+    "load_tokenizer",
 ]
 
 

@@ -13,10 +13,11 @@ DEFAULT_PREFIX_STATE_BYTES = 256 * 2**20
 
 
 def engine_cache(model, cache: HybridCache | None, *, num_blocks: int | None, cache_bytes: int | None,
-                 block_size: int, max_seqs: int, kv_dtype, state_dtype, stochastic_state: bool, kv_pruning,
-                 prefix_caching: bool) -> HybridCache:
+                 block_size: int, max_seqs: int, kv_dtype, state_dtype, stochastic_state: bool,
+                 kv_pruning) -> HybridCache:
     """``cache``, or one built for ``model`` from ``num_blocks`` KV blocks or ``cache_bytes`` (default
-    :data:`DEFAULT_CACHE_BYTES`) in the dtypes asked for; with ``kv_pruning`` set on its KV pool."""
+    :data:`DEFAULT_CACHE_BYTES`) in the dtypes asked for; with ``kv_pruning`` set on its KV pool (that pruning
+    and prefix caching exclude each other is the :class:`~hybrid.engine_config.EngineConfig`'s check)."""
     if cache is None:
         if num_blocks is None and cache_bytes is None:
             cache_bytes = DEFAULT_CACHE_BYTES
@@ -28,9 +29,6 @@ def engine_cache(model, cache: HybridCache | None, *, num_blocks: int | None, ca
         raise ValueError("kv_dtype / state_dtype / stochastic_state shape the cache the engine builds; with "
                          "cache= pass them to that HybridCache instead")
     if kv_pruning is not None:
-        if prefix_caching:
-            raise ValueError(f"kv_pruning with prefix_caching is not supported ({type(kv_pruning).__name__}): a "
-                             "pruned sequence's blocks are not the prompt's whole prefix; turn one of them off")
         cache.kv.set_pruning(kv_pruning)  # the attention layers' cache views apply it
     return cache
 

@@ -35,6 +35,7 @@ import torch
 from .cache import HybridCache
 from .cache_manager import CacheManager
 from .cache_setup import engine_cache, prefix_cache_for
+from .engine_config import EngineConfig
 from .engine_stats import EngineStats
 from .input_processor import InputProcessor
 from .model_runner import ModelRunner
@@ -44,12 +45,16 @@ from .request import Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .scoring import ScoreResult, record_logprobs, scored_positions
-from .speculative.config import SpeculativeConfig
 from .speculative.speculator import Speculator
 
 
 class Engine:
     """Serve many generation requests on one model with continuous batching.
+
+    Its settings are one :class:`~hybrid.engine_config.EngineConfig` (``Engine(model, config=EngineConfig(...))``);
+    keyword settings (``Engine(model, max_seqs=4)``) build one, or change a given one's fields. ``cache``: a
+    :class:`HybridCache` to use instead of building one; ``tokenizer``: where stop strings and text come from
+    (default: the model's own). The settings:
 
     ``max_seqs``: state slots (sequences in flight); ``max_batch_tokens``: token budget per step
     (prompts longer than it are prefilled in chunks). The cache is ``cache``, or one built for
@@ -109,42 +114,40 @@ class Engine:
                 f"max_seqs={self.runner.buckets[-1]}, decode: {self.decode_path()}, "
                 f"greedy steps per native call: up to {self.multi_step})")
 
-    def __init__(self, model, *, cache: HybridCache | None = None, num_blocks: int | None = None,
-                 cache_bytes: int | None = None, block_size: int = 16, max_seqs: int = 16,
-                 max_batch_tokens: int = 512, tokenizer=None, compile: bool = False,
-                 compile_backend: str = "inductor", prefix_caching: bool = False,
-                 prefix_state_bytes: int | None = None, prefix_checkpoint_interval: int | None = None,
-                 prefix_flop_weight: float = 1.0, speculative: SpeculativeConfig | None = None,
-                 kv_dtype: str | torch.dtype | None = None, state_dtype: str | torch.dtype | None = None,
-                 stochastic_state: bool = False, kv_pruning=None, multi_step: int = 1,
-                 long_prefill_tokens: int | None = None, max_model_len: int | None = None,
-                 max_prompt_tokens: int | None = None):
-        if max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
-        if multi_step < 1:
-            raise ValueError(f"multi_step must be >= 1 (1: one decode step per call of step()), got {multi_step}")
-        self.multi_step = multi_step
+    def __init__(self, model, config: EngineConfig | None = None, *, cache: HybridCache | None = None,
+                 tokenizer=None, **settings):
+        # the one place keyword settings become a config: Engine(model, max_seqs=4) stays the short spelling,
+        # Engine(model, config, max_seqs=4) changes one field of a shared config
+        if settings:
+            config = EngineConfig(**settings) if config is None else config.replace(**settings)
+        elif config is None:
+            config = EngineConfig()
+        elif not isinstance(config, EngineConfig):
+            raise ValueError(f"Engine's config must be a hybrid.EngineConfig, got {type(config).__name__}; give "
+                             "the settings as EngineConfig(...) or as keyword arguments")
+        self.config = c = config
+        self.multi_step = c.multi_step
         self.model = model.eval()
         self.cache = cache = engine_cache(
-            model, cache, num_blocks=num_blocks, cache_bytes=cache_bytes, block_size=block_size, max_seqs=max_seqs,
-            kv_dtype=kv_dtype, state_dtype=state_dtype, stochastic_state=stochastic_state, kv_pruning=kv_pruning,
-            prefix_caching=prefix_caching)
+            model, cache, num_blocks=c.num_blocks, cache_bytes=c.cache_bytes, block_size=c.block_size,
+            max_seqs=c.max_seqs, kv_dtype=c.kv_dtype, state_dtype=c.state_dtype, stochastic_state=c.stochastic_state,
+            kv_pruning=c.kv_pruning)
         self.cache_manager = CacheManager(cache, prefix_cache_for(
-            cache, self.model, enabled=prefix_caching, state_bytes=prefix_state_bytes,
-            checkpoint_interval=prefix_checkpoint_interval, flop_weight=prefix_flop_weight))
-        self.speculative = speculative
+            cache, self.model, enabled=c.prefix_caching, state_bytes=c.prefix_state_bytes,
+            checkpoint_interval=c.prefix_checkpoint_interval, flop_weight=c.prefix_flop_weight))
+        self.speculative = speculative = c.speculative
         self.speculator = None if speculative is None else Speculator(
-            speculative, self.model, cache, block_size=block_size, prefix_caching=prefix_caching,
-            prefix_state_bytes=prefix_state_bytes, checkpoint_interval=prefix_checkpoint_interval,
-            flop_weight=prefix_flop_weight)
+            speculative, self.model, cache, block_size=c.block_size, prefix_caching=c.prefix_caching,
+            prefix_state_bytes=c.prefix_state_bytes, checkpoint_interval=c.prefix_checkpoint_interval,
+            flop_weight=c.prefix_flop_weight)
         self.drafter = None if speculative is None else self.speculator.drafter
-        self.set_length_limits(max_model_len, max_prompt_tokens)
-        self.scheduler = Scheduler(self.cache_manager, max_seqs=cache.ssm.num_slots, max_batch_tokens=max_batch_tokens,
-                                   long_prefill_tokens=long_prefill_tokens,
+        self.set_length_limits(c.max_model_len, c.max_prompt_tokens)
+        self.scheduler = Scheduler(self.cache_manager, max_seqs=cache.ssm.num_slots,
+                                   max_batch_tokens=c.max_batch_tokens, long_prefill_tokens=c.long_prefill_tokens,
                                    draft_tokens=None if speculative is None else self.speculator.allowance,
                                    on_release=None if speculative is None else self.speculator.release)
-        self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=compile,
-                                  compile_backend=compile_backend)
+        self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=c.compile,
+                                  compile_backend=c.compile_backend)
         # the model's own tokenizer (hybrid.from_pretrained attaches the checkpoint's) unless one is given: its
         # end-of-turn ids are where a request stops
         tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
@@ -193,6 +196,8 @@ class Engine:
         a checkpoint's context length; ValueError for limits that cannot hold. Requests already queued keep
         running."""
         self.max_model_len, self.max_prompt_tokens = length_limits(self.cache, max_model_len, max_prompt_tokens)
+        # the config records the limits asked for (None: the defaults), so it rebuilds an engine like this one
+        self.config = self.config.replace(max_model_len=max_model_len, max_prompt_tokens=max_prompt_tokens)
 
     def check_length(self, prompt_len: int, max_new_tokens: int, *, score_only: bool = False) -> None:
         """ValueError, naming the limit, for a prompt over ``max_prompt_tokens`` or prompt + ``max_new_tokens``

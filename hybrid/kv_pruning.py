@@ -211,3 +211,11 @@ def parse_policy(text: str) -> SnapKV | StreamingLLM:
         return cls(**kw)
     except TypeError as e:
         raise ValueError(f"{name}: {e}; fields are {', '.join(known)}") from None
+
+
+def policy_text(policy: SnapKV | StreamingLLM) -> str:
+    """The ``--kv-pruning`` text of ``policy``, every field spelled out: ``parse_policy(policy_text(p)) == p``
+    (how an :class:`hybrid.EngineConfig` stores its policy in JSON)."""
+    name = next(n for n, cls in _POLICIES.items() if isinstance(policy, cls))
+    values = {f: getattr(policy, f) for f in type(policy).__dataclass_fields__}
+    return f"{name}:" + ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in values.items())

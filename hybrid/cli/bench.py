@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from .common import (
     CLIError,
-    add_cache_dtype_args,
     add_model_args,
     models_from_args,
     non_negative_int,
@@ -13,6 +12,7 @@ from .common import (
     positive_int,
     threads_flag,
 )
+from .engine_args import add_engine_args
 
 
 def add_parser(sub) -> None:
@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefix-caching", action="store_true",
                    help="run the prefix-cache benchmark instead (shared system prompt of --lengths[-1] tokens, "
                         "a chat; cache off vs on; see benchmarks/prefix.py)")
-    add_cache_dtype_args(p)
+    add_engine_args(p, ("kv_dtype", "state_dtype"))
     p.set_defaults(func=run)
 
 
