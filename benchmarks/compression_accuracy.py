@@ -36,10 +36,10 @@ from hybrid.kernels import kv_quant
 from tqdm import tqdm
 
 from hybrid.cache import HybridCache, cache_dtypes
-from hybrid.cache_manager import CacheManager
+from hybrid.cache.manager import CacheManager
+from hybrid.cache.pruning import SnapKV, StreamingLLM
 from hybrid.engine import Engine
 from hybrid.engine_config import EngineConfig
-from hybrid.kv_pruning import SnapKV, StreamingLLM
 from hybrid.model import HybridLM
 from hybrid.packed_batch import SeqChunk, build_batch
 

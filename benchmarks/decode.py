@@ -59,6 +59,7 @@ from tqdm import tqdm
 
 from hybrid import recipes
 from hybrid.cache import sequences_that_fit
+from hybrid.cache.specs import CacheDtypes
 from hybrid.engine import Engine
 from hybrid.engine_config import EngineConfig
 from hybrid.layers.registry import cache_specs
@@ -67,7 +68,6 @@ from hybrid.pretrained import save_pretrained
 from hybrid.quantize import METHODS
 from hybrid.report import format_table
 from hybrid.sampling import SamplingParams
-from hybrid.specs import CacheDtypes
 
 
 def torch_read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:

@@ -134,7 +134,7 @@ def main(argv=None) -> None:
 
 def verify_path_rows(target, ks, batches, reps: int = 30) -> list[dict]:
     """One Mamba-2 layer's verify chunk: the closed form against k+1 step-op calls (median ms of ``reps``)."""
-    from hybrid.cache_views import StateCacheView, StateRows
+    from hybrid.cache.views import StateCacheView, StateRows
     from hybrid.speculative.verify_states import VerifyStates
 
     layer = next(b.mixer for b in target.layers if b.kind == "mamba2")

@@ -6,7 +6,7 @@ gpt-fast's ``generate.py``):
   stop ids gathered, seed drawn);
 - :class:`~hybrid.scheduler.Scheduler`: who runs this step and how many tokens (token budget, chunked
   prefill, newest-first preemption with recompute);
-- :mod:`~hybrid.cache_setup` builds and sizes the caches; :class:`~hybrid.cache_manager.CacheManager` is the
+- :mod:`~hybrid.cache.build` builds and sizes the caches; :class:`~hybrid.cache.manager.CacheManager` is the
   only code that hands out and takes back blocks and state slots;
 - :class:`~hybrid.model_runner.ModelRunner`: the step's metadata, built once; the eager or compiled
   forward; sampling on the device; which decode program and threads a step runs with;
@@ -14,7 +14,7 @@ gpt-fast's ``generate.py``):
 - :mod:`~hybrid.scoring`: prompt log-probabilities; :mod:`~hybrid.engine_stats`: the counters and step times;
 - :class:`~hybrid.speculative.speculator.Speculator`: drafting before the forward, verify and rollback after.
 
-``prefix_caching=True`` adds a :class:`~hybrid.prefix_cache.PrefixCache` to the cache manager: prompts that
+``prefix_caching=True`` adds a :class:`~hybrid.cache.prefix.PrefixCache` to the cache manager: prompts that
 start like earlier ones share their KV blocks and resume from saved Mamba state checkpoints, and prefill
 only the rest; outputs equal those with the cache off. :meth:`Engine.score` returns the log-probabilities
 of tokens given their prefix (lm-eval's loglikelihood), through the same cache.
@@ -33,8 +33,8 @@ import time
 import torch
 
 from .cache import HybridCache
-from .cache_manager import CacheManager
-from .cache_setup import engine_cache, prefix_cache_for
+from .cache.build import engine_cache, prefix_cache_for
+from .cache.manager import CacheManager
 from .engine_config import EngineConfig
 from .engine_stats import EngineStats
 from .input_processor import InputProcessor
@@ -63,7 +63,7 @@ class Engine:
     eager; greedy tokens equal the eager engine's); ``compile_backend`` is torch.compile's backend
     (``"inductor"`` generates fused code; ``"aot_eager"`` only captures the graph, for debugging).
 
-    ``prefix_caching=True`` keeps computed prefixes (see :mod:`hybrid.prefix_cache`): KV blocks live in the
+    ``prefix_caching=True`` keeps computed prefixes (see :mod:`hybrid.cache.prefix`): KV blocks live in the
     KV pool beside the live sequences' and give way to them; Mamba state checkpoints take at most
     ``prefix_state_bytes`` (default 256 MiB) of their own. ``prefix_checkpoint_interval`` also saves a
     checkpoint every that many tokens of a prefill (None: only at branch points, prompt ends and where a
@@ -79,8 +79,8 @@ class Engine:
     model's dtype, SSM state fp32; see :func:`hybrid.cache.cache_dtypes`); the state set aside for
     ``max_seqs`` sequences is paid first from the one byte budget, the KV pool gets the rest.
     ``stochastic_state`` rounds int8 / bf16 state writes stochastically. ``kv_pruning``: a
-    :class:`hybrid.kv_pruning.StreamingLLM` keeps only attention sinks + a recent window per sequence; a
-    :class:`hybrid.kv_pruning.SnapKV` compresses each prompt longer than its budget once it is prefilled
+    :class:`hybrid.cache.pruning.StreamingLLM` keeps only attention sinks + a recent window per sequence; a
+    :class:`hybrid.cache.pruning.SnapKV` compresses each prompt longer than its budget once it is prefilled
     (per KV head, the positions the prompt's last window attends to most); ``cache.report()`` counts the
     blocks either gave back.
 

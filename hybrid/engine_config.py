@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .cache.pruning import SnapKV, StreamingLLM, parse_policy, policy_text
 from .kernels.kv_quant import KV_DTYPES, STATE_DTYPES, parse_dtype
-from .kv_pruning import SnapKV, StreamingLLM, parse_policy, policy_text
 from .speculative.config import SpeculativeConfig
 
 # the fields that must be ints >= the bound (None allowed where the default is None)
@@ -42,8 +42,8 @@ class EngineConfig:
     Cache: ``num_blocks`` KV blocks of ``block_size`` tokens, or ``cache_bytes`` (default 256 MiB when neither is
     given; not both); ``kv_dtype`` (bfloat16, float16, float32, int8, fp8) and ``state_dtype`` (float32, bfloat16,
     int8) compress it (None: K/V in the model's dtype, SSM state fp32), ``stochastic_state`` rounds state writes
-    stochastically; ``kv_pruning`` is a :class:`~hybrid.kv_pruning.StreamingLLM` / :class:`~hybrid.kv_pruning.SnapKV`
-    or its ``--kv-pruning`` text (``"snapkv:budget=256"``).
+    stochastically; ``kv_pruning`` is a :class:`~hybrid.cache.pruning.StreamingLLM` /
+    :class:`~hybrid.cache.pruning.SnapKV` or its ``--kv-pruning`` text (``"snapkv:budget=256"``).
 
     Prefix cache: ``prefix_caching`` on; Mamba checkpoints take at most ``prefix_state_bytes`` (default 256 MiB),
     one every ``prefix_checkpoint_interval`` prompt tokens as well (None: at branch points and ends only);

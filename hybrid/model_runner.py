@@ -21,7 +21,7 @@ import time
 import torch
 
 from .cache import NULL_BLOCK, HybridCache
-from .cache_manager import CacheManager
+from .cache.manager import CacheManager
 from .decode_inputs import DecodeInputs
 from .kernels import native
 from .layers import fused_decode

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.cache import HybridCache
-from hybrid.cache_manager import CacheManager
+from hybrid.cache.manager import CacheManager
 from hybrid.model import HybridLM
 from hybrid.packed_batch import SeqChunk, build_batch
 

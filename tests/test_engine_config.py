@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from hybrid import Engine, EngineConfig, HybridLM, SpeculativeConfig, recipes
+from hybrid.cache.pruning import SnapKV, StreamingLLM
 from hybrid.cli import build_parser
 from hybrid.cli.engine_args import FLAGS, engine_config
 from hybrid.cli.errors import CLIError
-from hybrid.kv_pruning import SnapKV, StreamingLLM
 
 ROOT = Path(__file__).resolve().parents[1]
 

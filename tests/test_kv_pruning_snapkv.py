@@ -9,7 +9,7 @@ import torch
 
 from hybrid import Engine, HybridLM, SamplingParams, recipes
 from hybrid.cache import NULL_BLOCK
-from hybrid.kv_pruning import SnapKV, StreamingLLM, parse_policy
+from hybrid.cache.pruning import SnapKV, StreamingLLM, parse_policy
 from hybrid.speculative.config import SpeculativeConfig
 
 BS = 4

@@ -1,12 +1,12 @@
 """How an engine's caches are built and sized: the target's :class:`~hybrid.cache.HybridCache` from a block
-count or a byte budget with its dtypes and KV pruning, the :class:`~hybrid.prefix_cache.PrefixCache` beside it,
+count or a byte budget with its dtypes and KV pruning, the :class:`~hybrid.cache.prefix.PrefixCache` beside it,
 and a draft model's cache sized to the target's (after vLLM v1's ``kv_cache_utils``: sizing is decided once,
 before the cache manager hands anything out)."""
 
 from __future__ import annotations
 
-from .cache import HybridCache, cache_dtypes
-from .prefix_cache import PrefixCache, prefill_flops_fn
+from .pools import HybridCache, cache_dtypes
+from .prefix import PrefixCache, prefill_flops_fn
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 DEFAULT_PREFIX_STATE_BYTES = 256 * 2**20

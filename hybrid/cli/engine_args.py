@@ -29,7 +29,7 @@ def _state_dtype(p, default):
 
 
 def kv_pruning_arg(text: str):
-    from ..kv_pruning import parse_policy
+    from ..cache.pruning import parse_policy
 
     try:
         return parse_policy(text)

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from ..cache_manager import CacheManager
-from ..cache_setup import draft_cache, prefix_cache_for
+from ..cache.build import draft_cache, prefix_cache_for
+from ..cache.manager import CacheManager
 from ..output_processor import process_token
 from ..request import Request, RequestOutput
 from .config import SpeculativeConfig
