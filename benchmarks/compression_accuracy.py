@@ -39,9 +39,9 @@ from hybrid.cache import HybridCache, cache_dtypes
 from hybrid.cache.manager import CacheManager
 from hybrid.cache.pruning import SnapKV, StreamingLLM
 from hybrid.engine import Engine
-from hybrid.engine_config import EngineConfig
+from hybrid.engine.config import EngineConfig
+from hybrid.engine.packed_batch import SeqChunk, build_batch
 from hybrid.model import HybridLM
-from hybrid.packed_batch import SeqChunk, build_batch
 
 # the dtype pairs (K/V, state): the four the tables compare, and each part compressed alone
 PAIRS = [("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("int8", "int8"), ("fp8", "bfloat16")]

@@ -61,7 +61,7 @@ from hybrid import recipes
 from hybrid.cache import sequences_that_fit
 from hybrid.cache.specs import CacheDtypes
 from hybrid.engine import Engine
-from hybrid.engine_config import EngineConfig
+from hybrid.engine.config import EngineConfig
 from hybrid.layers.registry import cache_specs
 from hybrid.model import HybridLM
 from hybrid.pretrained import save_pretrained

@@ -219,7 +219,7 @@ def bench_recipe(name: str, args) -> list[dict]:
 
     from hybrid import recipes
     from hybrid.engine import Engine
-    from hybrid.engine_config import EngineConfig
+    from hybrid.engine.config import EngineConfig
     from hybrid.model import HybridLM
     from hybrid.tokenizer import load_tokenizer
 

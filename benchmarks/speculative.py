@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from hybrid.config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from hybrid.engine import Engine
-from hybrid.engine_config import EngineConfig
+from hybrid.engine.config import EngineConfig
 from hybrid.model import HybridLM
 from hybrid.pretrained import from_pretrained, save_pretrained
 from hybrid.report import format_table

@@ -9,7 +9,7 @@ import time
 import torch
 
 from ..engine import Engine
-from ..engine_config import EngineConfig
+from ..engine.config import EngineConfig
 from ..model import HybridLM
 from ..sampling import SamplingParams
 

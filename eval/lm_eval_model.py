@@ -31,7 +31,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from ..engine_config import EngineConfig
+from ..engine.config import EngineConfig
 from ..kernels.dispatch import use_backend
 from ..model import HybridLM
 from ..tokenizer import load_tokenizer

@@ -260,7 +260,7 @@ def engine_prefill_fn(model: HybridLM, seq_len: int, *, chunk: int = 2048, block
     own prompt path, cache writes and last-token logits included. One engine, sized for the prompt,
     serves every call (a finished request frees its blocks)."""
     from ..engine import Engine
-    from ..engine_config import EngineConfig
+    from ..engine.config import EngineConfig
     from ..sampling import SamplingParams
 
     device = next(model.parameters()).device

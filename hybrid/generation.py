@@ -5,7 +5,7 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from .engine import Engine
-from .engine_config import EngineConfig
+from .engine.config import EngineConfig
 from .sampling import SamplingParams
 
 # The cache generate() builds holds every prompt at full length at once when that fits here;

@@ -9,7 +9,7 @@ from conftest import rel_err
 import hybrid
 from hybrid import Engine, HybridCache, HybridLM, SamplingParams, recipes
 from hybrid.cache.manager import CacheManager
-from hybrid.packed_batch import SeqChunk, build_batch
+from hybrid.engine.packed_batch import SeqChunk, build_batch
 
 TINY = [n for n in recipes.names() if n.endswith("-tiny")]
 

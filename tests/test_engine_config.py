@@ -167,3 +167,14 @@ def test_a_value_the_config_refuses_names_the_flag():
                                       "--prefix-caching"])
     with pytest.raises(CLIError, match="kv_pruning with prefix_caching is not supported"):
         engine_config(args)
+
+
+def test_a_bench_record_stores_the_exact_engine(tmp_path):
+    from hybrid.cli import main
+
+    out = tmp_path / "bench.json"
+    main(["bench", "--recipe", "llama-tiny", "--lengths", "8", "--repeats", "1", "--warmup", "0", "--no-peak",
+          "--decode-tokens", "2", "--decode-ctx", "8", "--kv-dtype", "int8", "--output", str(out)])
+    stored = json.loads(out.read_text())["engine_configs"]["llama-tiny"]
+    config = EngineConfig.from_dict(stored)
+    assert config.kv_dtype == "int8" and config.max_seqs == 1 and config.to_dict() == stored

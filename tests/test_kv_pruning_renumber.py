@@ -16,9 +16,9 @@ from hybrid.cache import NULL_BLOCK, PagedKVCache
 from hybrid.cache.manager import CacheManager
 from hybrid.cache.pruning import StreamingLLM, parse_policy
 from hybrid.engine import Engine
+from hybrid.engine.packed_batch import SeqChunk, build_batch
 from hybrid.layers.attention import Attention
 from hybrid.layers.rope import RotaryEmbedding
-from hybrid.packed_batch import SeqChunk, build_batch
 
 
 def paper_attention(q0, k0, v, policy, rope, query_pos):

@@ -17,7 +17,7 @@ def engine_cache(model, cache: HybridCache | None, *, num_blocks: int | None, ca
                  kv_pruning) -> HybridCache:
     """``cache``, or one built for ``model`` from ``num_blocks`` KV blocks or ``cache_bytes`` (default
     :data:`DEFAULT_CACHE_BYTES`) in the dtypes asked for; with ``kv_pruning`` set on its KV pool (that pruning
-    and prefix caching exclude each other is the :class:`~hybrid.engine_config.EngineConfig`'s check)."""
+    and prefix caching exclude each other is the :class:`~hybrid.engine.config.EngineConfig`'s check)."""
     if cache is None:
         if num_blocks is None and cache_bytes is None:
             cache_bytes = DEFAULT_CACHE_BYTES

@@ -78,12 +78,12 @@ class AttentionCacheView:
         return {**self._op_kw, "q_sinks": queries.sinks[group.tokens]}
 
     def decode(self, queries: AttentionQueries, group) -> torch.Tensor:
-        """The one-token sequences (a :class:`~hybrid.packed_batch.SeqGroup`) -> [n, Hq, D]."""
+        """The one-token sequences (a :class:`~hybrid.engine.packed_batch.SeqGroup`) -> [n, Hq, D]."""
         return kernels.paged_decode_attention(queries.q[group.tokens], self.k_pool, self.v_pool, group.seq_lens,
                                               group.block_tables, window=self.window, **self._kw(queries, group))
 
     def prefill(self, queries: AttentionQueries, group) -> torch.Tensor:
-        """The prompts and prompt chunks (a :class:`~hybrid.packed_batch.SeqGroup`) -> [rows, Hq, D]."""
+        """The prompts and prompt chunks (a :class:`~hybrid.engine.packed_batch.SeqGroup`) -> [rows, Hq, D]."""
         return kernels.paged_prefill_attention(queries.q[group.tokens], self.k_pool, self.v_pool, group.cu_seqlens,
                                                group.seq_lens, group.block_tables, window=self.window,
                                                **self._kw(queries, group))

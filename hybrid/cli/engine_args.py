@@ -109,7 +109,7 @@ FLAG_NAMES = {"max_batch_tokens": "--max-batch-tokens", "speculative": "--draft-
 def add_engine_args(p: argparse.ArgumentParser, names=tuple(FLAGS), **defaults) -> None:
     """Add the flags of the EngineConfig fields ``names`` to ``p``; ``defaults``: the sub-command's own defaults
     (otherwise EngineConfig's)."""
-    from ..engine_config import EngineConfig
+    from ..engine.config import EngineConfig
 
     unknown = sorted(set(names) - set(FLAGS)) + sorted(set(defaults) - set(names))
     if unknown:
@@ -126,7 +126,7 @@ def flag_name(field: str) -> str:
 def engine_config(args, model=None, **overrides):
     """The EngineConfig of the parsed flags, ``overrides`` on top (what the sub-command decides itself); with
     ``model`` the speculative flags too. A value the config refuses is a CLIError naming the flag."""
-    from ..engine_config import EngineConfig
+    from ..engine.config import EngineConfig
 
     if model is not None and "speculative" not in overrides and hasattr(args, "ngram"):
         overrides["speculative"] = speculative_config(args, model)

@@ -184,7 +184,7 @@ def generate_documents(model, tokenizer, prompts: list[list[int]], *, n_tokens: 
     """Sample answers to ``prompts`` (in order, ``max_seqs`` in flight) until the documents (prompt + answer
     tokens) hold ``n_tokens``; returns the documents and counts (samples, dropped by the guard, tokens/s)."""
     from ..engine import Engine
-    from ..engine_config import EngineConfig
+    from ..engine.config import EngineConfig
     from ..sampling import SamplingParams
 
     longest = max(len(p) for p in prompts) + MAX_NEW_TOKENS

@@ -17,9 +17,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .cache.pruning import SnapKV, StreamingLLM, parse_policy, policy_text
-from .kernels.kv_quant import KV_DTYPES, STATE_DTYPES, parse_dtype
-from .speculative.config import SpeculativeConfig
+from ..cache.pruning import SnapKV, StreamingLLM, parse_policy, policy_text
+from ..kernels.kv_quant import KV_DTYPES, STATE_DTYPES, parse_dtype
+from ..speculative.config import SpeculativeConfig
 
 # the fields that must be ints >= the bound (None allowed where the default is None)
 _AT_LEAST = {"max_seqs": 1, "max_batch_tokens": 1, "block_size": 1, "multi_step": 1, "long_prefill_tokens": 1,

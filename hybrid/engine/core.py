@@ -2,16 +2,16 @@
 coordinator over the rooms that own everything else (after vLLM's v1 engine; the loop itself is short, as in
 gpt-fast's ``generate.py``):
 
-- :class:`~hybrid.input_processor.InputProcessor`: a prompt and its parameters become a request (checked,
+- :class:`~hybrid.engine.input.InputProcessor`: a prompt and its parameters become a request (checked,
   stop ids gathered, seed drawn);
-- :class:`~hybrid.scheduler.Scheduler`: who runs this step and how many tokens (token budget, chunked
+- :class:`~hybrid.engine.scheduler.Scheduler`: who runs this step and how many tokens (token budget, chunked
   prefill, newest-first preemption with recompute);
 - :mod:`~hybrid.cache.build` builds and sizes the caches; :class:`~hybrid.cache.manager.CacheManager` is the
   only code that hands out and takes back blocks and state slots;
-- :class:`~hybrid.model_runner.ModelRunner`: the step's metadata, built once; the eager or compiled
+- :class:`~hybrid.engine.runner.ModelRunner`: the step's metadata, built once; the eager or compiled
   forward; sampling on the device; which decode program and threads a step runs with;
-- :mod:`~hybrid.output_processor`: stop ids and strings, length limit, detokenising;
-- :mod:`~hybrid.scoring`: prompt log-probabilities; :mod:`~hybrid.engine_stats`: the counters and step times;
+- :mod:`~hybrid.engine.output`: stop ids and strings, length limit, detokenising;
+- :mod:`~hybrid.scoring`: prompt log-probabilities; :mod:`~hybrid.engine.stats`: the counters and step times;
 - :class:`~hybrid.speculative.speculator.Speculator`: drafting before the forward, verify and rollback after.
 
 ``prefix_caching=True`` adds a :class:`~hybrid.cache.prefix.PrefixCache` to the cache manager: prompts that
@@ -32,26 +32,26 @@ import time
 
 import torch
 
-from .cache import HybridCache
-from .cache.build import engine_cache, prefix_cache_for
-from .cache.manager import CacheManager
-from .engine_config import EngineConfig
-from .engine_stats import EngineStats
-from .input_processor import InputProcessor
-from .model_runner import ModelRunner
-from .output_processor import process_token
+from ..cache import HybridCache
+from ..cache.build import engine_cache, prefix_cache_for
+from ..cache.manager import CacheManager
+from ..sampling import SamplingParams
+from ..scoring import ScoreResult, record_logprobs, scored_positions
+from ..speculative.speculator import Speculator
+from .config import EngineConfig
+from .input import InputProcessor
+from .output import process_token
 from .packed_batch import SeqChunk
 from .request import Request, RequestOutput
-from .sampling import SamplingParams
+from .runner import ModelRunner
 from .scheduler import Scheduler
-from .scoring import ScoreResult, record_logprobs, scored_positions
-from .speculative.speculator import Speculator
+from .stats import EngineStats
 
 
 class Engine:
     """Serve many generation requests on one model with continuous batching.
 
-    Its settings are one :class:`~hybrid.engine_config.EngineConfig` (``Engine(model, config=EngineConfig(...))``);
+    Its settings are one :class:`~hybrid.engine.config.EngineConfig` (``Engine(model, config=EngineConfig(...))``);
     keyword settings (``Engine(model, max_seqs=4)``) build one, or change a given one's fields. ``cache``: a
     :class:`HybridCache` to use instead of building one; ``tokenizer``: where stop strings and text come from
     (default: the model's own). The settings:
@@ -86,7 +86,7 @@ class Engine:
 
     ``long_prefill_tokens``: a running prefill with more than this many tokens left (default: ``max_batch_tokens``)
     is *long*: each step it takes only the budget that decodes, shorter prefills and newly arrived requests leave
-    (see :mod:`hybrid.scheduler`), so a long prompt never holds up a request that arrives while it is prefilled.
+    (see :mod:`hybrid.engine.scheduler`), so a long prompt never holds up a request that arrives while it is prefilled.
     ``add_request(..., priority=p)``: lower values are scheduled first (vLLM's ``priority``), ties by arrival.
 
     ``max_model_len``: the most tokens (prompt + ``max_new_tokens``) one request may have; default: what the KV

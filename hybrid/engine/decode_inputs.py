@@ -19,7 +19,7 @@ import array
 
 import torch
 
-from .cache.manager import CacheManager
+from ..cache.manager import CacheManager
 from .packed_batch import SeqChunk
 
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .cache.manager import CacheManager
-from .cache.pruning import ObservedRows
-from .kernels.packing import with_host_values
-from .speculative.verify_states import VerifyStates
+from ..cache.manager import CacheManager
+from ..cache.pruning import ObservedRows
+from ..kernels.packing import with_host_values
+from ..speculative.verify_states import VerifyStates
 
 
 @dataclass(frozen=True)

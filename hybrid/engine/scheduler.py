@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from itertools import islice
 
-from .cache.manager import CacheManager
+from ..cache.manager import CacheManager
 from .request import Request
 
 

@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..cache.manager import CacheManager
-from ..packed_batch import SeqChunk, build_batch
+from ..engine.packed_batch import SeqChunk, build_batch
 from .verifier import DRAFT_SALT, draw, stream_uniforms, token_probs
 
 

@@ -15,8 +15,8 @@ import torch
 
 from ..cache.build import draft_cache, prefix_cache_for
 from ..cache.manager import CacheManager
-from ..output_processor import process_token
-from ..request import Request, RequestOutput
+from ..engine.output import process_token
+from ..engine.request import Request, RequestOutput
 from .config import SpeculativeConfig
 from .verifier import ACCEPT_SALT, stream_uniforms, token_probs, verify
 
