@@ -162,11 +162,13 @@ def test_a_value_the_config_refuses_names_the_flag():
     args = build_parser().parse_args(["serve", "--recipe", "llama-tiny", "--max-model-len", "8",
                                       "--max-prompt-tokens", "8"])
     with pytest.raises(CLIError, match="--max-prompt-tokens 8 leaves no room to generate within --max-model-len 8"):
-        engine_config(args)
+        engine_config(args, tiny())
     args = build_parser().parse_args(["serve", "--recipe", "llama-tiny", "--kv-pruning", "snapkv:budget=64",
                                       "--prefix-caching"])
     with pytest.raises(CLIError, match="kv_pruning with prefix_caching is not supported"):
-        engine_config(args)
+        engine_config(args, tiny())
+    with pytest.raises(TypeError, match="the speculative flags need the target model"):
+        engine_config(args)  # serve offers --ngram: without the model it would be dropped
 
 
 def test_a_bench_record_stores_the_exact_engine(tmp_path):

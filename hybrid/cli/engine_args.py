@@ -128,7 +128,9 @@ def engine_config(args, model=None, **overrides):
     ``model`` the speculative flags too. A value the config refuses is a CLIError naming the flag."""
     from ..engine.config import EngineConfig
 
-    if model is not None and "speculative" not in overrides and hasattr(args, "ngram"):
+    if "speculative" not in overrides and hasattr(args, "ngram"):
+        if model is None:  # a sub-command offering the flags must pass its model, or they would be dropped silently
+            raise TypeError("engine_config(args, model): the speculative flags need the target model")
         overrides["speculative"] = speculative_config(args, model)
     try:
         return EngineConfig.from_args(args, **overrides)
