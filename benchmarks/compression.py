@@ -43,9 +43,9 @@ from tqdm import tqdm
 
 from hybrid import recipes
 from hybrid.cache import HybridCache, cache_dtypes, sequences_that_fit
-from hybrid.cache_manager import CacheManager
+from hybrid.cache.manager import CacheManager
+from hybrid.engine.packed_batch import SeqChunk, build_batch
 from hybrid.model import HybridLM
-from hybrid.packed_batch import SeqChunk, build_batch
 from hybrid.report import format_table
 
 from . import compression_accuracy as ca

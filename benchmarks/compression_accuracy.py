@@ -36,11 +36,12 @@ from hybrid.kernels import kv_quant
 from tqdm import tqdm
 
 from hybrid.cache import HybridCache, cache_dtypes
-from hybrid.cache_manager import CacheManager
+from hybrid.cache.manager import CacheManager
+from hybrid.cache.pruning import SnapKV, StreamingLLM
 from hybrid.engine import Engine
-from hybrid.kv_pruning import SnapKV, StreamingLLM
+from hybrid.engine.config import EngineConfig
+from hybrid.engine.packed_batch import SeqChunk, build_batch
 from hybrid.model import HybridLM
-from hybrid.packed_batch import SeqChunk, build_batch
 
 # the dtype pairs (K/V, state): the four the tables compare, and each part compressed alone
 PAIRS = [("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("int8", "int8"), ("fp8", "bfloat16")]
@@ -275,8 +276,8 @@ def pruned_logits(model: HybridLM, inputs: torch.Tensor, prompt_len: int, policy
     Also the KV blocks a sequence holds at the end and, for SnapKV, per (sequence, layer, KV head) the share
     of the first ``watch`` positions it kept."""
     B, L = inputs.shape
-    engine = Engine(model, num_blocks=B * -(-L // BLOCK_SIZE) + 1, block_size=BLOCK_SIZE, max_seqs=B,
-                    max_batch_tokens=B * L, kv_pruning=policy)
+    engine = Engine(model, EngineConfig(num_blocks=B * -(-L // BLOCK_SIZE) + 1, block_size=BLOCK_SIZE, max_seqs=B,
+                                        max_batch_tokens=B * L, kv_pruning=policy))
     m, cache, rows = engine.cache_manager, engine.cache, inputs.tolist()
     for b in range(B):
         m.admit(b, prompt_len, m.plan(rows[b], prompt_len, 0))

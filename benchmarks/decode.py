@@ -59,14 +59,15 @@ from tqdm import tqdm
 
 from hybrid import recipes
 from hybrid.cache import sequences_that_fit
+from hybrid.cache.specs import CacheDtypes
 from hybrid.engine import Engine
+from hybrid.engine.config import EngineConfig
 from hybrid.layers.registry import cache_specs
 from hybrid.model import HybridLM
 from hybrid.pretrained import save_pretrained
 from hybrid.quantize import METHODS
 from hybrid.report import format_table
 from hybrid.sampling import SamplingParams
-from hybrid.specs import CacheDtypes
 
 
 def torch_read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
@@ -211,8 +212,8 @@ def prefill_speed(model: HybridLM, context: int, repeats: int) -> dict:
     """One prompt of ``context`` tokens prefilled in one engine step (sampling its first token)."""
     times = []
     for r in range(repeats + 1):  # the first run warms up and is not counted
-        engine = Engine(model, num_blocks=-(-context // BLOCK) + 1, block_size=BLOCK, max_seqs=1,
-                        max_batch_tokens=context)
+        engine = Engine(model, EngineConfig(num_blocks=-(-context // BLOCK) + 1, block_size=BLOCK, max_seqs=1,
+                                            max_batch_tokens=context))
         engine.add_request(random_prompt(model, context, r), SamplingParams(max_new_tokens=1))
         sync(model)
         t0 = time.perf_counter()
@@ -298,8 +299,8 @@ def hf_decode(hf, prompt: list[int], batch: int, new_tokens: int) -> tuple[float
 
 @torch.inference_mode()
 def ours_greedy(model: HybridLM, prompt: list[int], new_tokens: int) -> list[int]:
-    engine = Engine(model, num_blocks=-(-(len(prompt) + new_tokens) // BLOCK) + 1, block_size=BLOCK, max_seqs=1,
-                    max_batch_tokens=len(prompt))
+    engine = Engine(model, EngineConfig(num_blocks=-(-(len(prompt) + new_tokens) // BLOCK) + 1, block_size=BLOCK,
+                                        max_seqs=1, max_batch_tokens=len(prompt)))
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     engine.run()
     return engine.requests[rid].output

@@ -23,7 +23,7 @@ from os.path import commonprefix
 import torch
 from tqdm import tqdm
 
-from hybrid import Engine, HybridLM, SamplingParams, recipes
+from hybrid import Engine, EngineConfig, HybridLM, SamplingParams, recipes
 
 
 def _spread(xs: list[float]) -> dict:
@@ -40,9 +40,9 @@ def truly_shared(prompts: list[list[int]], seen: list[list[int]] | None = None) 
 
 
 def _engine(model, on: bool, args) -> Engine:
-    return Engine(model, cache_bytes=args.cache_mib * 2**20, max_seqs=args.max_seqs,
-                  max_batch_tokens=args.max_batch_tokens, prefix_caching=on,
-                  prefix_state_bytes=args.state_mib * 2**20 if on else None)
+    return Engine(model, EngineConfig(cache_bytes=args.cache_mib * 2**20, max_seqs=args.max_seqs,
+                                      max_batch_tokens=args.max_batch_tokens, prefix_caching=on,
+                                      prefix_state_bytes=args.state_mib * 2**20 if on else None))
 
 
 def bench_shared(model, args, on: bool, g) -> dict:

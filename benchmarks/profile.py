@@ -106,11 +106,12 @@ def _run_fn(model, seq_len: int, engine_chunk: int | None, logits: str = "last")
     if engine_chunk is None:
         keep = 1 if logits == "last" else 0
         return lambda: model(ids, logits_to_keep=keep)
-    from hybrid import Engine, SamplingParams
+    from hybrid import Engine, EngineConfig, SamplingParams
+
+    config = EngineConfig(max_seqs=1, max_batch_tokens=engine_chunk, cache_bytes=_engine_cache_bytes(model, seq_len))
 
     def run():
-        engine = Engine(model, max_seqs=1, max_batch_tokens=engine_chunk,
-                        cache_bytes=_engine_cache_bytes(model, seq_len))
+        engine = Engine(model, config)
         engine.add_request(ids[0].tolist(), SamplingParams(max_new_tokens=1))
         while engine.has_unfinished():
             engine.step()

@@ -219,6 +219,7 @@ def bench_recipe(name: str, args) -> list[dict]:
 
     from hybrid import recipes
     from hybrid.engine import Engine
+    from hybrid.engine.config import EngineConfig
     from hybrid.model import HybridLM
     from hybrid.tokenizer import load_tokenizer
 
@@ -243,8 +244,8 @@ def bench_recipe(name: str, args) -> list[dict]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = HybridLM(recipes.get(name)).to(getattr(torch, args.dtype)).eval()
-    engine = Engine(model, cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
-                    max_batch_tokens=args.max_batch_tokens, tokenizer=load_tokenizer(None))
+    engine = Engine(model, EngineConfig(cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
+                                        max_batch_tokens=args.max_batch_tokens), tokenizer=load_tokenizer(None))
     engine_load(engine, 1, args.prompt_len, 4, vocab, 0.0, seed=999)  # warm-up
     for c in tqdm(args.clients, desc=f"{name} in-process engine", unit="level"):
         rows.append({"recipe": name, "path": "engine", "clients": c,

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from hybrid.config import AttentionConfig, HybridConfig, Mamba2Config, MLPConfig
 from hybrid.engine import Engine
+from hybrid.engine.config import EngineConfig
 from hybrid.model import HybridLM
 from hybrid.pretrained import from_pretrained, save_pretrained
 from hybrid.report import format_table
@@ -89,8 +90,8 @@ def load_or_train(path: Path, cfg, *, steps, length, seed, desc) -> HybridLM:
 
 
 def run_once(target, spec, prompts, new_tokens):
-    engine = Engine(target, num_blocks=64 * len(prompts), block_size=16, max_seqs=len(prompts), max_batch_tokens=1024,
-                    speculative=spec)
+    engine = Engine(target, EngineConfig(num_blocks=64 * len(prompts), block_size=16, max_seqs=len(prompts),
+                                         max_batch_tokens=1024, speculative=spec))
     for p in prompts:
         engine.add_request(p, SamplingParams(max_new_tokens=new_tokens))
     engine.run()
@@ -133,7 +134,7 @@ def main(argv=None) -> None:
 
 def verify_path_rows(target, ks, batches, reps: int = 30) -> list[dict]:
     """One Mamba-2 layer's verify chunk: the closed form against k+1 step-op calls (median ms of ``reps``)."""
-    from hybrid.cache_views import StateCacheView, StateRows
+    from hybrid.cache.views import StateCacheView, StateRows
     from hybrid.speculative.verify_states import VerifyStates
 
     layer = next(b.mixer for b in target.layers if b.kind == "mamba2")

@@ -9,6 +9,7 @@ import time
 import torch
 
 from ..engine import Engine
+from ..engine.config import EngineConfig
 from ..model import HybridLM
 from ..sampling import SamplingParams
 
@@ -42,8 +43,9 @@ def decode_engine(model: HybridLM, batch: int, context: int, *, steps: int, comp
     blocks = -(-(context + new) // BLOCK) + (batch - 1) * (-(-new // BLOCK) + 1)  # shared prompt + own tails
     # a step's token budget must hold the whole batch (one token each) as well as the prompt: with the prompt's
     # alone, a batch wider than its context decoded part of its rows a step
-    engine = Engine(model, num_blocks=blocks, block_size=BLOCK, max_seqs=batch, max_batch_tokens=max(context, batch),
-                    compile=compile, kv_dtype=kv_dtype, state_dtype=state_dtype, multi_step=multi_step)
+    engine = Engine(model, EngineConfig(num_blocks=blocks, block_size=BLOCK, max_seqs=batch,
+                                        max_batch_tokens=max(context, batch), compile=compile, kv_dtype=kv_dtype,
+                                        state_dtype=state_dtype, multi_step=multi_step))
     rid = engine.add_request(random_prompt(model, context, 0), SamplingParams(max_new_tokens=new, ignore_eos=True))
     while not engine.requests[rid].output:
         engine.step()  # the prompt, prefilled once

@@ -31,6 +31,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from ..engine.config import EngineConfig
 from ..kernels.dispatch import use_backend
 from ..model import HybridLM
 from ..tokenizer import load_tokenizer
@@ -97,11 +98,12 @@ class HybridEvalLM(TemplateLM):
         self.prefix_caching = str(prefix_caching).lower() in ("true", "1", "yes")
         if str(prefix_caching).lower() not in ("true", "1", "yes", "false", "0", "no"):
             raise ValueError(f"prefix_caching must be true or false, got {prefix_caching!r}")
-        self._engine_args = dict(cache_bytes=int(cache_bytes), max_batch_tokens=int(max_batch_tokens),
-                                 max_seqs=self.batch_size,
-                                 prefix_state_bytes=None if prefix_state_bytes is None else int(prefix_state_bytes),
-                                 prefix_checkpoint_interval=None if prefix_checkpoint_interval is None
-                                 else int(prefix_checkpoint_interval))
+        # lm-eval passes model_args as strings; the config is checked here, before any request runs
+        self.engine_config = EngineConfig(
+            cache_bytes=int(cache_bytes), max_batch_tokens=int(max_batch_tokens), max_seqs=self.batch_size,
+            prefix_caching=True,
+            prefix_state_bytes=None if prefix_state_bytes is None else int(prefix_state_bytes),
+            prefix_checkpoint_interval=None if prefix_checkpoint_interval is None else int(prefix_checkpoint_interval))
         self.engine = None
         self.tokens_computed = 0  # model input positions run for log-likelihoods (both paths)
         self._device = resolve_device(device)
@@ -217,7 +219,7 @@ class HybridEvalLM(TemplateLM):
         from ..engine import Engine
 
         if self.engine is None:
-            self.engine = Engine(self.model, prefix_caching=True, **self._engine_args)
+            self.engine = Engine(self.model, self.engine_config)
         order = sorted(inputs)  # token order: inputs sharing a prefix are neighbours
         # each input once; the rows score every continuation token but the last, which next_logprobs gives
         jobs = [(list(inp), len(inp) - min(len(requests[n][2]) for n in inputs[inp]) + 1) for inp in order]

@@ -199,8 +199,8 @@ def param_groups(model: HybridLM, cfg: TrainConfig) -> list[dict]:
     Mamba-1/2), ``cfg.state_lr_scale`` times it for every other constant-state layer (Gated DeltaNet, GLA, ...).
     The kinds are told apart by what their layer classes declare (``hybrid.layers.registry``), not by name, so a
     new mixer kind needs no edit here."""
+    from ..cache.specs import AttentionSpec, CacheDtypes, ConstantStateSpec, MambaStateSpec
     from ..layers.registry import layer_class
-    from ..specs import AttentionSpec, CacheDtypes, ConstantStateSpec, MambaStateSpec
 
     dtypes = CacheDtypes(torch.float32, torch.float32, torch.float32)
     specs = [layer_class(block.kind).cache_spec(model.config, dtypes) for block in model.layers]

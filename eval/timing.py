@@ -260,11 +260,12 @@ def engine_prefill_fn(model: HybridLM, seq_len: int, *, chunk: int = 2048, block
     own prompt path, cache writes and last-token logits included. One engine, sized for the prompt,
     serves every call (a finished request frees its blocks)."""
     from ..engine import Engine
+    from ..engine.config import EngineConfig
     from ..sampling import SamplingParams
 
     device = next(model.parameters()).device
-    engine = Engine(model, num_blocks=-(-seq_len // block_size), block_size=block_size, max_seqs=1,
-                    max_batch_tokens=chunk)
+    engine = Engine(model, EngineConfig(num_blocks=-(-seq_len // block_size), block_size=block_size, max_seqs=1,
+                                        max_batch_tokens=chunk))
     prompt = torch.randint(0, model.config.vocab_size, (seq_len,),
                            generator=torch.Generator().manual_seed(seed)).tolist()
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)

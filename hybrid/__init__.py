@@ -15,14 +15,14 @@ from .config import (
     MLPConfig,
     MoEConfig,
 )
-from .engine import Engine
+from .engine import Engine, EngineConfig
+from .engine.request import RequestOutput
 from .generation import generate
 from .model import HybridLM
 from .pattern import PatternError, attention_share, blocks_pattern, parse_pattern, ratio_pattern
 from .pretrained import from_pretrained, save_pretrained
 from .pretrained_names import NAMED_MODELS, pretrained_path
 from .quantize import quantize
-from .request import RequestOutput
 from .sampling import SamplingParams
 from .speculative import SpeculativeConfig
 from .tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
@@ -37,8 +37,9 @@ __all__ = [
     "NAMED_MODELS", "from_pretrained", "parse_pattern", "pretrained_path", "quantize", "ratio_pattern",
     "save_pretrained",
     # inference engine
-    "ByteTokenizer", "CacheFullError", "Engine", "HFTokenizer", "HybridCache", "PagedKVCache", "RequestOutput",
-    "SSMStateCache", "SamplingParams", "SpeculativeConfig", "StreamDecoder", "generate", "load_tokenizer",
+    "ByteTokenizer", "CacheFullError", "Engine", "EngineConfig", "HFTokenizer", "HybridCache", "PagedKVCache",
+    "RequestOutput", "SSMStateCache", "SamplingParams", "SpeculativeConfig", "StreamDecoder", "generate",
+    "load_tokenizer",
 ]
 
 

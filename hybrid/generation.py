@@ -5,6 +5,7 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from .engine import Engine
+from .engine.config import EngineConfig
 from .sampling import SamplingParams
 
 # The cache generate() builds holds every prompt at full length at once when that fits here;
@@ -83,5 +84,5 @@ def _engine_for(model, prompt_ids, max_new_tokens, tokenizer, max_seqs, max_batc
                         kv_dtype=next(model.parameters()).dtype, device="meta")
     affordable = (MAX_AUTO_CACHE_BYTES - probe.ssm.bytes_total) // max(probe.kv.bytes_per_block, 1)
     num_blocks = max(per_request[0], min(sum(per_request[:max_seqs]), affordable))
-    return Engine(model, num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs,
-                  max_batch_tokens=max_batch_tokens, tokenizer=tokenizer, multi_step=multi_step)
+    return Engine(model, EngineConfig(num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs,
+                                      max_batch_tokens=max_batch_tokens, multi_step=multi_step), tokenizer=tokenizer)

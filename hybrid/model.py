@@ -7,12 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .cache.specs import CacheDtypes
 from .config import HybridConfig
 from .layers import fused_decode
 from .layers.linear import Linear
 from .layers.norm import RMSNorm
 from .layers.registry import cache_specs, layer_class
-from .specs import CacheDtypes
 
 
 class Block(nn.Module):

@@ -11,8 +11,8 @@ import torch
 from hybrid.kernels import native
 
 import hybrid.model as model_mod
+from hybrid.engine.runner import ModelRunner
 from hybrid.layers import fused_decode
-from hybrid.model_runner import ModelRunner
 
 
 def _decode_steps(monkeypatch) -> list[bool]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from hybrid.cache import HybridCache
-from hybrid.cache_manager import CacheManager
+from hybrid.cache.manager import CacheManager
+from hybrid.engine.packed_batch import SeqChunk, build_batch
 from hybrid.model import HybridLM
-from hybrid.packed_batch import SeqChunk, build_batch
 
 
 def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from hybrid import HybridCache, HybridLM, recipes
 from hybrid.cache import NULL_BLOCK, BlockAllocator, CacheFullError, sequences_that_fit
-from hybrid.cache_manager import CacheManager
+from hybrid.cache.manager import CacheManager
+from hybrid.cache.specs import CacheDtypes
 from hybrid.layers.registry import cache_specs
-from hybrid.specs import CacheDtypes
 
 TINY = [n for n in recipes.names() if n.endswith("-tiny")]
 SMALL = [n for n in recipes.names() if n.endswith("-small")]

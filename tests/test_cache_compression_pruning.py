@@ -12,7 +12,7 @@ from hybrid.kernels.paged_attention import (
 
 from hybrid import Engine, HybridLM, SamplingParams, recipes
 from hybrid.cache import NULL_BLOCK
-from hybrid.kv_pruning import StreamingLLM
+from hybrid.cache.pruning import StreamingLLM
 
 
 def test_sink_attention_sees_exactly_the_sinks_and_the_window():

@@ -1,5 +1,6 @@
-"""The model runner's kept decode inputs (hybrid/decode_inputs.py) hold what build_batch's packed batch holds for the
-same decode-only step, with or without attention, across block boundaries, and refuse what build_batch refuses."""
+"""The model runner's kept decode inputs (hybrid/engine/decode_inputs.py) hold what build_batch's packed batch holds
+for the same decode-only step, with or without attention, across block boundaries, and refuse what build_batch
+refuses."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 from hybrid import Engine, HybridLM, recipes
-from hybrid.decode_inputs import DecodeInputs
-from hybrid.packed_batch import SeqChunk, build_batch
+from hybrid.engine.decode_inputs import DecodeInputs
+from hybrid.engine.packed_batch import SeqChunk, build_batch
 from hybrid.sampling import SamplingParams
 
 

@@ -8,8 +8,8 @@ from conftest import rel_err
 
 import hybrid
 from hybrid import Engine, HybridCache, HybridLM, SamplingParams, recipes
-from hybrid.cache_manager import CacheManager
-from hybrid.packed_batch import SeqChunk, build_batch
+from hybrid.cache.manager import CacheManager
+from hybrid.engine.packed_batch import SeqChunk, build_batch
 
 TINY = [n for n in recipes.names() if n.endswith("-tiny")]
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hybrid import Engine, HybridLM, SamplingParams, recipes
-from hybrid.model_runner import bucket_sizes
+from hybrid.engine.runner import bucket_sizes
 
 TINY = [n for n in recipes.names() if n.endswith("-tiny")]
 

@@ -56,7 +56,7 @@ def test_multi_step_equals_one_step_at_a_time(recipe, dtype):
 def test_greedy_steps_in_c_equal_logits_sampled_in_python(recipe, monkeypatch):
     """A greedy decode step takes its argmax in C (hl_program_steps, one step a call or several); the tokens are
     those of the logits handed back and sampled by the engine's sampler."""
-    from hybrid.model_runner import ModelRunner
+    from hybrid.engine.runner import ModelRunner
 
     model = _model(recipe, torch.bfloat16)
     prompts = [list(range(1, 8)), [5, 9, 2]]

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from hybrid import kernels, recipes
+from hybrid.cache.specs import CacheDtypes
 from hybrid.config import ConfigError, GLAConfig, HybridConfig
 from hybrid.layers.gla import GLA
-from hybrid.specs import CacheDtypes
 
 
 def _loop(layer: GLA, u: torch.Tensor) -> torch.Tensor:

@@ -117,9 +117,9 @@ def test_no_import_cycle():
 
 
 def test_no_layer_imports_cache_policy():
-    """Layers compute; the cache views decide dtype, quantisation and pruning (hybrid.cache_views)."""
+    """Layers compute; the cache views decide dtype, quantisation and pruning (hybrid.cache.views)."""
     g = import_graph()
-    policy = {"hybrid.kv_pruning", "hybrid.kernels.kv_quant", "hybrid.kernels.int8_state_step"}
+    policy = {"hybrid.cache.pruning", "hybrid.kernels.kv_quant", "hybrid.kernels.int8_state_step"}
     layers = {n: deps & policy for n, deps in g.items() if n.startswith("hybrid.layers")}
     assert len(layers) > 5
     assert {n: d for n, d in layers.items() if d} == {}

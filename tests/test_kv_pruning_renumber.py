@@ -13,12 +13,12 @@ from hybrid.kernels.paged_attention import paged_decode_attention, paged_prefill
 
 from hybrid import HybridLM, recipes
 from hybrid.cache import NULL_BLOCK, PagedKVCache
-from hybrid.cache_manager import CacheManager
+from hybrid.cache.manager import CacheManager
+from hybrid.cache.pruning import StreamingLLM, parse_policy
 from hybrid.engine import Engine
-from hybrid.kv_pruning import StreamingLLM, parse_policy
+from hybrid.engine.packed_batch import SeqChunk, build_batch
 from hybrid.layers.attention import Attention
 from hybrid.layers.rope import RotaryEmbedding
-from hybrid.packed_batch import SeqChunk, build_batch
 
 
 def paper_attention(q0, k0, v, policy, rope, query_pos):

@@ -9,7 +9,7 @@ import torch
 
 from hybrid import Engine, HybridLM, SamplingParams, recipes
 from hybrid.cache import NULL_BLOCK
-from hybrid.kv_pruning import SnapKV, StreamingLLM, parse_policy
+from hybrid.cache.pruning import SnapKV, StreamingLLM, parse_policy
 from hybrid.speculative.config import SpeculativeConfig
 
 BS = 4
@@ -307,8 +307,12 @@ def test_bad_arguments_are_refused_clearly():
         Engine(model, num_blocks=8, kv_pruning=SnapKV(budget=16, window=4), prefix_caching=True)
     with pytest.raises(ValueError, match="SnapKV on a sliding-window model"):
         Engine(_model("samba-tiny"), num_blocks=8, kv_pruning=SnapKV(budget=16, window=4))
-    with pytest.raises(TypeError, match="StreamingLLM or SnapKV"):
+    with pytest.raises(TypeError, match="kv_pruning=5: must be a StreamingLLM or SnapKV"):
+        Engine(model, num_blocks=8, kv_pruning=5)
+    with pytest.raises(ValueError, match="kv_pruning='snapkv': snapkv: .*budget"):  # the --kv-pruning text, checked
         Engine(model, num_blocks=8, kv_pruning="snapkv")
+    assert Engine(model, num_blocks=8, kv_pruning="snapkv:budget=16,window=4").cache.kv.snapkv == SnapKV(budget=16,
+                                                                                                       window=4)
     assert parse_policy("snapkv:budget=64,window=8,pooling=avg") == SnapKV(budget=64, window=8, pooling="avg")
     assert parse_policy("streaming:sinks=2,window=30") == StreamingLLM(sinks=2, window=30)
     for bad, match in [("h2o:budget=4", "unknown KV pruning policy"), ("snapkv:size=4", "fields are budget"),

@@ -6,9 +6,9 @@ from hybrid.kernels.packing import attached_values, host_values
 
 from hybrid import recipes
 from hybrid.cache import HybridCache
-from hybrid.cache_manager import CacheManager
+from hybrid.cache.manager import CacheManager
+from hybrid.engine.packed_batch import SeqChunk, build_batch, host_tensor
 from hybrid.model import HybridLM
-from hybrid.packed_batch import SeqChunk, build_batch, host_tensor
 
 
 def _manager(name: str) -> CacheManager:

@@ -5,7 +5,7 @@ from hybrid.eval import mqar
 
 from benchmarks import compression_accuracy as pr
 from hybrid import HybridLM, recipes
-from hybrid.kv_pruning import SnapKV, StreamingLLM
+from hybrid.cache.pruning import SnapKV, StreamingLLM
 
 
 def test_recall_batch_puts_the_filler_between_pairs_and_queries():

@@ -206,7 +206,7 @@ def test_random_workloads_never_leak_and_stay_lossless(ops, budget, method, k, t
 def test_mamba2_closed_form_verify_equals_step_ops_at_every_position():
     """The closed-form verify chunk (conv + SSD) gives the outputs and the states after each position that
     running the one-token step ops position by position gives (the per-position reference path)."""
-    from hybrid.cache_views import StateCacheView, StateRows
+    from hybrid.cache.views import StateCacheView, StateRows
     from hybrid.speculative.verify_states import VerifyStates
 
     torch.manual_seed(0)
@@ -263,7 +263,7 @@ def test_speculation_on_compressed_and_pruned_caches(recipe, kv_dtype, state_dty
     (StatePool.rounding): exact by construction where the plain step is that write-back (GLA, GDN, the convs).
     Not by construction (these seeds have no near-tie that flips): Mamba-2's closed-form verify, which rounds
     once at commit, and the fused int8 steps on the codes (ssd / selective), which round their own way."""
-    from hybrid.kv_pruning import StreamingLLM
+    from hybrid.cache.pruning import StreamingLLM
 
     target = tiny(recipe)
     prompts = prompts_of([4, 6, 5, 40, 33])

@@ -12,7 +12,7 @@ import sys
 from . import bench, chat, convert, distill, doctor, generate, info, serve, tradeoff
 from . import eval as eval_command
 from .common import byte_size as _byte_size  # noqa: F401  (tests and callers use the old names)
-from .common import speculative as _speculative  # noqa: F401
+from .engine_args import speculative_config as _speculative  # noqa: F401
 from .errors import CLIExit, one_line, run_reporting
 
 COMMANDS = (info, bench, eval_command, tradeoff, convert, generate, chat, serve, doctor, distill)

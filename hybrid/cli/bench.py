@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from .common import (
     CLIError,
-    add_cache_dtype_args,
     add_model_args,
     models_from_args,
     non_negative_int,
@@ -13,6 +12,7 @@ from .common import (
     positive_int,
     threads_flag,
 )
+from .engine_args import add_engine_args
 
 
 def add_parser(sub) -> None:
@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefix-caching", action="store_true",
                    help="run the prefix-cache benchmark instead (shared system prompt of --lengths[-1] tokens, "
                         "a chat; cache off vs on; see benchmarks/prefix.py)")
-    add_cache_dtype_args(p)
+    add_engine_args(p, ("kv_dtype", "state_dtype"))
     p.set_defaults(func=run)
 
 
@@ -72,12 +72,13 @@ def run(args) -> None:
     peak = probe.flops if probe else None
     rows = sweep(models, args.lengths, batch=args.batch, warmup=args.warmup, repeats=args.repeats, peak_flops=peak,
                  max_spread=args.max_spread, logits=args.logits)
-    decode = []
+    decode, engine_configs = [], {}
     for name, model in models.items() if args.decode_tokens else ():
         # one engine per model: compiled shapes compile in the warm-up steps, never inside the timed ones
         engine = decode_engine(model, args.batch, args.decode_ctx, steps=args.decode_tokens, compile=args.compile,
                                warmup=max(args.warmup, 1), kv_dtype=args.kv_dtype, state_dtype=args.state_dtype)
         row, _ = decode_speed(engine, args.decode_tokens)
+        engine_configs[name] = engine.config.to_dict()  # the exact engine, for the --output record
         r = engine.cache.report()
         decode.append({"model": name, "decode_ctx": args.decode_ctx, "mode": "compiled" if args.compile else "eager",
                        "kv_dtype": r.kv_dtype, "state_dtype": r.ssm_dtype, **row,
@@ -85,7 +86,8 @@ def run(args) -> None:
     header = {"device": args.device, "threads": threads, "dtype": args.dtype, "logits": args.logits,
               "repeats": args.repeats,
               "max_spread": args.max_spread, "matmul_peak_GFLOP/s": round(peak / 1e9, 2) if peak else None,
-              "matmul_peak_shape": list(probe.shape) if probe else None}
+              "matmul_peak_shape": list(probe.shape) if probe else None,
+              **({"engine_configs": engine_configs} if engine_configs else {})}
     print(f"# prefill (plain forward, {args.logits}-position logits{'' if args.logits == 'all' else ' only'}) on "
           f"{args.device}, {threads} threads, dtype {args.dtype}; min / median / max "
           f"of {args.repeats} runs, spread = (max-min)/median, re-measured once above {args.max_spread:.0%}, "

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_dtype_device, engine_model, multi_step_flag, positive_int, threads_flag
+from .common import add_dtype_device, engine_model, positive_int, threads_flag
+from .engine_args import add_engine_args, engine_config
 from .errors import CLIError
 from .sampling_flags import add_sampling_flags, check_sampling_flags, sampling_params
 
@@ -29,7 +30,7 @@ def add_parser(sub) -> None:
                    help="tokens the conversation may reach (the KV cache is sized for it); /reset starts over")
     add_dtype_device(p)
     threads_flag(p)
-    multi_step_flag(p, default=4)
+    add_engine_args(p, ("multi_step",), multi_step=4)
     p.set_defaults(func=run)
 
 
@@ -46,8 +47,9 @@ def run(args) -> None:
                        f"{args.max_context}")
     # the conversation's blocks, plus room for the prefix tree to keep the previous turn's own blocks while the
     # new request shares them (their refcounts keep them; the tree evicts the rest under pressure)
-    engine = Engine(model, num_blocks=2 * -(-args.max_context // BLOCK_SIZE), block_size=BLOCK_SIZE, max_seqs=1,
-                    max_batch_tokens=512, tokenizer=tokenizer, prefix_caching=True, multi_step=args.multi_step)
+    config = engine_config(args, num_blocks=2 * -(-args.max_context // BLOCK_SIZE), block_size=BLOCK_SIZE,
+                           max_seqs=1, max_batch_tokens=512, prefix_caching=True)
+    engine = Engine(model, config, tokenizer=tokenizer)
     start = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages = list(start)
     print(f"chat with {args.model or args.recipe}: /reset starts over, /exit or Ctrl-D ends", file=sys.stderr,

@@ -1,5 +1,5 @@
 """Flags and helpers several sub-commands share: which model (recipe or checkpoint folder), dtype and
-device, cache dtypes, KV pruning, speculative decoding, byte sizes. Validation happens here, so a wrong
+device, threads, byte sizes (the engine's own flags: :mod:`.engine_args`). Validation happens here, so a wrong
 value is one line naming the flag (see :mod:`.errors`), never a traceback from deep inside torch."""
 
 from __future__ import annotations
@@ -161,32 +161,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_dtype_device(p)
 
 
-def add_cache_dtype_args(p: argparse.ArgumentParser) -> None:
-    from ..kernels.kv_quant import KV_DTYPES, STATE_DTYPES
-
-    p.add_argument("--kv-dtype", choices=sorted(KV_DTYPES),
-                   help="K/V cache storage (int8 / fp8: per-token, per-KV-head scales; default: the model's dtype)")
-    p.add_argument("--state-dtype", choices=sorted(STATE_DTYPES),
-                   help="Mamba SSM + conv state storage (int8: per-head scales; default: fp32 SSM state)")
-
-
-def kv_pruning_arg(text: str):
-    from ..kv_pruning import parse_policy
-
-    try:
-        return parse_policy(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_pruning_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-pruning", type=kv_pruning_arg, default=None, metavar="POLICY",
-                   help="prune the KV cache: snapkv:budget=N[,window=32,kernel=7,pooling=max|avg] (prompt "
-                        "compression) or streaming:sinks=4,window=1020[,renumber=1] (attention sinks + recent window; "
-                        "renumber=1, the default, numbers positions within the cache as the paper does, 0 keeps "
-                        "the real positions; default: no pruning)")
-
-
 def engine_model(args, *, seed: int):
     """The model and tokenizer of ``generate`` / ``serve``: a checkpoint folder (its tokenizer.json if any,
     else bytes) or a recipe with random weights drawn from ``seed`` (byte tokenizer); threads set."""
@@ -226,33 +200,6 @@ def drop_compile_on_cpu(args) -> None:
         args.compile = False
 
 
-def speculative(args, model):
-    """The SpeculativeConfig of ``--draft-model DIR`` / ``--ngram`` (``--num-draft-tokens k``), or None."""
-    if args.draft_model is None and not args.ngram:
-        return None
-    from .. import from_pretrained
-    from ..speculative import SpeculativeConfig
-
-    if args.draft_model is not None and args.ngram:
-        raise CLIError("give one of --draft-model DIR or --ngram, not both")
-    try:
-        if args.ngram:
-            return SpeculativeConfig(method="ngram", num_tokens=args.num_draft_tokens)
-        p = next(model.parameters())
-        draft = from_pretrained(args.draft_model, dtype=p.dtype, device=p.device, verify=args.verify)
-        return SpeculativeConfig(method="draft", draft_model=draft, num_tokens=args.num_draft_tokens)
-    except ValueError as e:
-        raise CLIError(f"speculative decoding: {e}") from e
-
-
-def add_speculative_flags(p) -> None:
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--draft-model", help="speculative decoding with this draft checkpoint folder (same vocabulary)")
-    g.add_argument("--ngram", action="store_true", help="speculative decoding with n-gram prompt lookup drafts")
-    p.add_argument("--num-draft-tokens", type=positive_int, default=4, help="draft tokens checked per step (with "
-                   "--draft-model or --ngram)")
-
-
 def byte_size(text: str) -> int:
     """``268435456``, ``256MiB``, ``2GiB``, ``512MB`` -> bytes."""
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -266,13 +213,6 @@ def byte_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
     return int(value)
-
-
-def multi_step_flag(p: argparse.ArgumentParser, default: int) -> None:
-    """--multi-step K: Engine(multi_step=K), up to K greedy decode steps in one native call on a CPU."""
-    p.add_argument("--multi-step", type=positive_int, default=default, metavar="K",
-                   help=f"up to K greedy decode steps in one native call on a CPU (their tokens stream together; "
-                        f"the same tokens as 1, one step a call; default {default})")
 
 
 def threads_flag(p: argparse.ArgumentParser, zero: str = "torch's default") -> None:

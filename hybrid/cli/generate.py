@@ -6,17 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import (
-    add_cache_dtype_args,
-    add_dtype_device,
-    add_pruning_flag,
-    add_speculative_flags,
-    engine_model,
-    multi_step_flag,
-    positive_int,
-    speculative,
-    threads_flag,
-)
+from .common import add_dtype_device, engine_model, threads_flag
+from .engine_args import add_engine_args, engine_config
 from .errors import CLIError
 from .sampling_flags import add_sampling_flags, check_sampling_flags, sampling_params
 
@@ -34,15 +25,10 @@ def add_parser(sub) -> None:
                         "continues the raw text)")
     p.add_argument("--system", help="the system message of --chat (default: the template's own, if any)")
     add_sampling_flags(p, max_new_tokens=64)
-    p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk (tokens per step)")
-    p.add_argument("--compile", action="store_true", help="compile the decode step (torch.compile)")
-    p.add_argument("--prefix-caching", action="store_true", help="engine with the prefix cache on (reports its hits)")
-    add_cache_dtype_args(p)
-    add_pruning_flag(p)
+    add_engine_args(p, ("max_batch_tokens", "compile", "prefix_caching", "kv_dtype", "state_dtype", "kv_pruning",
+                        "multi_step", "speculative"), multi_step=4)
     add_dtype_device(p)
     threads_flag(p)
-    multi_step_flag(p, default=4)
-    add_speculative_flags(p)
     p.set_defaults(func=run)
 
 
@@ -54,12 +40,10 @@ def run(args) -> None:
     chat = chat_prompt(args, tokenizer)
     prompt, stop = (tokenizer.encode(args.prompt), ()) if chat is None else chat
     params = sampling_params(args, tokenizer, extra_stop=stop)
-    block_size = 16
-    engine = Engine(model, num_blocks=-(-(len(prompt) + params.max_new_tokens) // block_size),
-                    block_size=block_size, max_seqs=1, max_batch_tokens=args.chunk, tokenizer=tokenizer,
-                    compile=args.compile, prefix_caching=args.prefix_caching,
-                    speculative=speculative(args, model), kv_dtype=args.kv_dtype,
-                    state_dtype=args.state_dtype, kv_pruning=args.kv_pruning, multi_step=args.multi_step)
+    block_size = 16  # a cache for this one request
+    config = engine_config(args, model, num_blocks=-(-(len(prompt) + params.max_new_tokens) // block_size),
+                           block_size=block_size, max_seqs=1)
+    engine = Engine(model, config, tokenizer=tokenizer)
     engine.add_request(prompt, params)
     if chat is None:  # a continuation prints after its prompt; a chat answer stands alone
         sys.stdout.write(args.prompt)

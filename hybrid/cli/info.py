@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .common import add_cache_dtype_args, add_model_args, models_from_args, positive_int, progress
+from .common import add_model_args, models_from_args, positive_int, progress
+from .engine_args import add_engine_args
 
 
 def add_parser(sub) -> None:
@@ -10,7 +11,7 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--seq-len", type=positive_int, default=2048, help="context length for FLOPs/token")
     p.add_argument("--list", action="store_true", help="list recipe names")
-    add_cache_dtype_args(p)
+    add_engine_args(p, ("kv_dtype", "state_dtype"))
     p.set_defaults(func=run)
 
 

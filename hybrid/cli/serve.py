@@ -2,20 +2,8 @@
 
 from __future__ import annotations
 
-from .common import (
-    add_cache_dtype_args,
-    add_dtype_device,
-    add_pruning_flag,
-    add_speculative_flags,
-    byte_size,
-    engine_model,
-    multi_step_flag,
-    non_negative_float,
-    port_number,
-    positive_int,
-    speculative,
-    threads_flag,
-)
+from .common import add_dtype_device, byte_size, engine_model, non_negative_float, port_number, threads_flag
+from .engine_args import add_engine_args, engine_config
 from .errors import CLIError
 
 
@@ -27,25 +15,11 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     add_dtype_device(p)
-    p.add_argument("--cache-bytes", type=byte_size, default=256 * 2**20,
-                   help="KV blocks + Mamba state slots, e.g. 256MiB or 8GiB")
-    p.add_argument("--max-seqs", type=int, default=32, help="sequences in flight (state slots)")
-    p.add_argument("--max-batch-tokens", type=int, default=512,
-                   help="token budget per engine step, shared by decodes, new requests and a chunk of a long prompt")
-    p.add_argument("--long-prefill-tokens", type=positive_int, metavar="N",
-                   help="a prompt with more than N tokens left to prefill takes, each step, only the budget that "
-                        "decodes and newly arrived requests leave (default: --max-batch-tokens)")
-    p.add_argument("--max-model-len", type=positive_int, metavar="N",
-                   help="the most tokens (prompt + max_tokens) a request may have; longer ones get a 400 (default: "
-                        "the checkpoint's max_position_embeddings, or what the KV cache holds for one sequence, "
-                        "whichever is smaller)")
-    p.add_argument("--max-prompt-tokens", type=positive_int, metavar="N",
-                   help="refuse longer prompts with a 400 (default: --max-model-len - 1)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
-    p.add_argument("--prefix-caching", action="store_true",
-                   help="share prompt prefixes between requests (KV blocks + Mamba state checkpoints)")
+    # a refused request is a 400; the limits are checked against the cache once the engine is built
+    add_engine_args(p, ("cache_bytes", "max_seqs", "max_batch_tokens", "long_prefill_tokens", "max_model_len",
+                        "max_prompt_tokens", "compile", "prefix_caching", "multi_step", "kv_dtype", "state_dtype",
+                        "kv_pruning", "speculative"), cache_bytes=256 * 2**20, max_seqs=32)
     threads_flag(p)
-    multi_step_flag(p, default=1)
     p.add_argument("--seed", type=int, default=0, help="initialises a --recipe's random weights")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of a chat request that gives none (completions default to 16, as OpenAI)")
@@ -62,9 +36,6 @@ def add_parser(sub) -> None:
                         "off, the output stays text")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
-    add_cache_dtype_args(p)
-    add_pruning_flag(p)
-    add_speculative_flags(p)
     p.set_defaults(func=run)
 
 
@@ -83,12 +54,9 @@ def run(args) -> None:
     model, tokenizer = engine_model(args, seed=args.seed)
     template = load_chat_template(args.model)  # None for a recipe: the documented default
     name = args.served_model_name or args.recipe or Path(args.model).resolve().name
-    engine_options = {"compile": args.compile, "prefix_caching": args.prefix_caching,
-                      "speculative": speculative(args, model), "kv_pruning": args.kv_pruning,
-                      "kv_dtype": args.kv_dtype, "state_dtype": args.state_dtype, "multi_step": args.multi_step}
-    engine = Engine(model, cache_bytes=args.cache_bytes, max_seqs=args.max_seqs,
-                    max_batch_tokens=args.max_batch_tokens, long_prefill_tokens=args.long_prefill_tokens,
-                    tokenizer=tokenizer, **engine_options)
+    config = engine_config(args, model)
+    # the length limits are set below, once the cache (what one sequence can hold) and the checkpoint are known
+    engine = Engine(model, config.replace(max_model_len=None, max_prompt_tokens=None), tokenizer=tokenizer)
     context = model_context(args.model)
     max_model_len = args.max_model_len
     if max_model_len is None and context is not None and (engine.max_model_len or context + 1) > context:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .common import DTYPES, device_arg, non_negative_int, positive_int
+from .engine_args import add_engine_args
 from .errors import CLIError
 
 
@@ -79,7 +80,7 @@ def add_parser(sub) -> None:
                         "takes minutes on a CPU)")
     p.add_argument("--long-shares", type=float, nargs="*", default=[0.0, 1.0],
                    help="members timed at --long-lengths (with checkpoints: all)")
-    p.add_argument("--chunk", type=positive_int, default=2048, help="engine prefill chunk (max_batch_tokens)")
+    add_engine_args(p, ("max_batch_tokens",), max_batch_tokens=2048)  # the timed engine's prefill chunk (--chunk)
     p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per length")
     p.add_argument("--long-repeats", type=positive_int, default=1, help="timed runs per long length")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed runs before each member's first length")
@@ -126,7 +127,7 @@ def run(args) -> None:
             mmlu_dir=args.mmlu_dir, eval_batch_size=args.batch_size, size=args.size, speed_size=args.speed_size,
             n_blocks=args.n_blocks, shares=tuple(args.shares), train=train, seeds=tuple(args.seeds),
             lengths=tuple(args.lengths), long_lengths=tuple(args.long_lengths), long_shares=tuple(args.long_shares),
-            chunk=args.chunk, repeats=args.repeats, long_repeats=args.long_repeats, warmup=args.warmup,
+            chunk=args.max_batch_tokens, repeats=args.repeats, long_repeats=args.long_repeats, warmup=args.warmup,
             max_spread=args.max_spread, cache_budget=int(args.cache_gib * 2**30), device=args.device,
             dtype=args.dtype, threads=args.threads, output=args.output or "out/tradeoff", lock=args.lock,
             kv_dtype=args.kv_dtype,

@@ -184,11 +184,13 @@ def generate_documents(model, tokenizer, prompts: list[list[int]], *, n_tokens: 
     """Sample answers to ``prompts`` (in order, ``max_seqs`` in flight) until the documents (prompt + answer
     tokens) hold ``n_tokens``; returns the documents and counts (samples, dropped by the guard, tokens/s)."""
     from ..engine import Engine
+    from ..engine.config import EngineConfig
     from ..sampling import SamplingParams
 
     longest = max(len(p) for p in prompts) + MAX_NEW_TOKENS
-    engine = Engine(model, max_seqs=max_seqs, max_batch_tokens=max(512, longest), tokenizer=tokenizer,
-                    cache_bytes=max_seqs * longest * model.kv_bytes_per_token() * 2 + 64 * 2**20)
+    config = EngineConfig(max_seqs=max_seqs, max_batch_tokens=max(512, longest),
+                          cache_bytes=max_seqs * longest * model.kv_bytes_per_token() * 2 + 64 * 2**20)
+    engine = Engine(model, config, tokenizer=tokenizer)
     docs, total, dropped, made, next_prompt = [], 0, 0, 0, 0
     in_flight: set[int] = set()
     bar = tqdm(total=n_tokens, desc="teacher writes", unit="tok", unit_scale=True, disable=not progress)

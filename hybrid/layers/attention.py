@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..cache.specs import AttentionSpec, CacheDtypes
 from ..config import AttentionConfig, HybridConfig
-from ..specs import AttentionSpec, CacheDtypes
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..cache.specs import CacheDtypes, StateSpec, StateTensorSpec, state_scale_groups
 from ..config import GatedDeltaNetConfig, HybridConfig
-from ..specs import CacheDtypes, StateSpec, StateTensorSpec, state_scale_groups
 from .linear import Linear
 from .mamba2 import init_dt_bias
 from .norm import GatedRMSNorm

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..cache.specs import CacheDtypes, StateSpec, StateTensorSpec, state_scale_groups
 from ..config import GLAConfig, HybridConfig
-from ..specs import CacheDtypes, StateSpec, StateTensorSpec, state_scale_groups
 from .linear import Linear
 from .norm import GatedRMSNorm, RMSNorm
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..cache.specs import CacheDtypes, MambaStateSpec, state_scale_groups
 from ..config import HybridConfig, Mamba1Config
-from ..specs import CacheDtypes, MambaStateSpec, state_scale_groups
 from .linear import Linear
 from .mamba2 import init_dt_bias
 from .norm import RMSNorm

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..cache.specs import CacheDtypes, MambaStateSpec, state_scale_groups
 from ..config import HybridConfig, Mamba2Config
 from ..kernels import mamba2_verify
-from ..specs import CacheDtypes, MambaStateSpec, state_scale_groups
 from .linear import Linear
 from .norm import GatedRMSNorm
 

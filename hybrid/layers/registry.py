@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..cache.specs import CacheDtypes, ModelCacheSpec
 from ..config import SUBCONFIGS, HybridConfig
-from ..specs import CacheDtypes, ModelCacheSpec
 from .attention import Attention
 from .gated_deltanet import GatedDeltaNet
 from .gla import GLA

@@ -9,7 +9,7 @@ forward, with the Mamba states rolled back to the last accepted token without re
   before a step's forward and the rejection rule, emitted tokens and rollback after it.
 
 The cache side (writing the accepted state back, giving back rejected KV blocks) is
-:meth:`hybrid.cache_manager.CacheManager.commit_verified` / :meth:`~hybrid.cache_manager.CacheManager.shrink`.
+:meth:`hybrid.cache.manager.CacheManager.commit_verified` / :meth:`~hybrid.cache.manager.CacheManager.shrink`.
 """
 
 from .config import SpeculativeConfig

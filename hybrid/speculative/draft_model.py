@@ -1,7 +1,7 @@
 """A draft ``HybridLM`` that proposes tokens for the target, with its own cache rolled back like the target's.
 
 The draft keeps its own :class:`~hybrid.cache.HybridCache` (KV blocks and state slots) and
-:class:`~hybrid.cache_manager.CacheManager` (with its own prefix cache when the engine has one, so draft
+:class:`~hybrid.cache.manager.CacheManager` (with its own prefix cache when the engine has one, so draft
 prompts share prefixes too). For each speculating request it remembers how many of the request's tokens it
 has cached. Drafting k tokens is one packed forward that catches up on the tokens it has not seen (the
 whole prompt the first time, then the tokens the last verify accepted) and k - 1 one-token steps; the draft's
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from ..cache_manager import CacheManager
-from ..packed_batch import SeqChunk, build_batch
+from ..cache.manager import CacheManager
+from ..engine.packed_batch import SeqChunk, build_batch
 from .verifier import DRAFT_SALT, draw, stream_uniforms, token_probs
 
 

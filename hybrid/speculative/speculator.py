@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from ..cache_manager import CacheManager
-from ..cache_setup import draft_cache, prefix_cache_for
-from ..output_processor import process_token
-from ..request import Request, RequestOutput
+from ..cache.build import draft_cache, prefix_cache_for
+from ..cache.manager import CacheManager
+from ..engine.output import process_token
+from ..engine.request import Request, RequestOutput
 from .config import SpeculativeConfig
 from .verifier import ACCEPT_SALT, stream_uniforms, token_probs, verify
 

@@ -2,12 +2,12 @@
 
 A verify chunk is a decoding sequence's last token followed by its draft tokens (k + 1 tokens). The Mamba
 layers run such chunks from a *copy* of each sequence's state tensors (conv and SSM; any constant-state layer's
-named states, :class:`hybrid.cache_views.StateCacheView`) and keep the state after every position in a scratch
+named states, :class:`hybrid.cache.views.StateCacheView`) and keep the state after every position in a scratch
 buffer of this step (``[k+1, n, *state]`` per tensor and layer); the slots in the cache are not touched.
 Mamba-1 runs the one-token step ops position by position (:meth:`VerifyStates.run`); Mamba-2 computes all
 positions at once in closed form (:meth:`VerifyStates.run_chunk`,
 :mod:`hybrid.kernels.mamba2_verify`). Once the engine knows how many drafts were accepted,
-:meth:`hybrid.cache_manager.CacheManager.commit_verified` writes the state at the last accepted position into each slot.
+:meth:`hybrid.cache.manager.CacheManager.commit_verified` writes the state at the last accepted position into each slot.
 
 A working copy of an int8 state is rounded after every position as its pool's write-back rounds
 (:attr:`hybrid.cache.StatePool.rounding`), so a verify stepped position by position leaves the states one-token
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..cache_views import StateCacheView
+from ..cache.views import StateCacheView
 
 
 class VerifyStates:
@@ -57,7 +57,7 @@ class VerifyStates:
     def run(self, cache: StateCacheView, inputs: tuple[torch.Tensor, ...],
             step: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Run ``step(state, *inputs_at_one_position)`` (the layer's in-place one-token update of a
-        :class:`~hybrid.cache_views.StateCacheView`, returning y [n, ...]) over every position of the verify
+        :class:`~hybrid.cache.views.StateCacheView`, returning y [n, ...]) over every position of the verify
         chunks, starting from working copies of the slots' states in ``cache``; keep the states after each
         position. ``inputs``: the layer's per-token step inputs over the packed verify rows. Returns y over
         those rows."""

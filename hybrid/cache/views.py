@@ -2,7 +2,7 @@
 
 Layers compute, views decide. A view already knows the storage dtype, the quantisation and the KV pruning of
 its layer's cache, so a layer reads and writes through it and imports none of that policy
-(:mod:`hybrid.kv_pruning`, :mod:`hybrid.kernels.kv_quant`, :mod:`hybrid.kernels.int8_state_step`). The cache
+(:mod:`hybrid.cache.pruning`, :mod:`hybrid.kernels.kv_quant`, :mod:`hybrid.kernels.int8_state_step`). The cache
 builds the views (:meth:`hybrid.cache.HybridCache.view`, one per caching layer, rebuilt when a pruning policy
 is set); ``Block.forward`` hands ``cache.view(layer_index)`` to ``mixer.forward_packed``.
 
@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import kernels
-from .kv_pruning import StreamingLLM
+from .. import kernels
+from .pruning import StreamingLLM
 
 
 class AttentionQueries(NamedTuple):
@@ -38,7 +38,7 @@ class AttentionCacheView:
     1. ``queries = view.queries(q, q_unrotated, batch, rope)``: ``q`` [T, Hq, D] with RoPE applied,
        ``q_unrotated`` the same before RoPE, ``rope`` the layer's :class:`~hybrid.layers.rope.RotaryEmbedding`.
        SnapKV's observer keeps the observation-window rows of ``q``; with StreamingLLM's re-numbering the
-       view rotates ``q_unrotated`` a second time, at :meth:`hybrid.kv_pruning.StreamingLLM.sink_position`.
+       view rotates ``q_unrotated`` a second time, at :meth:`hybrid.cache.pruning.StreamingLLM.sink_position`.
     2. ``view.write(k, v, slot_mapping)``: the new K/V [T, Hkv, D] (RoPE applied) into their pool slots
        (quantised with their per-token scales for an int8 / fp8 pool).
     3. ``view.decode(queries, batch.decode)`` and ``view.prefill(queries, batch.prefill)``: attention of the
@@ -47,7 +47,7 @@ class AttentionCacheView:
 
     ``window``: tokens a query sees (itself included; None: all); ``sinks``: StreamingLLM's attention sinks
     (None: no StreamingLLM); ``renumber``: whether ``queries`` adds the re-numbered copy; ``observe``: SnapKV's
-    ``observe(batch, q)`` (:meth:`hybrid.kv_pruning.QueryCapture.layer`), or None.
+    ``observe(batch, q)`` (:meth:`hybrid.cache.pruning.QueryCapture.layer`), or None.
     """
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None = None,
@@ -78,12 +78,12 @@ class AttentionCacheView:
         return {**self._op_kw, "q_sinks": queries.sinks[group.tokens]}
 
     def decode(self, queries: AttentionQueries, group) -> torch.Tensor:
-        """The one-token sequences (a :class:`~hybrid.packed_batch.SeqGroup`) -> [n, Hq, D]."""
+        """The one-token sequences (a :class:`~hybrid.engine.packed_batch.SeqGroup`) -> [n, Hq, D]."""
         return kernels.paged_decode_attention(queries.q[group.tokens], self.k_pool, self.v_pool, group.seq_lens,
                                               group.block_tables, window=self.window, **self._kw(queries, group))
 
     def prefill(self, queries: AttentionQueries, group) -> torch.Tensor:
-        """The prompts and prompt chunks (a :class:`~hybrid.packed_batch.SeqGroup`) -> [rows, Hq, D]."""
+        """The prompts and prompt chunks (a :class:`~hybrid.engine.packed_batch.SeqGroup`) -> [rows, Hq, D]."""
         return kernels.paged_prefill_attention(queries.q[group.tokens], self.k_pool, self.v_pool, group.cu_seqlens,
                                                group.seq_lens, group.block_tables, window=self.window,
                                                **self._kw(queries, group))
@@ -116,7 +116,7 @@ class StateRows:
 
 class StateCacheView:
     """One constant-state layer's per-sequence state: a tuple of named state tensors (``names``, in the order
-    its spec lists them, :attr:`hybrid.specs.ConstantStateSpec.states`: Mamba's ``("conv", "ssm")``; a
+    its spec lists them, :attr:`hybrid.cache.specs.ConstantStateSpec.states`: Mamba's ``("conv", "ssm")``; a
     linear-attention mixer would name its own, e.g. ``("conv", "recurrent")``), rows indexed by state slot.
 
     ``view[name]`` is that tensor's store, which reads and writes rows in the layer's compute dtype and

@@ -2,7 +2,7 @@
 
 :class:`StreamingLLM` (Xiao et al., 2023): every query sees the first ``sinks`` tokens of its sequence (the
 attention sinks) and the last ``window`` (itself included); the blocks wholly between the two are freed
-back to the pool as the sequence grows (:meth:`hybrid.cache_manager.CacheManager.trim`, the same path a
+back to the pool as the sequence grows (:meth:`hybrid.cache.manager.CacheManager.trim`, the same path a
 sliding window takes, with the sink blocks kept), so a sequence holds at most
 ``ceil(sinks / block_size) + ceil(window / block_size) + 1`` blocks however long it gets. The attention ops
 take ``sinks`` beside ``window`` (:mod:`hybrid.kernels.paged_attention`).
@@ -31,7 +31,7 @@ How the engine does it:
   (:class:`QueryCapture`; the step's metadata says which rows, :class:`ObservedRows`), chunk by chunk, so a
   prompt whose last chunk is shorter than the window still has its whole window; recomputing them later would
   need the layer inputs, which the engine does not keep. The keys come from the pool (dequantised).
-- compaction (:meth:`hybrid.cache_manager.CacheManager.trim` when the prompt's last chunk is done): slot ``j``
+- compaction (:meth:`hybrid.cache.manager.CacheManager.trim` when the prompt's last chunk is done): slot ``j``
   of the sequence's first ``ceil(budget / block_size)`` blocks holds, for each KV head ``h``, head ``h``'s
   ``j``-th kept token (pool layout ``[blocks, block_size, Hkv, D]``: one block table serves per-head
   selections), re-quantised for int8 / fp8 pages; the blocks after them go back to the pool. Keys carry
@@ -211,3 +211,11 @@ def parse_policy(text: str) -> SnapKV | StreamingLLM:
         return cls(**kw)
     except TypeError as e:
         raise ValueError(f"{name}: {e}; fields are {', '.join(known)}") from None
+
+
+def policy_text(policy: SnapKV | StreamingLLM) -> str:
+    """The ``--kv-pruning`` text of ``policy``, every field spelled out: ``parse_policy(policy_text(p)) == p``
+    (how an :class:`hybrid.EngineConfig` stores its policy in JSON)."""
+    name = next(n for n, cls in _POLICIES.items() if isinstance(policy, cls))
+    values = {f: getattr(policy, f) for f in type(policy).__dataclass_fields__}
+    return f"{name}:" + ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in values.items())

@@ -2,19 +2,19 @@
 coordinator over the rooms that own everything else (after vLLM's v1 engine; the loop itself is short, as in
 gpt-fast's ``generate.py``):
 
-- :class:`~hybrid.input_processor.InputProcessor`: a prompt and its parameters become a request (checked,
+- :class:`~hybrid.engine.input.InputProcessor`: a prompt and its parameters become a request (checked,
   stop ids gathered, seed drawn);
-- :class:`~hybrid.scheduler.Scheduler`: who runs this step and how many tokens (token budget, chunked
+- :class:`~hybrid.engine.scheduler.Scheduler`: who runs this step and how many tokens (token budget, chunked
   prefill, newest-first preemption with recompute);
-- :mod:`~hybrid.cache_setup` builds and sizes the caches; :class:`~hybrid.cache_manager.CacheManager` is the
+- :mod:`~hybrid.cache.build` builds and sizes the caches; :class:`~hybrid.cache.manager.CacheManager` is the
   only code that hands out and takes back blocks and state slots;
-- :class:`~hybrid.model_runner.ModelRunner`: the step's metadata, built once; the eager or compiled
+- :class:`~hybrid.engine.runner.ModelRunner`: the step's metadata, built once; the eager or compiled
   forward; sampling on the device; which decode program and threads a step runs with;
-- :mod:`~hybrid.output_processor`: stop ids and strings, length limit, detokenising;
-- :mod:`~hybrid.scoring`: prompt log-probabilities; :mod:`~hybrid.engine_stats`: the counters and step times;
+- :mod:`~hybrid.engine.output`: stop ids and strings, length limit, detokenising;
+- :mod:`~hybrid.scoring`: prompt log-probabilities; :mod:`~hybrid.engine.stats`: the counters and step times;
 - :class:`~hybrid.speculative.speculator.Speculator`: drafting before the forward, verify and rollback after.
 
-``prefix_caching=True`` adds a :class:`~hybrid.prefix_cache.PrefixCache` to the cache manager: prompts that
+``prefix_caching=True`` adds a :class:`~hybrid.cache.prefix.PrefixCache` to the cache manager: prompts that
 start like earlier ones share their KV blocks and resume from saved Mamba state checkpoints, and prefill
 only the rest; outputs equal those with the cache off. :meth:`Engine.score` returns the log-probabilities
 of tokens given their prefix (lm-eval's loglikelihood), through the same cache.
@@ -32,24 +32,29 @@ import time
 
 import torch
 
-from .cache import HybridCache
-from .cache_manager import CacheManager
-from .cache_setup import engine_cache, prefix_cache_for
-from .engine_stats import EngineStats
-from .input_processor import InputProcessor
-from .model_runner import ModelRunner
-from .output_processor import process_token
+from ..cache import HybridCache
+from ..cache.build import engine_cache, prefix_cache_for
+from ..cache.manager import CacheManager
+from ..sampling import SamplingParams
+from ..scoring import ScoreResult, record_logprobs, scored_positions
+from ..speculative.speculator import Speculator
+from .config import EngineConfig
+from .input import InputProcessor
+from .output import process_token
 from .packed_batch import SeqChunk
 from .request import Request, RequestOutput
-from .sampling import SamplingParams
+from .runner import ModelRunner
 from .scheduler import Scheduler
-from .scoring import ScoreResult, record_logprobs, scored_positions
-from .speculative.config import SpeculativeConfig
-from .speculative.speculator import Speculator
+from .stats import EngineStats
 
 
 class Engine:
     """Serve many generation requests on one model with continuous batching.
+
+    Its settings are one :class:`~hybrid.engine.config.EngineConfig` (``Engine(model, config=EngineConfig(...))``);
+    keyword settings (``Engine(model, max_seqs=4)``) build one, or change a given one's fields. ``cache``: a
+    :class:`HybridCache` to use instead of building one; ``tokenizer``: where stop strings and text come from
+    (default: the model's own). The settings:
 
     ``max_seqs``: state slots (sequences in flight); ``max_batch_tokens``: token budget per step
     (prompts longer than it are prefilled in chunks). The cache is ``cache``, or one built for
@@ -58,7 +63,7 @@ class Engine:
     eager; greedy tokens equal the eager engine's); ``compile_backend`` is torch.compile's backend
     (``"inductor"`` generates fused code; ``"aot_eager"`` only captures the graph, for debugging).
 
-    ``prefix_caching=True`` keeps computed prefixes (see :mod:`hybrid.prefix_cache`): KV blocks live in the
+    ``prefix_caching=True`` keeps computed prefixes (see :mod:`hybrid.cache.prefix`): KV blocks live in the
     KV pool beside the live sequences' and give way to them; Mamba state checkpoints take at most
     ``prefix_state_bytes`` (default 256 MiB) of their own. ``prefix_checkpoint_interval`` also saves a
     checkpoint every that many tokens of a prefill (None: only at branch points, prompt ends and where a
@@ -74,14 +79,14 @@ class Engine:
     model's dtype, SSM state fp32; see :func:`hybrid.cache.cache_dtypes`); the state set aside for
     ``max_seqs`` sequences is paid first from the one byte budget, the KV pool gets the rest.
     ``stochastic_state`` rounds int8 / bf16 state writes stochastically. ``kv_pruning``: a
-    :class:`hybrid.kv_pruning.StreamingLLM` keeps only attention sinks + a recent window per sequence; a
-    :class:`hybrid.kv_pruning.SnapKV` compresses each prompt longer than its budget once it is prefilled
+    :class:`hybrid.cache.pruning.StreamingLLM` keeps only attention sinks + a recent window per sequence; a
+    :class:`hybrid.cache.pruning.SnapKV` compresses each prompt longer than its budget once it is prefilled
     (per KV head, the positions the prompt's last window attends to most); ``cache.report()`` counts the
     blocks either gave back.
 
     ``long_prefill_tokens``: a running prefill with more than this many tokens left (default: ``max_batch_tokens``)
     is *long*: each step it takes only the budget that decodes, shorter prefills and newly arrived requests leave
-    (see :mod:`hybrid.scheduler`), so a long prompt never holds up a request that arrives while it is prefilled.
+    (see :mod:`hybrid.engine.scheduler`), so a long prompt never holds up a request that arrives while it is prefilled.
     ``add_request(..., priority=p)``: lower values are scheduled first (vLLM's ``priority``), ties by arrival.
 
     ``max_model_len``: the most tokens (prompt + ``max_new_tokens``) one request may have; default: what the KV
@@ -109,42 +114,40 @@ class Engine:
                 f"max_seqs={self.runner.buckets[-1]}, decode: {self.decode_path()}, "
                 f"greedy steps per native call: up to {self.multi_step})")
 
-    def __init__(self, model, *, cache: HybridCache | None = None, num_blocks: int | None = None,
-                 cache_bytes: int | None = None, block_size: int = 16, max_seqs: int = 16,
-                 max_batch_tokens: int = 512, tokenizer=None, compile: bool = False,
-                 compile_backend: str = "inductor", prefix_caching: bool = False,
-                 prefix_state_bytes: int | None = None, prefix_checkpoint_interval: int | None = None,
-                 prefix_flop_weight: float = 1.0, speculative: SpeculativeConfig | None = None,
-                 kv_dtype: str | torch.dtype | None = None, state_dtype: str | torch.dtype | None = None,
-                 stochastic_state: bool = False, kv_pruning=None, multi_step: int = 1,
-                 long_prefill_tokens: int | None = None, max_model_len: int | None = None,
-                 max_prompt_tokens: int | None = None):
-        if max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
-        if multi_step < 1:
-            raise ValueError(f"multi_step must be >= 1 (1: one decode step per call of step()), got {multi_step}")
-        self.multi_step = multi_step
+    def __init__(self, model, config: EngineConfig | None = None, *, cache: HybridCache | None = None,
+                 tokenizer=None, **settings):
+        # the one place keyword settings become a config: Engine(model, max_seqs=4) stays the short spelling,
+        # Engine(model, config, max_seqs=4) changes one field of a shared config
+        if settings:
+            config = EngineConfig(**settings) if config is None else config.replace(**settings)
+        elif config is None:
+            config = EngineConfig()
+        elif not isinstance(config, EngineConfig):
+            raise ValueError(f"Engine's config must be a hybrid.EngineConfig, got {type(config).__name__}; give "
+                             "the settings as EngineConfig(...) or as keyword arguments")
+        self.config = c = config
+        self.multi_step = c.multi_step
         self.model = model.eval()
         self.cache = cache = engine_cache(
-            model, cache, num_blocks=num_blocks, cache_bytes=cache_bytes, block_size=block_size, max_seqs=max_seqs,
-            kv_dtype=kv_dtype, state_dtype=state_dtype, stochastic_state=stochastic_state, kv_pruning=kv_pruning,
-            prefix_caching=prefix_caching)
+            model, cache, num_blocks=c.num_blocks, cache_bytes=c.cache_bytes, block_size=c.block_size,
+            max_seqs=c.max_seqs, kv_dtype=c.kv_dtype, state_dtype=c.state_dtype, stochastic_state=c.stochastic_state,
+            kv_pruning=c.kv_pruning)
         self.cache_manager = CacheManager(cache, prefix_cache_for(
-            cache, self.model, enabled=prefix_caching, state_bytes=prefix_state_bytes,
-            checkpoint_interval=prefix_checkpoint_interval, flop_weight=prefix_flop_weight))
-        self.speculative = speculative
+            cache, self.model, enabled=c.prefix_caching, state_bytes=c.prefix_state_bytes,
+            checkpoint_interval=c.prefix_checkpoint_interval, flop_weight=c.prefix_flop_weight))
+        self.speculative = speculative = c.speculative
         self.speculator = None if speculative is None else Speculator(
-            speculative, self.model, cache, block_size=block_size, prefix_caching=prefix_caching,
-            prefix_state_bytes=prefix_state_bytes, checkpoint_interval=prefix_checkpoint_interval,
-            flop_weight=prefix_flop_weight)
+            speculative, self.model, cache, block_size=c.block_size, prefix_caching=c.prefix_caching,
+            prefix_state_bytes=c.prefix_state_bytes, checkpoint_interval=c.prefix_checkpoint_interval,
+            flop_weight=c.prefix_flop_weight)
         self.drafter = None if speculative is None else self.speculator.drafter
-        self.set_length_limits(max_model_len, max_prompt_tokens)
-        self.scheduler = Scheduler(self.cache_manager, max_seqs=cache.ssm.num_slots, max_batch_tokens=max_batch_tokens,
-                                   long_prefill_tokens=long_prefill_tokens,
+        self.set_length_limits(c.max_model_len, c.max_prompt_tokens)
+        self.scheduler = Scheduler(self.cache_manager, max_seqs=cache.ssm.num_slots,
+                                   max_batch_tokens=c.max_batch_tokens, long_prefill_tokens=c.long_prefill_tokens,
                                    draft_tokens=None if speculative is None else self.speculator.allowance,
                                    on_release=None if speculative is None else self.speculator.release)
-        self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=compile,
-                                  compile_backend=compile_backend)
+        self.runner = ModelRunner(self.model, cache, self.cache_manager, compile=c.compile,
+                                  compile_backend=c.compile_backend)
         # the model's own tokenizer (hybrid.from_pretrained attaches the checkpoint's) unless one is given: its
         # end-of-turn ids are where a request stops
         tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
@@ -193,6 +196,8 @@ class Engine:
         a checkpoint's context length; ValueError for limits that cannot hold. Requests already queued keep
         running."""
         self.max_model_len, self.max_prompt_tokens = length_limits(self.cache, max_model_len, max_prompt_tokens)
+        # the config records the limits asked for (None: the defaults), so it rebuilds an engine like this one
+        self.config = self.config.replace(max_model_len=max_model_len, max_prompt_tokens=max_prompt_tokens)
 
     def check_length(self, prompt_len: int, max_new_tokens: int, *, score_only: bool = False) -> None:
         """ValueError, naming the limit, for a prompt over ``max_prompt_tokens`` or prompt + ``max_new_tokens``

@@ -11,7 +11,7 @@ sliding window let the block go (no future token can see it), so tables never ho
 and the attention ops read a real, harmless block there.
 
 Positions and KV lengths: the scheduler and the engine count a sequence's tokens by position (``n_tokens``,
-``start``: RoPE positions, prompt + generated). Once SnapKV (:class:`hybrid.kv_pruning.SnapKV`) has compressed
+``start``: RoPE positions, prompt + generated). Once SnapKV (:class:`hybrid.cache.pruning.SnapKV`) has compressed
 a prompt, the sequence's blocks hold ``dropped`` fewer tokens than that; every method here takes positions
 and converts (:meth:`CacheManager.kv_length`), so the step metadata gets KV lengths for attention and
 positions for RoPE.
@@ -25,8 +25,8 @@ from os.path import commonprefix
 
 import torch
 
-from .cache import NULL_BLOCK, CacheFullError, HybridCache
-from .prefix_cache import Match, Node, PrefixCache
+from .pools import NULL_BLOCK, CacheFullError, HybridCache
+from .prefix import Match, Node, PrefixCache
 
 
 @dataclass

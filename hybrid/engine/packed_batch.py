@@ -9,7 +9,7 @@ every length tensor carries its host copy, and the decode and prefill groups com
 slices, re-validates or reads a tensor back.
 
 ``positions`` are RoPE positions; ``seq_lens`` count the tokens in a sequence's blocks (its KV length), which
-SnapKV's prompt compression makes smaller than the next position (:mod:`hybrid.kv_pruning`); ``observe`` lists
+SnapKV's prompt compression makes smaller than the next position (:mod:`hybrid.cache.pruning`); ``observe`` lists
 the rows whose queries the attention layers hand to SnapKV (its observation window).
 """
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .cache_manager import CacheManager
-from .kernels.packing import with_host_values
-from .kv_pruning import ObservedRows
-from .speculative.verify_states import VerifyStates
+from ..cache.manager import CacheManager
+from ..cache.pruning import ObservedRows
+from ..kernels.packing import with_host_values
+from ..speculative.verify_states import VerifyStates
 
 
 @dataclass(frozen=True)

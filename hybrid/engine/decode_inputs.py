@@ -9,7 +9,7 @@ tensors share (``torch.frombuffer``: no tensor is made per step), and the progra
 the RoPE rows itself.
 
 What :func:`~hybrid.packed_batch.build_batch` checks is checked here too, per row
-(:meth:`~hybrid.cache_manager.CacheManager.decode_row`): the sequence holds its cache, and its blocks hold its new
+(:meth:`~hybrid.cache.manager.CacheManager.decode_row`): the sequence holds its cache, and its blocks hold its new
 token.
 """
 
@@ -19,7 +19,7 @@ import array
 
 import torch
 
-from .cache_manager import CacheManager
+from ..cache.manager import CacheManager
 from .packed_batch import SeqChunk
 
 

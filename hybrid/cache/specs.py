@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import kv_quant
-from .kernels.kv_quant import is_quantized
+from ..kernels import kv_quant
+from ..kernels.kv_quant import is_quantized
 
 SCALE_BYTES = 4  # one fp32 scale (of the int8 Mamba state rows)
 DEFAULT_BLOCK_SIZE = 16  # the engine's KV block size
@@ -100,7 +100,7 @@ class ConstantStateSpec:
     """What every constant-state layer's spec is (Mamba-1/2, and any mixer whose cache is a fixed-size state per
     sequence, e.g. linear attention's ``[d_k, d_v]`` matrix per head): ``states``, its named state tensors
     (:class:`StateTensorSpec`), from which the state cache allocates one pool per tensor and the layer's cache
-    view (:class:`hybrid.cache_views.StateCacheView`) takes its names."""
+    view (:class:`hybrid.cache.views.StateCacheView`) takes its names."""
 
     states: tuple[StateTensorSpec, ...]
 

@@ -1,4 +1,4 @@
-"""Inference cache storage, allocated from the layers' cache specs (:mod:`hybrid.specs`) and accounted in bytes.
+"""Inference cache storage, allocated from the layers' cache specs (:mod:`hybrid.cache.specs`) and accounted in bytes.
 
 - :class:`PagedKVCache` for the attention layers (``*``): K/V pools of fixed-size blocks
   ``[num_blocks + 1, block_size, n_kv_heads, head_dim]`` per layer and one :class:`BlockAllocator` (free
@@ -16,13 +16,13 @@ pages (a slot's scale is written with its codes and moves or is copied with them
 fp32 scale per head (group) of each row.
 
 The layers see none of this: each caching layer gets one view of its part (:meth:`HybridCache.view`,
-:mod:`hybrid.cache_views`) that reads and writes in the layer's compute dtype and applies the quantisation and
+:mod:`hybrid.cache.views`) that reads and writes in the layer's compute dtype and applies the quantisation and
 the pruning (an attention layer's window, StreamingLLM's sinks, SnapKV's observation); a constant-state
 layer's rows go through :class:`StatePool` (``read`` / ``write`` / ``step``), so a compressed state costs each
 layer no code of its own.
 
 This module only stores and allocates; which sequence holds which blocks and slot is the business of
-:class:`hybrid.cache_manager.CacheManager`, the one place that hands them out.
+:class:`hybrid.cache.manager.CacheManager`, the one place that hands them out.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_views import AttentionCacheView, StateCacheView
-from .config import HybridConfig
-from .kernels import int8_state_step, kv_quant
-from .kv_pruning import QueryCapture, SnapKV, StreamingLLM
-from .layers.registry import cache_specs
+from ..config import HybridConfig
+from ..kernels import int8_state_step, kv_quant
+from ..layers.registry import cache_specs
+from .pruning import QueryCapture, SnapKV, StreamingLLM
 from .specs import CacheDtypes, ModelCacheSpec
+from .views import AttentionCacheView, StateCacheView
 
 NULL_BLOCK = 0
 
@@ -132,8 +132,8 @@ class PagedKVCache:
 
     def _views(self) -> dict[int, AttentionCacheView]:
         """Each attention layer's view: its pools and scales, the window, and the pruning policy's part (the
-        sinks and whether positions are re-numbered for StreamingLLM, :mod:`hybrid.kv_pruning`; the layer's
-        query observer for SnapKV, :meth:`hybrid.kv_pruning.QueryCapture.layer`)."""
+        sinks and whether positions are re-numbered for StreamingLLM, :mod:`hybrid.cache.pruning`; the layer's
+        query observer for SnapKV, :meth:`hybrid.cache.pruning.QueryCapture.layer`)."""
         streaming = self.pruning is not None and self.capture is None
         return {i: AttentionCacheView(*self.pools[i], *self.scales.get(i, (None, None)), window=self.window,
                                       sinks=self.sinks if streaming else None,
@@ -142,9 +142,9 @@ class PagedKVCache:
                 for i in self.layer_indices}
 
     def set_pruning(self, policy) -> None:
-        """A :class:`hybrid.kv_pruning.StreamingLLM` attends only to ``policy.sinks`` first tokens and the last
+        """A :class:`hybrid.cache.pruning.StreamingLLM` attends only to ``policy.sinks`` first tokens and the last
         ``policy.window``: blocks between go back to the pool as sequences grow. A
-        :class:`hybrid.kv_pruning.SnapKV` compresses each prompt longer than its budget once it is prefilled
+        :class:`hybrid.cache.pruning.SnapKV` compresses each prompt longer than its budget once it is prefilled
         (:meth:`compact`)."""
         if isinstance(policy, SnapKV):
             if self.window is not None:
@@ -157,7 +157,7 @@ class PagedKVCache:
             self.window = policy.window if self.window is None else min(self.window, policy.window)
             self.sinks = policy.sinks
         else:
-            raise TypeError(f"kv_pruning must be a hybrid.kv_pruning.StreamingLLM or SnapKV, "
+            raise TypeError(f"kv_pruning must be a hybrid.cache.pruning.StreamingLLM or SnapKV, "
                             f"got {type(policy).__name__}")
         self.views = self._views()  # the layers' views apply the policy
 
@@ -245,7 +245,7 @@ class StatePool:
     """The pool of one named state tensor of one constant-state layer (Mamba: conv or SSM): rows
     ``[S + 1, *shape]`` in the storage dtype, and for int8 one fp32 scale per group of each row
     (``scale [S + 1, groups]``). The layers read and write rows through it (their cache view's store,
-    :class:`hybrid.cache_views.StateCacheView`), always in fp32 or the storage float dtype:
+    :class:`hybrid.cache.views.StateCacheView`), always in fp32 or the storage float dtype:
 
     - ``read(slots)`` -> the rows (dequantised); ``write(slots, value)`` stores them (quantised);
     - ``step(op, *args, slots=slots, **kw)`` runs an in-place one-token kernel (``ssd_step``, ...) on the
@@ -345,13 +345,13 @@ class StatePool:
 
 class SSMStateCache:
     """The states of the constant-state layers (Mamba, and any layer with a
-    :class:`~hybrid.specs.ConstantStateSpec`): per layer one pool per named state tensor, ``pools[layer_index] =
+    :class:`~hybrid.cache.specs.ConstantStateSpec`): per layer one pool per named state tensor, ``pools[layer_index] =
     (conv_pool [S+1, ...], ssm_pool [S+1, ...])`` for Mamba, for ``S = num_slots`` sequence slots and one
     scratch row (index ``S``) that padded batch rows update.
 
     A slot is zeroed when handed out, which is the state of an empty sequence, so a fresh prefill and a
     continued one run the same code. ``state_pools`` holds the :class:`StatePool` objects, ``pools`` their
-    storage tensors, ``views`` each layer's :class:`~hybrid.cache_views.StateCacheView` over its pools (what
+    storage tensors, ``views`` each layer's :class:`~hybrid.cache.views.StateCacheView` over its pools (what
     the layer gets).
     """
 
@@ -480,7 +480,7 @@ class HybridCache:
                     "and the null block); raise cache_bytes or lower max_seqs")
             num_blocks = kv_budget // per_block - 1 if has_kv else 0
         self.kv = PagedKVCache(self.spec, num_blocks, block_size=block_size, device=device)
-        self.prefix = None  # the engine's PrefixCache (hybrid.prefix_cache), when prefix caching is on
+        self.prefix = None  # the engine's PrefixCache (hybrid.cache.prefix), when prefix caching is on
 
     @classmethod
     def for_model(cls, model, **kw) -> HybridCache:
@@ -498,8 +498,8 @@ class HybridCache:
 
     def view(self, i: int) -> AttentionCacheView | StateCacheView:
         """Layer ``i``'s view of its cache (what its ``forward_packed`` takes): an attention layer's
-        :class:`~hybrid.cache_views.AttentionCacheView`, a constant-state layer's
-        :class:`~hybrid.cache_views.StateCacheView`."""
+        :class:`~hybrid.cache.views.AttentionCacheView`, a constant-state layer's
+        :class:`~hybrid.cache.views.StateCacheView`."""
         view = self.kv.views.get(i)
         return view if view is not None else self.ssm.views[i]
 

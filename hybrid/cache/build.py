@@ -1,22 +1,23 @@
 """How an engine's caches are built and sized: the target's :class:`~hybrid.cache.HybridCache` from a block
-count or a byte budget with its dtypes and KV pruning, the :class:`~hybrid.prefix_cache.PrefixCache` beside it,
+count or a byte budget with its dtypes and KV pruning, the :class:`~hybrid.cache.prefix.PrefixCache` beside it,
 and a draft model's cache sized to the target's (after vLLM v1's ``kv_cache_utils``: sizing is decided once,
 before the cache manager hands anything out)."""
 
 from __future__ import annotations
 
-from .cache import HybridCache, cache_dtypes
-from .prefix_cache import PrefixCache, prefill_flops_fn
+from .pools import HybridCache, cache_dtypes
+from .prefix import PrefixCache, prefill_flops_fn
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 DEFAULT_PREFIX_STATE_BYTES = 256 * 2**20
 
 
 def engine_cache(model, cache: HybridCache | None, *, num_blocks: int | None, cache_bytes: int | None,
-                 block_size: int, max_seqs: int, kv_dtype, state_dtype, stochastic_state: bool, kv_pruning,
-                 prefix_caching: bool) -> HybridCache:
+                 block_size: int, max_seqs: int, kv_dtype, state_dtype, stochastic_state: bool,
+                 kv_pruning) -> HybridCache:
     """``cache``, or one built for ``model`` from ``num_blocks`` KV blocks or ``cache_bytes`` (default
-    :data:`DEFAULT_CACHE_BYTES`) in the dtypes asked for; with ``kv_pruning`` set on its KV pool."""
+    :data:`DEFAULT_CACHE_BYTES`) in the dtypes asked for; with ``kv_pruning`` set on its KV pool (that pruning
+    and prefix caching exclude each other is the :class:`~hybrid.engine.config.EngineConfig`'s check)."""
     if cache is None:
         if num_blocks is None and cache_bytes is None:
             cache_bytes = DEFAULT_CACHE_BYTES
@@ -28,9 +29,6 @@ def engine_cache(model, cache: HybridCache | None, *, num_blocks: int | None, ca
         raise ValueError("kv_dtype / state_dtype / stochastic_state shape the cache the engine builds; with "
                          "cache= pass them to that HybridCache instead")
     if kv_pruning is not None:
-        if prefix_caching:
-            raise ValueError(f"kv_pruning with prefix_caching is not supported ({type(kv_pruning).__name__}): a "
-                             "pruned sequence's blocks are not the prompt's whole prefix; turn one of them off")
         cache.kv.set_pruning(kv_pruning)  # the attention layers' cache views apply it
     return cache
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .cache import NULL_BLOCK, PagedKVCache, SSMStateCache
+from .pools import NULL_BLOCK, PagedKVCache, SSMStateCache
 
 
 class Node:
@@ -142,7 +142,7 @@ def prefill_flops_fn(model):
 
 class PrefixCache:
     """The tree, the checkpoint pool and the eviction policy (see the module docstring). Used only through
-    :class:`hybrid.cache_manager.CacheManager`."""
+    :class:`hybrid.cache.manager.CacheManager`."""
 
     def __init__(self, kv: PagedKVCache, ssm: SSMStateCache, *, state_bytes: int, checkpoint_interval: int | None,
                  flop_weight: float, prefill_flops):

@@ -20,13 +20,13 @@ import time
 
 import torch
 
-from .cache import NULL_BLOCK, HybridCache
-from .cache_manager import CacheManager
+from ..cache import NULL_BLOCK, HybridCache
+from ..cache.manager import CacheManager
+from ..kernels import native
+from ..layers import fused_decode
+from ..sampling import SamplingBatch, SamplingParams, sample
 from .decode_inputs import DecodeInputs
-from .kernels import native
-from .layers import fused_decode
 from .packed_batch import PackedBatch, SeqChunk, SeqGroup, build_batch, observed_rows
-from .sampling import SamplingBatch, SamplingParams, sample
 
 
 def bucket_sizes(max_seqs: int) -> list[int]:
@@ -96,7 +96,7 @@ class ModelRunner:
         (CPU, the default), or the eager torch layers — and why not the native one."""
         if self.compile:
             return "compiled (torch.compile of the decode forward)"
-        from .kernels import dispatch
+        from ..kernels import dispatch
 
         device = self.device.type
         backend, _ = dispatch.choose("decode_sublayer", device)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams
-from .tokenizer import StreamDecoder
+from ..sampling import SamplingParams
+from ..tokenizer import StreamDecoder
 
 
 @dataclass

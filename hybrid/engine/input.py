@@ -1,4 +1,4 @@
-"""The input processor: a prompt and its sampling parameters become a :class:`~hybrid.request.Request`
+"""The input processor: a prompt and its sampling parameters become a :class:`~hybrid.engine.request.Request`
 (after vLLM v1's input processor) — the prompt checked against the vocabulary, the parameters against what the
 engine can do, the stop ids gathered, the seed drawn — and a fork's request built from its source's."""
 
@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import torch
 
-from .output_processor import eos_ids
+from ..sampling import SamplingParams
+from ..tokenizer import StreamDecoder
+from .output import eos_ids
 from .request import Request
-from .sampling import SamplingParams
-from .tokenizer import StreamDecoder
 
 
 def random_seed() -> int:

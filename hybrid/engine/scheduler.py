@@ -20,7 +20,7 @@ A request computes ``tokens[num_computed:]`` each time it is scheduled, so a pro
 decode and a recompute after preemption are one code path. When a running sequence cannot grow, the running
 sequence with the largest ``priority`` value, the newest of those, is preempted: its cache is freed at once
 and it goes back to the front of its priority in the queue to recompute later from its tokens so far. All
-cache questions go to the :class:`~hybrid.cache_manager.CacheManager`.
+cache questions go to the :class:`~hybrid.cache.manager.CacheManager`.
 
 With a prefix cache, a request whose longer prefix a running sequence is computing right now waits for it
 (that sequence saves a checkpoint where they part; requests behind the waiting one may go first), and a
@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from itertools import islice
 
-from .cache_manager import CacheManager
+from ..cache.manager import CacheManager
 from .request import Request
 
 
