@@ -18,8 +18,8 @@ from .layers.registry import cache_specs, layer_class
 class Block(nn.Module):
     """One pattern symbol: ``x + mixer(norm(x))``, the one definition of the residual sub-layer for both the
     full forward (``x`` [B, L, d]) and the packed inference forward (``x`` [T, d] of a
-    :class:`~hybrid.packed_batch.PackedBatch`, with the layer's view of the cache, ``cache.view(index)``:
-    :mod:`hybrid.cache_views`). Token-wise sub-layers (MLP, experts) run the same forward either way; caching
+    :class:`~hybrid.engine.packed_batch.PackedBatch`, with the layer's view of the cache, ``cache.view(index)``:
+    :mod:`hybrid.cache.views`). Token-wise sub-layers (MLP, experts) run the same forward either way; caching
     mixers take their packed path."""
 
     def __init__(self, kind: str, cfg: HybridConfig, index: int):
@@ -142,7 +142,7 @@ class HybridLM(nn.Module):
         return self.logits(x[:, keep])
 
     def forward_packed(self, batch, cache, *, all_logits: bool = False, borrow_logits: bool = False) -> torch.Tensor:
-        """Inference over a packed batch of many sequences (a :class:`hybrid.packed_batch.PackedBatch`)
+        """Inference over a packed batch of many sequences (a :class:`hybrid.engine.packed_batch.PackedBatch`)
         with their K/V and Mamba states in ``cache`` (a :class:`hybrid.cache.HybridCache`), updated
         in place. Returns each sequence's last-token logits [B, vocab] (every new token's, [T, vocab], with
         ``all_logits``). ``borrow_logits``: a decode step run by the native program may return a view of the
@@ -213,7 +213,7 @@ class HybridLM(nn.Module):
 
     def cache_spec(self, *, kv_dtype: torch.dtype | None = None, conv_dtype: torch.dtype | None = None,
                    ssm_dtype: torch.dtype = torch.float32):
-        """The inference cache of this model (:class:`hybrid.specs.ModelCacheSpec`), with K/V and conv
+        """The inference cache of this model (:class:`hybrid.cache.specs.ModelCacheSpec`), with K/V and conv
         state in the model's dtype and the SSM state in fp32 unless told otherwise: what the engine's
         cache allocates."""
         dtypes = CacheDtypes.for_dtype(self.embed.weight.dtype, kv=kv_dtype, conv=conv_dtype, ssm=ssm_dtype)

@@ -60,7 +60,7 @@ def sink_attention(q, k, v, *, window=None, scale=None, sinks=0, q_sinks=None):
     """Causal attention where each query sees its last ``window`` keys and the first ``sinks`` keys of the
     sequence (StreamingLLM's attention sinks): q [1, Lq, Hq, D], k, v [1, Lk, Hkv, D], the queries the last Lq
     positions. ``q_sinks`` (like q): the queries rotated at their position in the paper's cache numbering,
-    which score the sink keys in place of q (StreamingLLM re-numbering, :mod:`hybrid.kv_pruning`). Naive fp32
+    which score the sink keys in place of q (StreamingLLM re-numbering, :mod:`hybrid.cache.pruning`). Naive fp32
     softmax; the reference and the torch path of the pruned cache."""
     _, Lq, Hq, D = q.shape
     Lk = k.shape[1]
@@ -140,7 +140,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     block_tables: [B, MB] -> [T, Hq, D]. The new tokens of sequence b are its last
     ``cu_seqlens_q[b+1] - cu_seqlens_q[b]`` positions, so this serves whole prompts, chunks of a
     prompt on top of earlier chunks, and (one token each) decode. Quantised pools pass their per-token scales.
-    ``sinks``: the first ``sinks`` tokens stay visible beside the window (StreamingLLM, :mod:`hybrid.kv_pruning`;
+    ``sinks``: the first ``sinks`` tokens stay visible beside the window (StreamingLLM, :mod:`hybrid.cache.pruning`;
     the torch path only: the Triton and flash-attn kernels have no sinks); ``q_sinks`` [T, Hq, D]: the queries
     that score the sink keys (rotated at the paper's cache positions), q scoring the rest.
     """

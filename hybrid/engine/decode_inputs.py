@@ -1,14 +1,14 @@
 """A decode-only step's per-row inputs in buffers the model runner keeps across steps (vLLM's persistent batch).
 
 A decode step on a CPU is one native program call (:mod:`hybrid.layers.fused_decode`) of a few milliseconds, and
-whatever Python runs around it is paid on every token. Building a :class:`~hybrid.packed_batch.PackedBatch` for it
+whatever Python runs around it is paid on every token. Building a :class:`~hybrid.engine.packed_batch.PackedBatch` for it
 (a dozen small tensors, two groups, host values attached, the RoPE rows and the embedding looked up by torch ops)
 took 0.2-0.3 ms of a batch-1 step, run with caches the step's weights had just evicted. Here the rows' token
 ids, positions, K/V slots, KV lengths, block tables and state slots are written into ``array`` buffers that torch
 tensors share (``torch.frombuffer``: no tensor is made per step), and the program gathers the embedding rows and
 the RoPE rows itself.
 
-What :func:`~hybrid.packed_batch.build_batch` checks is checked here too, per row
+What :func:`~hybrid.engine.packed_batch.build_batch` checks is checked here too, per row
 (:meth:`~hybrid.cache.manager.CacheManager.decode_row`): the sequence holds its cache, and its blocks hold its new
 token.
 """

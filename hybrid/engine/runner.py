@@ -1,7 +1,7 @@
 """The model runner: turns a scheduled step into one forward pass and sampled token ids.
 
 Prefill and decode are different programs (after gpt-fast). A step with any prompt chunk runs eagerly:
-:func:`~hybrid.packed_batch.build_batch` makes its metadata once (validated once, host copies attached,
+:func:`~hybrid.engine.packed_batch.build_batch` makes its metadata once (validated once, host copies attached,
 RoPE cos/sin computed once for all attention layers) and ``model.forward_packed`` runs it. A step of
 only one-token decodes can instead run a ``torch.compile``-d decode forward (``compile=True``): the batch
 is padded to a bucket size (1, 2, 4, ..., ``max_seqs``) and the block tables to a power-of-two width, so a
@@ -145,7 +145,7 @@ class ModelRunner:
 
     def _native_decode(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
         """A CPU decode step's logits (borrowed: the program's buffer) from the whole-step native program fed from
-        the kept :class:`~hybrid.decode_inputs.DecodeInputs`, no packed batch built; None where the program does
+        the kept :class:`~hybrid.engine.decode_inputs.DecodeInputs`, no packed batch built; None where the program does
         not cover this model and cache (or this step: more rows than it takes, SnapKV's observed queries)."""
         prog = self._kept_inputs(chunks)
         if prog is None:

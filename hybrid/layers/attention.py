@@ -102,9 +102,9 @@ class Attention(nn.Module):
         return self.output(out.reshape(B, L, -1), gate)
 
     def forward_packed(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
-        """Packed inference: x [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
+        """Packed inference: x [T, d_model] of a :class:`hybrid.engine.packed_batch.PackedBatch` -> [T, d_model].
 
-        ``cache`` is this layer's :class:`hybrid.cache_views.AttentionCacheView`: it takes the new K/V into the
+        ``cache`` is this layer's :class:`hybrid.cache.views.AttentionCacheView`: it takes the new K/V into the
         paged pools, then attends over each sequence's cached history through its block table, the batch's
         one-token sequences (``batch.decode``) with the decode op, the rest (``batch.prefill``: prompts and
         prompt chunks) with the prefill op. What the cache stores (dtype, int8 / fp8 scales) and which keys a

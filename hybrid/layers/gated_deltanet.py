@@ -129,7 +129,7 @@ class GatedDeltaNet(nn.Module):
     def step(self, state, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
              slots: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence through the conv and gated-delta step ops, updating the states of ``state``
-        (a :class:`hybrid.cache_views.StateCacheView`: rows ``slots`` of the cache, or working copies) in place:
+        (a :class:`hybrid.cache.views.StateCacheView`: rows ``slots`` of the cache, or working copies) in place:
         qkv [n, conv_dim], b/a [n, H] -> o [n, H, V]."""
         qkv = state["conv"].step(kernels.causal_conv1d_step, qkv, self.conv1d.weight[:, 0], self.conv1d.bias,
                                  activation="silu", slots=slots)
@@ -138,9 +138,9 @@ class GatedDeltaNet(nn.Module):
         return state["recurrent"].step(kernels.gated_delta_step, q, k, v, g, beta, slots=slots)
 
     def forward_packed(self, u: torch.Tensor, batch, cache) -> torch.Tensor:
-        """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
+        """Packed inference: u [T, d_model] of a :class:`hybrid.engine.packed_batch.PackedBatch` -> [T, d_model].
 
-        ``cache`` is this layer's :class:`hybrid.cache_views.StateCacheView` (states ``conv`` and ``recurrent``).
+        ``cache`` is this layer's :class:`hybrid.cache.views.StateCacheView` (states ``conv`` and ``recurrent``).
         As :meth:`hybrid.layers.mamba2.Mamba2.forward_packed`: one-token sequences (``batch.decode``) take the
         step ops on their slots, speculative verify chunks (``batch.verify``) the step ops position by position
         on working copies with every position's state kept (:meth:`hybrid.speculative.VerifyStates.run`), the

@@ -116,7 +116,7 @@ class GLA(nn.Module):
 
     def step(self, state, qkv: torch.Tensor, low: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence through the conv (if any) and GLA step ops, updating the states of ``state`` (a
-        :class:`hybrid.cache_views.StateCacheView`: rows ``slots`` of the cache, or working copies) in place:
+        :class:`hybrid.cache.views.StateCacheView`: rows ``slots`` of the cache, or working copies) in place:
         qkv [n, conv_dim], low [n, gate_low_rank_dim] -> o [n, H, V]."""
         if self.conv1d is not None:
             qkv = state["conv"].step(kernels.causal_conv1d_step, qkv, *self._conv_weights(), activation="silu",
@@ -125,9 +125,9 @@ class GLA(nn.Module):
         return state["recurrent"].step(kernels.gla_step, q, k, v, gk, slots=slots)
 
     def forward_packed(self, u: torch.Tensor, batch, cache) -> torch.Tensor:
-        """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
+        """Packed inference: u [T, d_model] of a :class:`hybrid.engine.packed_batch.PackedBatch` -> [T, d_model].
 
-        ``cache`` is this layer's :class:`hybrid.cache_views.StateCacheView` (``recurrent``, and ``conv`` with
+        ``cache`` is this layer's :class:`hybrid.cache.views.StateCacheView` (``recurrent``, and ``conv`` with
         the short conv). As :meth:`hybrid.layers.gated_deltanet.GatedDeltaNet.forward_packed`: one-token
         sequences (``batch.decode``) take the step ops on their slots, speculative verify chunks
         (``batch.verify``) the step ops position by position on working copies with every position's state kept,

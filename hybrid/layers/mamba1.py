@@ -88,7 +88,7 @@ class Mamba1(nn.Module):
 
     def step(self, state, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence through the conv and selective-scan step ops, updating the states of ``state``
-        (a :class:`hybrid.cache_views.StateCacheView`: rows ``slots`` of the cache, or working copies) in
+        (a :class:`hybrid.cache.views.StateCacheView`: rows ``slots`` of the cache, or working copies) in
         place: x [n, d_inner] -> y [n, d_inner]."""
         x = state["conv"].step(kernels.causal_conv1d_step, x, self.conv1d.weight[:, 0], self.conv1d.bias,
                                activation="silu", slots=slots)
@@ -96,8 +96,8 @@ class Mamba1(nn.Module):
         return state["ssm"].step(kernels.selective_step, x, dt, self.A(), B, C, D=self.D, slots=slots)
 
     def forward_packed(self, u: torch.Tensor, batch, cache) -> torch.Tensor:
-        """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model];
-        states in the sequences' rows of ``cache`` (this layer's :class:`hybrid.cache_views.StateCacheView`;
+        """Packed inference: u [T, d_model] of a :class:`hybrid.engine.packed_batch.PackedBatch` -> [T, d_model];
+        states in the sequences' rows of ``cache`` (this layer's :class:`hybrid.cache.views.StateCacheView`;
         step ops for ``batch.decode``, step ops with every position's state kept for ``batch.verify``, varlen
         scans for ``batch.scan``), as in :meth:`Mamba2.forward_packed`."""
         x, z = self.in_proj(u).chunk(2, dim=-1)

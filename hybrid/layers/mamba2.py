@@ -106,7 +106,7 @@ class Mamba2(nn.Module):
 
     def step(self, state, xBC: torch.Tensor, dt_raw: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence through the conv and SSD step ops, updating the states of ``state`` (a
-        :class:`hybrid.cache_views.StateCacheView`: rows ``slots`` of the cache, or working copies) in place:
+        :class:`hybrid.cache.views.StateCacheView`: rows ``slots`` of the cache, or working copies) in place:
         xBC [n, conv_dim], dt_raw [n, H] -> y [n, H, P]."""
         xBC = state["conv"].step(kernels.causal_conv1d_step, xBC, self.conv1d.weight[:, 0], self.conv1d.bias,
                                  activation="silu", slots=slots)
@@ -125,9 +125,9 @@ class Mamba2(nn.Module):
         return y.to(dt_raw.dtype), conv_hist.to(conv0.dtype), ssm_hist.to(ssm0.dtype)
 
     def forward_packed(self, u: torch.Tensor, batch, cache) -> torch.Tensor:
-        """Packed inference: u [T, d_model] of a :class:`hybrid.packed_batch.PackedBatch` -> [T, d_model].
+        """Packed inference: u [T, d_model] of a :class:`hybrid.engine.packed_batch.PackedBatch` -> [T, d_model].
 
-        ``cache`` is this layer's :class:`hybrid.cache_views.StateCacheView` (states ``conv`` and ``ssm``, read
+        ``cache`` is this layer's :class:`hybrid.cache.views.StateCacheView` (states ``conv`` and ``ssm``, read
         and written in the compute dtype whatever the storage). Each sequence starts from and leaves its state
         in its rows (``state_slots``): the one-token sequences (``batch.decode``) take the O(1) step ops,
         speculative verify chunks (``batch.verify``) a closed form that keeps every position's state aside
