@@ -149,7 +149,7 @@ def paged_decode(q, k_pool, v_pool, seq_lens, block_tables, *, window=None, scal
     return out
 
 
-# the activations of the native library's fused ops (sublayer.c; the decode program, hybrid/layers/fused_decode.py,
+# the activations of the native library's fused ops (sublayer.c; the decode program, hybrid/decode/builder.py,
 # passes them)
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}
 
