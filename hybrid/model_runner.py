@@ -78,8 +78,10 @@ class ModelRunner:
         return backend
 
     def decode_report(self, rows: int = 1) -> str:
-        """The backend a ``rows``-row decode step runs on here, and every backend's verdict (why not)."""
-        return describe(self.decode_backends, self.model, self.cache, self.decode_shape(rows))
+        """The backend a ``rows``-row engine decode step runs on here, and every backend's verdict (why not). As an
+        engine step sees it: under ``torch.inference_mode`` (Engine.step's)."""
+        with torch.inference_mode():
+            return describe(self.decode_backends, self.model, self.cache, self.decode_shape(rows))
 
     def decode_path(self) -> str:
         """Which program a one-row decode step runs here, and why not the others (:meth:`decode_report`)."""
