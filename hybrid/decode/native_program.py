@@ -14,6 +14,8 @@ observes the step's queries, and not when the native kernels are switched off (`
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..kernels import dispatch, native
@@ -38,7 +40,11 @@ def native_switch() -> str | None:
     if backend == "native":
         return None
     why = dispatch.why_not(OP, "native", "cpu")
-    return f"native kernels off: {why}" if why else "native kernels off: HYBRID_BACKEND forces torch"
+    if why:
+        return f"native kernels off: {why}"
+    forced = os.environ.get("HYBRID_BACKEND")  # (else a hybrid.kernels.use_backend block forces it)
+    how = f"HYBRID_BACKEND={forced}" if forced and forced != "native" else "hybrid.kernels.use_backend"
+    return f"native kernels off: {how} forces the {backend} kernels"
 
 
 def _common(shape: DecodeShape) -> str | None:
@@ -56,9 +62,14 @@ def _common(shape: DecodeShape) -> str | None:
 
 
 def _uncovered(model, prog) -> list[str]:
-    """'layer i (kind): why' for each block the program does not cover, then the LM head's line if any."""
-    out = [f"layer {i} ({model.layers[i].kind}): {why}" for i, why in enumerate(prog.why[:len(model.layers)])
-           if why is not None]
+    """'layers i, j (kind): why' for the blocks the program does not cover (one line per kind and reason, in layer
+    order), then the LM head's line if any."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, why in enumerate(prog.why[:len(model.layers)]):
+        if why is not None:
+            groups.setdefault((model.layers[i].kind, why), []).append(i)
+    out = [f"layer{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))} ({kind}): {why}"
+           for (kind, why), idx in groups.items()]
     return out + list(prog.why[len(model.layers):])
 
 
