@@ -71,10 +71,13 @@ class ModelRunner:
 
     def decode_backend(self, rows: int):
         """The backend that runs a ``rows``-row decode step here: chosen once per shape, then looked up."""
-        shape = self.decode_shape(rows)
-        backend = self._chosen.get(shape)
+        # the key is DecodeShape's fields as a plain tuple: a frozen dataclass costs microseconds a step to build
+        cpu = self.device.type == "cpu"
+        key = (rows, self.manager.kv.capture is not None, torch.is_grad_enabled(), native_switch() if cpu else None)
+        backend = self._chosen.get(key)
         if backend is None:
-            backend = self._chosen[shape] = choose(self.decode_backends, self.model, self.cache, shape)
+            shape = DecodeShape(rows, self.device.type, self.compile, *key[1:])
+            backend = self._chosen[key] = choose(self.decode_backends, self.model, self.cache, shape)
         return backend
 
     def decode_report(self, rows: int = 1) -> str:
