@@ -20,13 +20,13 @@ from hybrid.eval.decode_timing import decode_engine, decode_speed
 from tqdm import tqdm
 
 import hybrid
-from hybrid.layers import fused_decode
+from hybrid.decode import program as decode_program
 from hybrid.quantize import METHODS, decode_bytes
 
 
 def weight_bytes(model) -> int:
-    """Bytes of weights a decode step reads (fused_decode's own count: every linear layer, the tied head)."""
-    return fused_decode._decode_weight_bytes(model)
+    """Bytes of weights a decode step reads (the decode program's own count: every linear layer, the tied head)."""
+    return decode_program._decode_weight_bytes(model)
 
 
 def run_scheme(folder: str, scheme: str, dtype: torch.dtype, batch: int, context: int, steps: int,
@@ -41,11 +41,11 @@ def run_scheme(folder: str, scheme: str, dtype: torch.dtype, batch: int, context
     with torch.inference_mode():
         engine = decode_engine(model, batch, context, steps=steps, compile=False, warmup=warmup)
         row, split = decode_speed(engine, steps)
-        prog = fused_decode.whole_program(model, engine.cache)
+        whole = engine.runner.decode_backend(batch).name == "native_program"
     head = model.lm_head.weight if model.lm_head is not None else model.embed.weight
     return {"scheme": scheme + ("+fp head" if tied_head else ""), "dtype": str(dtype).removeprefix("torch."),
             **row, "weight_MB": round(weight_bytes(model) / 1e6, 1), "head_MB": round(decode_bytes(head) / 1e6, 1),
-            "native_whole_step": prog is not None}
+            "native_whole_step": whole}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,7 +9,6 @@ from torch import nn
 from . import kernels
 from .cache.specs import CacheDtypes
 from .config import HybridConfig
-from .layers import fused_decode
 from .layers.linear import Linear
 from .layers.norm import RMSNorm
 from .layers.registry import cache_specs, layer_class
@@ -31,12 +30,6 @@ class Block(nn.Module):
         self.caches = cls.cache_spec(cfg, CacheDtypes(kv=torch.float32, conv=torch.float32)) is not None
 
     def forward(self, x: torch.Tensor, batch=None, cache=None) -> torch.Tensor:
-        # a decode-only step: the fused sub-layer if it covers it. Never under Dynamo: a compiled graph runs the
-        # layers, and tracing the program lookup would guard on a weak dict's keys that change as caches die.
-        if batch is not None and batch.prefill is None and not torch.compiler.is_compiling():
-            y = fused_decode.sublayer(self, x, batch, cache)
-            if y is not None:
-                return y
         h = self.norm(x)
         if batch is None or not self.caches:
             return x + self.mixer(h)
@@ -141,22 +134,19 @@ class HybridLM(nn.Module):
             x = layer(x)
         return self.logits(x[:, keep])
 
-    def forward_packed(self, batch, cache, *, all_logits: bool = False, borrow_logits: bool = False) -> torch.Tensor:
+    def forward_packed(self, batch, cache, *, all_logits: bool = False, block_step=None) -> torch.Tensor:
         """Inference over a packed batch of many sequences (a :class:`hybrid.engine.packed_batch.PackedBatch`)
         with their K/V and Mamba states in ``cache`` (a :class:`hybrid.cache.HybridCache`), updated
         in place. Returns each sequence's last-token logits [B, vocab] (every new token's, [T, vocab], with
-        ``all_logits``). ``borrow_logits``: a decode step run by the native program may return a view of the
-        program's own logits buffer, which the next decode step on ``cache`` overwrites (the engine reads them
-        within its step; a fresh copy of 128 KB a row cost ~80 us of a 4 ms step)."""
-        if not all_logits:  # a decode-only step: one native program where it covers the model (its own RoPE rows)
-            logits = fused_decode.step(self, batch, cache, borrow=borrow_logits)
-            if logits is not None:
-                return logits
+        ``all_logits``). ``block_step(block, x, batch, cache)``: a decode backend's own run of a block (its
+        output, or None for the block's forward; :mod:`hybrid.decode` chooses how a decode step runs, the model
+        does not)."""
         if batch.rope is None and self.rope is not None:
             batch = batch.with_rope(self.rope.cos_sin(batch.positions, self.embed.weight.dtype))
         x = self.embed(batch.tokens)
         for block in self.layers:
-            x = block(x, batch, cache)
+            y = None if block_step is None else block_step(block, x, batch, cache)
+            x = block(x, batch, cache) if y is None else y
         if not all_logits:
             x = x[batch.last_token_index]
         return self.logits(x)

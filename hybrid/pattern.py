@@ -26,6 +26,13 @@ def register_symbol(symbol: str, kind: str, *, mixer: bool) -> None:
         MIXER_SYMBOLS.add(symbol)
 
 
+def unregister_symbol(symbol: str) -> None:
+    """Forget ``symbol`` (a layer kind registered for a while, e.g. by a test: :func:`hybrid.layers.registry.
+    register_layer`'s undo)."""
+    SYMBOLS.pop(symbol, None)
+    MIXER_SYMBOLS.discard(symbol)
+
+
 class PatternError(ValueError):
     """A layer pattern string that cannot be parsed."""
 

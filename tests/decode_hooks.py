@@ -1,9 +1,8 @@
 """Test hooks on an engine's decode steps: record each decode step's logits from the whole-step native program, or
-turn that program off (the blocks then run their own ops, or the eager layers) and record the model's logits.
+turn that backend off (the blocks then run their own ops, or the eager layers) and record the model's logits.
 
-A CPU decode step reaches the whole-step program either from the model runner's kept inputs or from
-``fused_decode.step`` of a packed batch; both go through ``fused_decode.whole_program`` and
-``DecodeProgram.run``, which is where these hooks sit."""
+The model runner picks a decode step's backend from each backend's ``supports()`` (hybrid/decode/): these hooks
+make a backend say no, or sit on ``DecodeProgram.run``, which the whole-step backend runs."""
 
 from __future__ import annotations
 
@@ -11,8 +10,9 @@ import torch
 from hybrid.kernels import native
 
 import hybrid.model as model_mod
+from hybrid.decode import program as decode_program
+from hybrid.decode.native_program import NativeProgramBackend, NativeSublayersBackend
 from hybrid.engine.runner import ModelRunner
-from hybrid.layers import fused_decode
 
 
 def _decode_steps(monkeypatch) -> list[bool]:
@@ -33,7 +33,7 @@ def whole_step_logits(monkeypatch) -> list[torch.Tensor]:
     the test, with the program's coverage. (Greedy steps would otherwise take their argmax in C without handing
     the logits back: ``Engine``'s greedy steps; here they run ``DecodeProgram.run`` and sample in Python.)"""
     got: list[torch.Tensor] = []
-    real_execute, real_run = ModelRunner.execute, fused_decode.DecodeProgram.run
+    real_execute, real_run = ModelRunner.execute, decode_program.DecodeProgram.run
 
     def run(self, *a, **kw):
         out = real_run(self, *a, **kw)
@@ -45,20 +45,19 @@ def whole_step_logits(monkeypatch) -> list[torch.Tensor]:
         before = len(got)
         out = real_execute(self, chunks, **kw)
         if all(len(c.tokens) == 1 for c in chunks):
-            assert len(got) == before + 1, fused_decode.coverage(self.model, self.cache)
+            assert len(got) == before + 1, self.decode_report(len(chunks))
         return out
 
-    monkeypatch.setattr(fused_decode.DecodeProgram, "run", run)
+    monkeypatch.setattr(decode_program.DecodeProgram, "run", run)
     monkeypatch.setattr(ModelRunner, "execute", execute)
     monkeypatch.setattr(ModelRunner, "can_run_steps", lambda self: False)
     return got
 
 
 def no_whole_step(monkeypatch) -> None:
-    """No decode step runs the whole-step program (the per-block programs are still built, by the real
-    ``whole_program``, and used)."""
-    real = fused_decode.whole_program
-    monkeypatch.setattr(fused_decode, "whole_program", lambda model, cache: real(model, cache) and None)
+    """No decode step runs the whole-step program (the per-block programs are still built and used: the
+    ``native_sublayers`` backend)."""
+    monkeypatch.setattr(NativeProgramBackend, "supports", lambda self, model, cache, shape: "off in this test")
 
 
 def eager_step_logits(monkeypatch, *, sublayers: bool = False) -> list[torch.Tensor]:
@@ -66,7 +65,7 @@ def eager_step_logits(monkeypatch, *, sublayers: bool = False) -> list[torch.Ten
     turns the per-block native ops off (every sub-layer its layer's forward)."""
     no_whole_step(monkeypatch)
     if not sublayers:
-        monkeypatch.setattr(fused_decode, "sublayer", lambda block, x, batch, cache: None)
+        monkeypatch.setattr(NativeSublayersBackend, "supports", lambda self, model, cache, shape: "off in this test")
     decoding = _decode_steps(monkeypatch)
     got: list[torch.Tensor] = []
     plain = model_mod.HybridLM.logits
@@ -89,3 +88,15 @@ def avx2_build():
     lib = native.load_variant("x86-64-v3")
     assert lib.hl_cpu_paths() == 1  # AVX2 only
     return lib
+
+
+def no_native_steps(monkeypatch) -> None:
+    """Every decode step runs the eager layers (neither the whole-step program nor the per-block ops): a test
+    that calls :func:`sublayer_ops` itself beside them."""
+    no_whole_step(monkeypatch)
+    monkeypatch.setattr(NativeSublayersBackend, "supports", lambda self, model, cache, shape: "off in this test")
+
+
+def sublayer_ops(model, block, x, batch, cache):
+    """What the native program's ops of ``block`` give for these decode rows (None: not covered)."""
+    return decode_program.run_sublayer(decode_program.program(model, cache), block, x, batch, cache)

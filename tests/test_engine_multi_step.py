@@ -142,5 +142,5 @@ def test_a_model_the_program_does_not_cover_steps_one_at_a_time_without_growing_
 
     one, free1, _ = free_blocks_per_step(1)
     four, free4, engine = free_blocks_per_step(4)
-    assert not engine.runner.covers_whole_step()
+    assert not engine.runner.can_run_steps()
     assert four == one and free4 == free1  # the same tokens, and no step held a block before its tokens needed it

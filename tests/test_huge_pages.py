@@ -81,7 +81,7 @@ def test_decode_program_moves_the_streamed_weights_once_and_training_still_works
     monkeypatch.delenv(host_memory.HUGE_ENV, raising=False)
     from test_engine import greedy_reference
 
-    from hybrid.layers import fused_decode
+    from hybrid.decode import program as decode_program
 
     torch.manual_seed(0)
     model = HybridLM(recipes.get("hybrid-1to7-tiny")).eval()
@@ -89,7 +89,7 @@ def test_decode_program_moves_the_streamed_weights_once_and_training_still_works
     ref, _ = greedy_reference(model, prompt, 12)
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     assert greedy_tokens(model, prompt, 12) == ref
-    assert getattr(model, fused_decode._MOVED_ATTR) > 0
+    assert getattr(model, decode_program._MOVED_ATTR) > 0
     big = {n for n, p in model.named_parameters() if p.dim() >= 2 and p.numel() * p.element_size() >= 65536
            and not (n == "embed.weight" and model.lm_head is not None)}
     assert big and all(model.get_parameter(n).data_ptr() != ptrs[n] for n in big)

@@ -123,3 +123,33 @@ def test_no_layer_imports_cache_policy():
     layers = {n: deps & policy for n, deps in g.items() if n.startswith("hybrid.layers")}
     assert len(layers) > 5
     assert {n: d for n, d in layers.items() if d} == {}
+
+
+def _reach(graph: dict[str, set[str]], start: set[str], through) -> set[str]:
+    """The modules ``start`` reaches along edges whose target ``through`` allows (the targets themselves included)."""
+    seen, todo = set(), list(start)
+    while todo:
+        for m in graph[todo.pop()]:
+            if m not in seen:
+                seen.add(m)
+                if through(m):
+                    todo.append(m)
+    return seen
+
+
+def test_the_model_and_layers_do_not_import_the_native_library_or_the_decode_backends():
+    """How a decode step runs is the decode backends' business (hybrid.decode, chosen by the model runner): the model
+    and every layer neither import them nor the native library, directly or through another module of the library
+    (the kernels' ops, which pick their own backend per call, are the one door they use; a layer's lower_decode is
+    handed a builder, never imports one)."""
+    g = import_graph()
+    model_side = {n for n in g if n == "hybrid.model" or n.startswith("hybrid.layers")}
+    assert len(model_side) > 8 and "hybrid.layers.attention" in model_side
+
+    def forbidden(m: str) -> bool:
+        return m == "hybrid.decode" or m.startswith(("hybrid.decode.", "hybrid.kernels.native"))
+
+    reached = _reach(g, model_side, lambda m: not m.startswith("hybrid.kernels"))
+    assert not {m for m in reached if forbidden(m)}, sorted(m for m in reached if forbidden(m))
+    # the check can fail: the runner does reach both
+    assert any(forbidden(m) for m in _reach(g, {"hybrid.engine.runner"}, lambda m: True))

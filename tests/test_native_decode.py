@@ -1,6 +1,6 @@
 """The native decode kernels (kernels/native/*.c) against their torch references, and the decode program
-(hybrid/layers/fused_decode.py, kernels/native/program.c: per block, and the whole step as one call) against
-the eager layers and the full forward."""
+(hybrid/decode/ and each layer's lower_decode, kernels/native/program.c: per block, and the whole step as one
+call) against the eager layers and the full forward."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from decode_hooks import avx2_build, eager_step_logits, no_whole_step, whole_step_logits
+from decode_hooks import avx2_build, eager_step_logits, no_native_steps, sublayer_ops, whole_step_logits
 from hybrid.kernels import conv1d, native, paged_attention, projection, ssd, use_backend
 from hybrid.kernels.native import ops
 from hybrid.kernels.native.build import compiler as c_compiler
@@ -324,7 +324,6 @@ def test_fused_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
     """In bf16 each fused sub-layer rounds where the torch ops round: the same bits as the eager layer on the
     same input (attention and MLP, whose cache writes are idempotent, so both can run on one step)."""
     import hybrid.model as model_mod
-    from hybrid.layers import fused_decode
 
     torch.manual_seed(0)
     model = HybridLM(recipes.get(recipe)).to(torch.bfloat16).eval()
@@ -334,7 +333,7 @@ def test_fused_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
     def both(self, x, batch=None, cache=None):
         if batch is None or batch.prefill is not None or self.kind not in ("attention", "mlp"):
             return plain(self, x, batch, cache)
-        fused = fused_decode.sublayer(self, x, batch, cache)
+        fused = sublayer_ops(model, self, x, batch, cache)
         h = self.norm(x)
         eager = x + (self.mixer.forward_packed(h, batch, cache.view(self.index)) if self.caches
                      else self.mixer(h))
@@ -343,7 +342,7 @@ def test_fused_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
         return eager
 
     monkeypatch.setattr(model_mod.Block, "forward", both)
-    no_whole_step(monkeypatch)  # the blocks one by one (their programs built), not the whole step
+    no_native_steps(monkeypatch)  # the eager blocks, each beside its own native ops (sublayer_ops)
     _greedy(model, [list(range(1, 12)), [7] * 20], 4)
     assert "mlp" in checked and ("attention" in checked or recipe != "llama-tiny")
 
@@ -378,7 +377,7 @@ def test_program_follows_rebound_weights_and_skips_uncovered_layers():
     """A program binds pointers: when a weight is replaced (not updated in place) the engine's next step
     rebuilds it, and the tokens follow the new weights; a layer it does not cover (int8 K/V pages) runs eager
     while the others keep their native ops."""
-    from hybrid.layers import fused_decode
+    from hybrid.decode import program as decode_program
 
     torch.manual_seed(0)
     model = HybridLM(recipes.get("llama-tiny")).eval()
@@ -394,7 +393,7 @@ def test_program_follows_rebound_weights_and_skips_uncovered_layers():
         engine = Engine(model, num_blocks=64, block_size=16, max_seqs=4, kv_dtype=torch.int8)
         rid = engine.add_request(prompts[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
         engine.run()
-        why = fused_decode.coverage(model, engine.cache)
+        why = decode_program.coverage(model, engine.cache)
     assert any(w and "quantised" in w for w in why) and None in why
     with use_backend("torch"):
         assert [engine.requests[rid].output] == _greedy(model, prompts, 8, kv_dtype=torch.int8)
@@ -434,7 +433,7 @@ def test_stream_prefetch_follows_the_weights_and_the_cache_and_changes_no_bits(m
     """The decode program prefetches its weights past the caches only when they do not fit in a quarter of the
     last-level cache (they are then read from memory every step); on or off, the products and the tokens are the
     same."""
-    from hybrid.layers import fused_decode
+    from hybrid.decode import program as decode_program
 
     assert native.l3_bytes() >= 0
     monkeypatch.setattr(native, "l3_bytes", lambda: 64 * 2**20)
@@ -444,7 +443,7 @@ def test_stream_prefetch_follows_the_weights_and_the_cache_and_changes_no_bits(m
     torch.manual_seed(0)
     model = HybridLM(recipes.get("hybrid-1to7-tiny")).to(torch.bfloat16).eval()
     expected = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert fused_decode._decode_weight_bytes(model) == expected + (0 if model.lm_head is not None
+    assert decode_program._decode_weight_bytes(model) == expected + (0 if model.lm_head is not None
                                                                    else model.embed.weight.numel() * 2)
     # one input row takes one weight row at a time while streaming and four rows a pass otherwise: the same bits
     pairs = [(torch.randn(300, 512).bfloat16(), torch.randn(rows, 512).bfloat16()) for rows in (2, 1)]
@@ -465,7 +464,7 @@ def test_one_row_streaming_paths_give_the_blocked_paths_bits(monkeypatch, recipe
     """With the weights streaming (P_stream) one input row's products, gated MLP up-projections and q/k/v go row
     by row straight to their outputs; without, through the 16-row blocks: every batch-1 step's logits are the same
     bits either way (a model this small fits the cache, so the streaming paths run only when forced here)."""
-    from hybrid.layers import fused_decode
+    from hybrid.decode import program as decode_program
 
     torch.manual_seed(0)
     model = HybridLM(recipes.get(recipe)).to(dtype).eval()
@@ -473,7 +472,7 @@ def test_one_row_streaming_paths_give_the_blocked_paths_bits(monkeypatch, recipe
     runs = []
     for on in (True, False):
         monkeypatch.setattr(native, "streams_from_memory", lambda n, on=on: on)
-        fused_decode._programs.clear()  # a fresh program, which reads streams_from_memory
+        decode_program._programs.clear()  # a fresh program, which reads streams_from_memory
         got.clear()
         _greedy(model, [list(range(1, 12))], 6, max_seqs=1)
         runs.append([t.clone() for t in got])

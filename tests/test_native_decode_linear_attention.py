@@ -1,7 +1,7 @@
-"""The decode program (hybrid/layers/fused_decode.py, kernels/native/program.c and linear_attention.c) on Gated
-DeltaNet and GLA models: the whole step native, each sub-layer the eager layer's bits in bf16, the logits the
-eager blocks', greedy decode the full forward's, a packed batch each sequence alone; hl_gla_step against
-gla_step_ref; configs the ops do not take refused by name."""
+"""The decode program (hybrid/decode/ and each layer's lower_decode, kernels/native/program.c and
+linear_attention.c) on Gated DeltaNet and GLA models: the whole step native, each sub-layer the eager layer's
+bits in bf16, the logits the eager blocks', greedy decode the full forward's, a packed batch each sequence alone;
+hl_gla_step against gla_step_ref; configs the ops do not take refused by name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from decode_hooks import eager_step_logits, no_whole_step, whole_step_logits
+from decode_hooks import eager_step_logits, no_native_steps, sublayer_ops, whole_step_logits
 from hybrid.kernels import gla, native, use_backend
 from hybrid.kernels.native import ops
 from test_native_decode import _greedy, _noise
@@ -63,14 +63,14 @@ def _tiny(recipe: str, dtype=torch.float32, **changes) -> HybridLM:
 
 def _coverage(model, **engine_kw):
     from hybrid import Engine
-    from hybrid.layers import fused_decode
+    from hybrid.decode import program as decode_program
     from hybrid.sampling import SamplingParams
 
     with torch.inference_mode():
         engine = Engine(model, num_blocks=64, block_size=16, max_seqs=4, **engine_kw)
         engine.add_request(list(range(1, 9)), SamplingParams(max_new_tokens=3, ignore_eos=True))
         engine.run()
-        return fused_decode.coverage(model, engine.cache)
+        return decode_program.coverage(model, engine.cache)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -95,7 +95,6 @@ def test_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
     same input and the same states, the same output bits and the same new states (the states are restored
     between the two, since a step updates them)."""
     import hybrid.model as model_mod
-    from hybrid.layers import fused_decode
 
     model = _tiny(recipe, torch.bfloat16)
     checked = []
@@ -106,7 +105,7 @@ def test_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
             return plain(self, x, batch, cache)
         view = cache.view(self.index)
         before = [view[n].data.clone() for n in view.names]
-        fused = fused_decode.sublayer(self, x, batch, cache)
+        fused = sublayer_ops(model, self, x, batch, cache)
         after = [view[n].data.clone() for n in view.names]
         for n, t in zip(view.names, before, strict=True):
             view[n].data.copy_(t)
@@ -118,7 +117,7 @@ def test_sublayers_bit_equal_to_eager_in_bf16(recipe, monkeypatch):
         return eager
 
     monkeypatch.setattr(model_mod.Block, "forward", both)
-    no_whole_step(monkeypatch)  # the blocks one by one (their programs built), not the whole step
+    no_native_steps(monkeypatch)  # the eager blocks, each beside its own native ops (sublayer_ops)
     for state_dtype in (None, torch.bfloat16):
         _greedy(model, [list(range(1, 12)), [7] * 20, [9, 4]], 5, state_dtype=state_dtype)
     assert len(checked) >= 2 * 4 * 2

@@ -253,14 +253,14 @@ def _repack(model, block: int, monkeypatch) -> None:
     """Every int4 weight's codes rewritten in place in the layout of ``block``-row blocks, and the block size the
     native products are handed (projection.int4pack_block) made that: the layout aten packs on the other kind of
     CPU, for the native products only (aten's own kernel would misread it: every product must stay native)."""
-    from hybrid.layers import fused_decode
+    from hybrid.decode import builder
 
     for m in model.modules():
         blocks = int4_blocks(m.weight) if isinstance(m, torch.nn.Linear) else None
         if blocks is not None:
             blocks[0].copy_(projection.int4_pack(projection.int4_codes(blocks[0], HERE), block))
     monkeypatch.setattr(projection, "int4pack_block", lambda: block)
-    monkeypatch.setattr(fused_decode, "int4pack_block", lambda: block)
+    monkeypatch.setattr(builder, "int4pack_block", lambda: block)
 
     def aten_s(*args, **kw):
         raise AssertionError("aten's int4 kernel on codes repacked for the native product")

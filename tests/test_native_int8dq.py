@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_hooks import eager_step_logits, no_whole_step, whole_step_logits
+from decode_hooks import eager_step_logits, no_native_steps, whole_step_logits
 from hybrid.kernels import dispatch, native, projection
 
 import hybrid
@@ -192,8 +192,6 @@ def test_engine_decodes_through_the_q_products_and_equals_full_forward(recipe, m
     """An int8dq / 8da4w model's decode steps take the native int8-activation products (counted, the program
     off), and greedy decode gives the tokens of the same quantised model's full forward (whose many rows take
     torchao's kernels)."""
-    from hybrid.layers import fused_decode
-
     model = _sharp(recipe)
     hybrid.quantize(model, method)
     calls = [0]
@@ -202,8 +200,7 @@ def test_engine_decodes_through_the_q_products_and_equals_full_forward(recipe, m
         calls[0] += 1
         return projection._linear_q_native(*args)
 
-    no_whole_step(monkeypatch)
-    monkeypatch.setattr(fused_decode, "sublayer", lambda *a, **kw: None)
+    no_native_steps(monkeypatch)
     dispatch.register("linear_q", "native", counted, native.available, projection._q_native_supports)
     try:
         prompts = [list(range(1, 12)), list(range(5, 30)), [3] * 7]

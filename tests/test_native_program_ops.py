@@ -1,6 +1,6 @@
 """The decode program's op fields (kernels/native/program_ops.py) agree between the C reader (program.c's run_op) and
-the Python writer (hybrid/layers/fused_decode.py): both name fields from the one table, run_op reads every field of
-every op once, and an op packed with a missing or unknown field is refused."""
+the Python writers (hybrid/decode/builder.py and each layer's lower_decode): both name fields from the one table,
+run_op reads every field of every op once, and an op packed with a missing or unknown field is refused."""
 
 from __future__ import annotations
 
@@ -54,11 +54,16 @@ def test_an_op_with_a_missing_or_unknown_field_is_refused():
 
 
 def test_the_builder_names_only_the_tables_fields():
-    """Every b.op(...) / self.op(...) call in fused_decode.py names an op of the table, and each keyword it passes
-    is one of that op's fields (the rest come from a dict the call spreads, checked when it runs)."""
-    from hybrid.layers import fused_decode
+    """Every b.op(...) / self.op(...) call of the program's writers (the builder, the program and each layer's
+    lower_decode) names an op of the table, and each keyword it passes is one of that op's fields (the rest come
+    from a dict the call spreads, checked when it runs)."""
+    from pathlib import Path
 
-    src = open(fused_decode.__file__).read()
+    import hybrid
+
+    root = Path(hybrid.__file__).parent
+    files = [*sorted((root / "decode").glob("*.py")), *sorted((root / "layers").glob("*.py"))]
+    src = "\n".join(f.read_text() for f in files)
     calls = re.findall(r'\.op\(\s*"(\w+)",(.*?)\)\n', src, re.S)
     assert len(calls) >= 15
     for name, args in calls:

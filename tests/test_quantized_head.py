@@ -14,7 +14,7 @@ from hybrid.kernels import native
 
 import hybrid
 from hybrid import Engine, HybridLM, recipes
-from hybrid.layers import fused_decode
+from hybrid.decode import program as decode_program
 from hybrid.quantize import METHODS, TIED_HEAD_METHOD, int8_rows, int8dq_rows
 from hybrid.sampling import SamplingParams
 
@@ -53,13 +53,13 @@ def worst_case_error(head_method: str, h: torch.Tensor, w: torch.Tensor) -> torc
 def test_tied_head_is_a_quantised_copy_and_the_embedding_is_kept(method):
     model = _tied()
     emb = model.embed.weight.detach().clone()
-    before = fused_decode._decode_weight_bytes(model)
+    before = decode_program._decode_weight_bytes(model)
     hybrid.quantize(model, method)
     _assert_head_is(model.lm_head.weight, HEAD[method])
     assert type(model.embed.weight) is torch.nn.Parameter and torch.equal(model.embed.weight, emb)
     assert model.config.tie_embeddings  # the same matrix, the head at 8 bits
     # a decode step reads the int8 head, not the fp32 embedding (a quarter plus row scales)
-    after = fused_decode._decode_weight_bytes(model)
+    after = decode_program._decode_weight_bytes(model)
     head_fp32 = emb.numel() * 4
     assert after < before - head_fp32 * 0.6, (before, after)
 

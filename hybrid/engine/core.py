@@ -106,12 +106,15 @@ class Engine:
     """
 
     def decode_path(self) -> str:
-        """Which program a decode-only step runs here (see :meth:`ModelRunner.decode_path`)."""
+        """Which backend a one-row decode step runs on here, and every backend's verdict (see
+        :meth:`ModelRunner.decode_report`)."""
         return self.runner.decode_path()
 
     def __repr__(self) -> str:
+        rows = self.runner.buckets[-1]
+        full = f", decode at {rows} rows: {self.runner.decode_report(rows)}" if rows > 1 else ""
         return (f"Engine({type(self.model).__name__} {self.model.config.pattern!r}, "
-                f"max_seqs={self.runner.buckets[-1]}, decode: {self.decode_path()}, "
+                f"max_seqs={rows}, decode at 1 row: {self.decode_path()}{full}, "
                 f"greedy steps per native call: up to {self.multi_step})")
 
     def __init__(self, model, config: EngineConfig | None = None, *, cache: HybridCache | None = None,
@@ -316,9 +319,8 @@ class Engine:
         """How many greedy decode steps this step's plan runs in one native call, their argmax in C (see
         ``multi_step``), with every row's KV blocks grown for them; 0 when the plan takes the general path (a prompt
         chunk, sampling, speculation, compilation). One step when nothing allows more: it still spares the step its
-        logits' trip through Python. (At one step, a model the native program does not cover is found out by the
-        call, and the step then runs the general path; several are only asked of a model it covers, so that no
-        row's blocks grow ahead of its tokens for nothing.)"""
+        logits' trip through Python. Only asked of the native program backend (the model runner's choice), so
+        that no row's blocks grow ahead of its tokens for nothing."""
         if self.speculator is not None:
             return 0
         k = self.multi_step
@@ -327,10 +329,9 @@ class Engine:
             if n != 1 or req.score_only or not req.output or not p.greedy or p.repetition_penalty != 1.0:
                 return 0
             k = min(k, p.max_new_tokens - len(req.output))
-        if not self.runner.can_run_steps():
+        if not self.runner.can_run_steps():  # (the decode backend chosen here: the whole-step native program)
             return 0
-        if k < 2 or self.scheduler.waiting or self.cache_manager.prefix is not None \
-                or not self.runner.covers_whole_step():
+        if k < 2 or self.scheduler.waiting or self.cache_manager.prefix is not None:
             return 1  # (the scheduler grew every row's blocks for one token)
         m = self.cache_manager
         if not all(m.can_grow(req.request_id, req.num_computed + k) for req, _ in plan):

@@ -1,7 +1,8 @@
 """A decode-only step's per-row inputs in buffers the model runner keeps across steps (vLLM's persistent batch).
 
-A decode step on a CPU is one native program call (:mod:`hybrid.layers.fused_decode`) of a few milliseconds, and
-whatever Python runs around it is paid on every token. Building a :class:`~hybrid.engine.packed_batch.PackedBatch` for it
+A decode step on a CPU is one native program call (:mod:`hybrid.decode.program`) of a few milliseconds, and
+whatever Python runs around it is paid on every token. Building a
+:class:`~hybrid.engine.packed_batch.PackedBatch` for it
 (a dozen small tensors, two groups, host values attached, the RoPE rows and the embedding looked up by torch ops)
 took 0.2-0.3 ms of a batch-1 step, run with caches the step's weights had just evicted. Here the rows' token
 ids, positions, K/V slots, KV lengths, block tables and state slots are written into ``array`` buffers that torch

@@ -2,13 +2,11 @@
 
 Prefill and decode are different programs (after gpt-fast). A step with any prompt chunk runs eagerly:
 :func:`~hybrid.engine.packed_batch.build_batch` makes its metadata once (validated once, host copies attached,
-RoPE cos/sin computed once for all attention layers) and ``model.forward_packed`` runs it. A step of
-only one-token decodes can instead run a ``torch.compile``-d decode forward (``compile=True``): the batch
-is padded to a bucket size (1, 2, 4, ..., ``max_seqs``) and the block tables to a power-of-two width, so a
-handful of static shapes cover every step; padded rows write their K/V into the null block and update the
-scratch state slot, touching no live sequence. The decode inputs live in persistent buffers per shape
-(what CUDA graphs need: ``mode="reduce-overhead"`` on GPU). Compile time is measured on its own and kept
-out of the tokens/s.
+RoPE cos/sin computed once for all attention layers) and ``model.forward_packed`` runs it. A step of only
+one-token decodes runs on a decode backend (:mod:`hybrid.decode`): the compiled decode forward
+(``compile=True``), the native decode program (CPU, whole or per sub-layer), or the eager layers. Which one is
+decided here and only here, once per :class:`~hybrid.decode.DecodeShape` (rows, and the switches that can change
+between steps), from each backend's ``supports()``; :meth:`ModelRunner.decode_report` prints every verdict.
 
 Sampling happens on the device (:func:`hybrid.sampling.sample`); only the sampled ids come back.
 """
@@ -16,17 +14,19 @@ Sampling happens on the device (:func:`hybrid.sampling.sample`); only the sample
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 
-from ..cache import NULL_BLOCK, HybridCache
+from ..cache import HybridCache
 from ..cache.manager import CacheManager
+from ..decode import DecodeShape, choose, describe
+from ..decode.compiled import CompiledBackend
+from ..decode.eager import EagerBackend
+from ..decode.native_program import NativeProgramBackend, NativeSublayersBackend, native_switch
 from ..kernels import native
-from ..layers import fused_decode
 from ..sampling import SamplingBatch, SamplingParams, sample
 from .decode_inputs import DecodeInputs
-from .packed_batch import PackedBatch, SeqChunk, SeqGroup, build_batch, observed_rows
+from .packed_batch import SeqChunk, build_batch
 
 
 def bucket_sizes(max_seqs: int) -> list[int]:
@@ -38,34 +38,6 @@ def bucket_sizes(max_seqs: int) -> list[int]:
     return sizes + [max_seqs]
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-class DecodeBuffers:
-    """Persistent input tensors of one compiled decode shape (batch bucket x block-table width)."""
-
-    def __init__(self, batch: int, width: int, device: torch.device):
-        def z(*shape, dtype):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        self.tokens = z(batch, dtype=torch.long)
-        self.positions = z(batch, dtype=torch.long)
-        self.slot_mapping = z(batch, dtype=torch.long)
-        self.seq_lens = z(batch, dtype=torch.int32)
-        self.block_tables = z(batch, width, dtype=torch.int32)
-        self.state_slots = z(batch, dtype=torch.long)
-
-    def fill(self, tokens, positions, slot_mapping, seq_lens, tables, state_slots) -> None:
-        for buf, values in ((self.tokens, tokens), (self.positions, positions), (self.slot_mapping, slot_mapping),
-                            (self.seq_lens, seq_lens), (self.state_slots, state_slots)):
-            buf.copy_(torch.tensor(values, dtype=buf.dtype))
-        table = torch.full(tuple(self.block_tables.shape), NULL_BLOCK, dtype=torch.int32)
-        for b, t in enumerate(tables):
-            table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.block_tables.copy_(table)
-
-
 class ModelRunner:
     def __init__(self, model, cache: HybridCache, manager: CacheManager, *, compile: bool = False,
                  compile_backend: str = "inductor", compile_mode: str | None = None):
@@ -74,42 +46,61 @@ class ModelRunner:
         self.vocab = model.config.vocab_size
         self.compile = compile
         self.buckets = bucket_sizes(cache.ssm.num_slots)
-        self._buffers: dict[tuple[int, int], DecodeBuffers] = {}
-        self.compile_seconds = 0.0  # first call of each compiled shape (tracing + codegen), never in tokens/s
-        self.compiled_shapes: list[tuple[int, int]] = []
-        self._decode = None
+        self.compiled = CompiledBackend(model, cache, self.buckets, enabled=compile, backend=compile_backend,
+                                        mode=compile_mode)
+        # the decode backends in the order they are asked: the first whose supports() says yes runs the step
+        self.decode_backends = (self.compiled, NativeProgramBackend(), NativeSublayersBackend(), EagerBackend())
+        self._chosen: dict[DecodeShape, object] = {}
         self._inputs: DecodeInputs | None = None  # a CPU decode step's rows, kept across steps
         self.verify_states = None  # the last step's per-position Mamba states of its verify chunks
-        if compile:
-            import torch._dynamo
 
-            # one compiled graph per (bucket, width): allow enough of them before dynamo gives up
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            if compile_mode is None and compile_backend == "inductor" and self.device.type == "cuda":
-                compile_mode = "reduce-overhead"  # CUDA graphs: one launch per decode step
-            self._decode = torch.compile(self._decode_forward, backend=compile_backend, mode=compile_mode,
-                                         dynamic=False)
+    @property
+    def compile_seconds(self) -> float:
+        """First call of each compiled shape (tracing + codegen), never in tokens/s."""
+        return self.compiled.compile_seconds
+
+    @property
+    def compiled_shapes(self) -> list[tuple[int, int]]:
+        return self.compiled.compiled_shapes
 
     # ---- which program and threads a step runs with -------------------------------------------
-    def decode_path(self) -> str:
-        """Which program a decode-only step runs here: the compiled decode forward, the native fused sub-layers
-        (CPU, the default), or the eager torch layers — and why not the native one."""
-        if self.compile:
-            return "compiled (torch.compile of the decode forward)"
-        from ..kernels import dispatch
+    def decode_shape(self, rows: int) -> DecodeShape:
+        """What the backend choice of a ``rows``-row decode step depends on, as things are now."""
+        return DecodeShape(rows, self.device.type, self.compile, self.manager.kv.capture is not None,
+                           torch.is_grad_enabled(), native_switch() if self.device.type == "cpu" else None)
 
-        device = self.device.type
-        backend, _ = dispatch.choose("decode_sublayer", device)
-        if backend == "native":
-            return "native fused sub-layers (kernels/native; layers they do not cover run eager)"
-        why = dispatch.why_not("decode_sublayer", "native", device)
-        return f"eager torch layers (native: {why or 'not chosen: HYBRID_BACKEND'})"
+    def decode_backend(self, rows: int):
+        """The backend that runs a ``rows``-row decode step here: chosen once per shape, then looked up."""
+        # the key is DecodeShape's fields as a plain tuple: a frozen dataclass costs microseconds a step to build
+        cpu = self.device.type == "cpu"
+        key = (rows, self.manager.kv.capture is not None, torch.is_grad_enabled(), native_switch() if cpu else None)
+        backend = self._chosen.get(key)
+        if backend is None:
+            shape = DecodeShape(rows, self.device.type, self.compile, *key[1:])
+            backend = self._chosen[key] = choose(self.decode_backends, self.model, self.cache, shape)
+        return backend
+
+    def decode_report(self, rows: int = 1) -> str:
+        """The backend a ``rows``-row engine decode step runs on here, and every backend's verdict (why not). As an
+        engine step sees it: under ``torch.inference_mode`` (Engine.step's)."""
+        with torch.inference_mode():
+            return describe(self.decode_backends, self.model, self.cache, self.decode_shape(rows))
+
+    def decode_path(self) -> str:
+        """Which program a one-row decode step runs here, and why not the others (:meth:`decode_report`)."""
+        return self.decode_report(1)
+
+    def kept_inputs(self) -> DecodeInputs:
+        """The decode inputs kept across steps (the native program reads its rows from them)."""
+        if self._inputs is None:
+            self._inputs = DecodeInputs(native.MAX_ROWS)
+        return self._inputs
 
     def step_threads(self, *, decode_only: bool):
         """The thread arrangement for a whole engine step (scheduling, forward, sampling, output). On CPU a
         decode step's native kernels take the intra-op threads for all of it (torch's few small ops run on
         one): torch's OpenMP workers spin after any parallel region of the step (its sampling, a gather) and
-        took a core from the native products (14 -> 9 ms a llama-d512 step). Otherwise torch keeps them."""
+        took a core from the native products. Otherwise torch keeps them."""
         if self.device.type == "cpu" and decode_only:
             return native.owns_threads()
         return contextlib.nullcontext()
@@ -121,106 +112,48 @@ class ModelRunner:
         A step that compiled a new shape reports it through ``compile_seconds``. ``all_logits``: every new
         token's logits [T, V] instead (eager; prompt scoring). ``num_verify``: the chunks after the decodes
         that are speculative verify chunks (eager); their every row's logits come back, in place of one, and
-        their per-position Mamba states are left in ``verify_states`` for the cache manager to commit."""
+        their per-position Mamba states are left in ``verify_states`` for the cache manager to commit. A
+        decode step's logits may be borrowed (a view of a buffer the next step overwrites): the engine samples
+        them before its next step."""
         self.verify_states = None
         if num_verify:
             batch = build_batch(self.manager, chunks, num_verify)
             self.verify_states = batch.verify_states
             return self.model.forward_packed(batch, self.cache, all_logits=all_logits), False
-        if all_logits:
-            return self.model.forward_packed(build_batch(self.manager, chunks), self.cache, all_logits=True), False
-        if self._decode is not None and all(len(c.tokens) == 1 for c in chunks) and len(chunks) <= self.buckets[-1] \
-                and observed_rows(self.manager, chunks) is None:  # SnapKV's window queries: eager capture
-            return self._execute_compiled(chunks), True
-        if self.device.type == "cpu" and all(len(c.tokens) == 1 for c in chunks):
-            # a decode step: its work is the native program (hybrid/layers/fused_decode.py), which takes the
-            # intra-op threads while torch's small ops run on one (the engine holds them for its whole step)
-            with native.owns_threads():  # (the engine samples these logits before its next step: borrowed)
-                logits = self._native_decode(chunks)
-                if logits is not None:
-                    return logits, False
-                return self.model.forward_packed(build_batch(self.manager, chunks), self.cache,
-                                                 borrow_logits=True), False
-        return self.model.forward_packed(build_batch(self.manager, chunks), self.cache), False
-
-    def _native_decode(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
-        """A CPU decode step's logits (borrowed: the program's buffer) from the whole-step native program fed from
-        the kept :class:`~hybrid.engine.decode_inputs.DecodeInputs`, no packed batch built; None where the program does
-        not cover this model and cache (or this step: more rows than it takes, SnapKV's observed queries)."""
-        prog = self._kept_inputs(chunks)
-        if prog is None:
-            return None
-        tokens, positions, kv_slots, seq_lens, tables, state_slots = self._inputs.views()
-        return prog.run(self.model, tokens, positions, self._inputs.max_position, kv_slots, seq_lens, tables,
-                        state_slots)
-
-    def _kept_inputs(self, chunks: list[SeqChunk]):
-        """The whole-step program for these one-token chunks, their rows written into the kept inputs; None (nothing
-        written) where it cannot take them."""
-        if len(chunks) > native.MAX_ROWS or self.manager.kv.capture is not None or torch.is_grad_enabled():
-            return None
-        prog = fused_decode.whole_program(self.model, self.cache)
-        if prog is None:
-            return None
-        if self._inputs is None:
-            self._inputs = DecodeInputs(native.MAX_ROWS)
-        self._inputs.fill(self.manager, chunks)
-        return prog
+        if all_logits or not all(len(c.tokens) == 1 for c in chunks):
+            return self.model.forward_packed(build_batch(self.manager, chunks), self.cache,
+                                             all_logits=all_logits), False
+        backend = self.decode_backend(len(chunks))
+        # a CPU decode step's native kernels take the intra-op threads while torch's small ops run on one
+        threads = native.owns_threads() if self.device.type == "cpu" and backend is not self.compiled \
+            else contextlib.nullcontext()
+        with threads:
+            logits = backend.run(self, chunks)
+            if logits is None:  # refused this step after all (SnapKV's window queries, a view rebuilt since the
+                # choice): the next backend that takes the shape
+                later = self.decode_backends[self.decode_backends.index(backend) + 1:]
+                shape = self.decode_shape(len(chunks))
+                for backend in (b for b in later if b.supports(self.model, self.cache, shape) is None):
+                    logits = backend.run(self, chunks)
+                    if logits is not None:
+                        break
+        return logits, backend is self.compiled
 
     def can_run_steps(self) -> bool:
-        """Whether greedy decode steps here may take their argmax in C, several at a time (:meth:`run_steps`): a CPU
-        engine without compilation or SnapKV observation. (Whether the program covers the model, :meth:`run_steps`
-        finds out: it returns None where not.)"""
-        return self.device.type == "cpu" and not self.compile and self.manager.kv.capture is None
-
-    def covers_whole_step(self) -> bool:
-        """Whether the native program runs this model's whole decode step (asked before an engine grows its rows'
-        blocks for several steps: a model it does not cover, Mamba-1 or MoE, steps one at a time)."""
-        return self.can_run_steps() and fused_decode.whole_program(self.model, self.cache) is not None
+        """Whether greedy decode steps here may take their argmax in C, several at a time (:meth:`run_steps`): the
+        backend a decode step runs on is the whole-step native program."""
+        return self.decode_backend(1).multi_step
 
     def run_steps(self, chunks: list[SeqChunk], steps: int) -> list[list[int]] | None:
         """``steps`` greedy decode steps of these one-token chunks in one native call (see
-        :meth:`DecodeProgram.run_steps`): each row's argmax ids, [steps][rows]; None where the program cannot take
-        them (the caller steps one at a time). Every row's blocks must hold ``start + steps`` tokens."""
-        prog = self._kept_inputs(chunks)
-        if prog is None:
+        :meth:`~hybrid.decode.program.DecodeProgram.run_steps`): each row's argmax ids, [steps][rows]; None where
+        the backend cannot take them (the caller steps one at a time). Every row's blocks must hold
+        ``start + steps`` tokens."""
+        backend = self.decode_backend(len(chunks))
+        if not backend.multi_step:
             return None
-        block_size = self.manager.block_size if self.manager.kv.enabled else 0
-        tokens, positions, kv_slots, seq_lens, tables, state_slots = self._inputs.views()
         with native.owns_threads():
-            return prog.run_steps(self.model, steps, block_size, tokens, positions, self._inputs.max_position,
-                                  kv_slots, seq_lens, tables, state_slots)
-
-    def _decode_forward(self, tokens, positions, slot_mapping, seq_lens, block_tables, state_slots):
-        n = tokens.shape[0]
-        cu = torch.arange(n + 1, dtype=torch.int32, device=tokens.device)
-        group = SeqGroup(slice(0, n), cu, seq_lens, block_tables, state_slots)
-        batch = PackedBatch(tokens, positions, slot_mapping, torch.arange(n, device=tokens.device), group, None)
-        return self.model.forward_packed(batch, self.cache)
-
-    def _execute_compiled(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        m, n = self.manager, len(chunks)
-        bucket = next(b for b in self.buckets if b >= n)
-        tables = [m.block_table(c.seq_id) if m.kv.enabled else [] for c in chunks]
-        width = _pow2_at_least(max(1, max(len(t) for t in tables)))
-        key = (bucket, width)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = DecodeBuffers(bucket, width, self.device)
-        pad = bucket - n
-        # padded rows: token 0 at position 0, K/V into the null block's first slot, state in the scratch row
-        buf.fill([c.tokens[0] for c in chunks] + [0] * pad, [c.start for c in chunks] + [0] * pad,
-                 [m.pool_slots(c.seq_id, c.start, c.start + 1)[0] for c in chunks] + [NULL_BLOCK] * pad,
-                 [m.kv_length(c.seq_id, c.start + 1) for c in chunks] + [1] * pad, tables,
-                 [m.state_slot(c.seq_id) for c in chunks] + [self.cache.ssm.scratch_slot] * pad)
-        first = key not in self.compiled_shapes
-        t0 = time.perf_counter()
-        logits = self._decode(buf.tokens, buf.positions, buf.slot_mapping, buf.seq_lens, buf.block_tables,
-                              buf.state_slots)
-        if first:
-            self.compiled_shapes.append(key)
-            self.compile_seconds += time.perf_counter() - t0
-        return logits[:n]
+            return backend.run_steps(self, chunks, steps)
 
     # ---- sampling --------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], counters: list[int],

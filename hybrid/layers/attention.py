@@ -123,3 +123,62 @@ class Attention(nn.Module):
             parts.append(cache.prefill(queries, p))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         return self.output(out.reshape(x.shape[0], -1), gate)
+
+    # ---- the decode program's lowering (docs/adding-a-mixer.md) ---------------------------------
+    def lower_decode(self, b, norm, view) -> None:
+        """This sub-layer's decode ops (``b``: hybrid/decode/builder.py's builder, ``view``: its cache view): the
+        pre-norm, q/k/v with RoPE and the K/V write in one pass, paged attention, the out-projection with the
+        residual. Float K/V pools only, no pruning policy, no gate or q/k norms."""
+        if self.cfg.output_gate or self.cfg.qk_norm:
+            raise b.Unsupported("gated attention or q/k norms")
+        if view.k_scale is not None or view.sinks is not None or view.observe is not None or view.renumber:
+            raise b.Unsupported("quantised K/V pages or a pruning policy")
+        k_pool, v_pool = view.k_pool, view.v_pool
+        if k_pool.dtype not in (torch.float32, torch.bfloat16) or v_pool.dtype != k_pool.dtype \
+                or self.head_dim > 512 or self.n_heads % self.n_kv_heads or self.n_heads // self.n_kv_heads > 64:
+            raise b.Unsupported(f"a {k_pool.dtype} pool or head layout")
+        rot = self.rope.rotary_dim
+        if rot % 2 or rot > self.head_dim:
+            raise b.Unsupported(f"rotary_dim {rot}")
+        q_, k_, v_ = self.q_proj, self.k_proj, self.v_proj
+        qops = [b.q(m) for m in (q_, k_, v_)]
+        if any(t is not None for t in qops):  # int8dq / 8da4w: the input row quantised once for the three
+            if any(t is None for t in qops) or len({t[0] for t in qops}) != 1:
+                raise b.Unsupported("q/k/v not all int8dq or all 8da4w")
+            self._same_biases(b)
+            (kind, wq, sq), (_, wk, sk), (_, wv, sv) = qops
+            return self._lower_ops(b, norm, view, "QKV_ROPE_Q", dict(
+                wq=wq, sq=sq, bq=q_.bias, wk=wk, sk=sk, bk=k_.bias, wv=wv, sv=sv, bv=v_.bias, qkind=kind))
+        int4 = [b.int4(m) for m in (q_, k_, v_)]
+        if any(t is not None for t in int4):  # all three int4 of one group, head_dim a multiple of int4pack's 16
+            if any(t is None for t in int4) or len({(t[1].dtype, t[2]) for t in int4}) != 1 or self.head_dim % 16:
+                raise b.Unsupported("q/k/v not all int4 of one group, or a head_dim not a multiple of 16")
+            self._same_biases(b)
+            (qq, szq, group), (qk, szk, _), (qv, szv, _) = int4
+            return self._lower_ops(b, norm, view, "QKV_ROPE_INT4", dict(
+                qq=qq, szq=szq, bq=q_.bias, qk=qk, szk=szk, bk=k_.bias, qv=qv, szv=szv, bv=v_.bias,
+                sdt=b.code(szq), G=group, bn=b.int4_block()))
+        (wq, sq), (wk, sk), (wv, sv) = b.weight(q_), b.weight(k_), b.weight(v_)
+        if len({wq.dtype, wk.dtype, wv.dtype}) != 1 or not b.plain(q_.bias, k_.bias, v_.bias) \
+                or len({t.dtype for t in (q_.bias, k_.bias, v_.bias) if t is not None}) > 1:
+            raise b.Unsupported("q/k/v weights of different dtypes")
+        self._lower_ops(b, norm, view, "QKV_ROPE", dict(wq=wq, bq=q_.bias, wk=wk, bk=k_.bias, wv=wv, bv=v_.bias,
+                                                         sq=sq, sk=sk, sv=sv, wdt=b.code(wq)))
+
+    def _same_biases(self, b) -> None:
+        biases = (self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)
+        if not b.plain(*biases) or len({t.dtype for t in biases if t is not None}) > 1:
+            raise b.Unsupported("q/k/v biases of different dtypes")
+
+    def _lower_ops(self, b, norm, view, qkv_kind: str, weights: dict) -> None:
+        """The ops once the q/k/v weights are vetted: ``qkv_kind`` with ``weights`` (its weight fields, each
+        weight format's own)."""
+        k_pool, v_pool = view.k_pool, view.v_pool
+        d_model, Hq, Hkv, D = self.q_proj.in_features, self.n_heads, self.n_kv_heads, self.head_dim
+        h, q, o = b.buffer(d_model), b.buffer(Hq * D), b.buffer(Hq * D)
+        b.norm(norm, b.X, h)
+        b.op(qkv_kind, **weights, x=h, q_out=q, kpool=k_pool, vpool=v_pool, bdt=b.code(self.q_proj.bias),
+             xdt=b.dt, pdt=b.code(k_pool), rot=self.rope.rotary_dim, Hq=Hq, Hkv=Hkv, D=D, K=d_model)
+        b.op("PAGED", q=q, k=k_pool, v=v_pool, out=o, qdt=b.dt, kvdt=b.code(k_pool), Hq=Hq, Hkv=Hkv, D=D,
+             BS=k_pool.shape[1], window=view.window or 0, scale=D ** -0.5)
+        b.linear(self.o_proj, o, b.X, residual=b.X)

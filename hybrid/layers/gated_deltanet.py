@@ -22,7 +22,7 @@ from ..cache.specs import CacheDtypes, StateSpec, StateTensorSpec, state_scale_g
 from ..config import GatedDeltaNetConfig, HybridConfig
 from .linear import Linear
 from .mamba2 import init_dt_bias
-from .norm import GatedRMSNorm
+from .norm import GatedRMSNorm, lower_head_norm
 
 # Tokens of a long prompt the inference forward takes at once (rounded down to whole chunks): see forward. 1024
 # keeps every temporary under glibc's 32 MB mmap ceiling (a block's fp32 [1024, 4632] projection is 19 MB), so
@@ -167,3 +167,27 @@ class GatedDeltaNet(nn.Module):
             os.append(o)
         o = torch.cat(os) if len(os) > 1 else os[0]
         return self._out(o, z)
+
+    # ---- the decode program's lowering (docs/adding-a-mixer.md) ---------------------------------
+    def lower_decode(self, b, norm, view) -> None:
+        """Six ops: the pre-norm, in_proj, the conv step, q/k L2 norm with the gates and the delta-rule step,
+        the per-head gated norm, out_proj with the residual. Head dims up to 512, float state pools."""
+        conv_pool, rec_pool = b.float_pools(view, ("conv", "recurrent"))
+        H, Hk, K, V = self.n_heads, self.n_k_heads, self.head_k_dim, self.head_v_dim
+        if K > 512 or V > 512:
+            raise b.Unsupported(f"head dims {K}x{V} (the native step takes up to 512)")
+        if not b.plain(self.A_log, self.dt_bias):
+            raise b.Unsupported("A_log / dt_bias parameters")
+        d_model, width, conv_dim = self.in_proj.in_features, self.in_proj.out_features, self.cfg.conv_dim
+        h, proj, qkv = b.buffer(d_model), b.buffer(width), b.buffer(conv_dim)
+        qk, o, y = b.buffer(2 * self.key_dim), b.buffer(self.value_dim), b.buffer(self.value_dim)
+        g, beta = b.buffer(H, torch.float32), b.buffer(H, torch.float32)
+        b.norm(norm, b.X, h)
+        b.linear(self.in_proj, h, proj)  # q | k | v | z | b | a
+        b.causal_conv(self.conv1d, conv_pool, proj, width, qkv)
+        b.op("GDN", state=rec_pool.data, qkv=qkv, ba=proj[:, conv_dim + self.value_dim:], A_log=self.A_log,
+             dt_bias=self.dt_bias, qk=qk, g=g, beta=beta, y=o, sdt=b.code(rec_pool.data), xdt=b.dt, qkv_s=conv_dim,
+             ba_s=width, adt=b.code(self.A_log), bdt=b.code(self.dt_bias), H=H, Hk=Hk, K=K, V=V,
+             eps=1e-6, scale=K ** -0.5)  # kernels.gated_delta.l2norm's eps; the step's default scale
+        lower_head_norm(b, self.norm, o, proj[:, conv_dim:], width, H, V, y)
+        b.linear(self.out_proj, y, b.X, residual=b.X)

@@ -24,7 +24,7 @@ from .. import kernels
 from ..cache.specs import CacheDtypes, StateSpec, StateTensorSpec, state_scale_groups
 from ..config import GLAConfig, HybridConfig
 from .linear import Linear
-from .norm import GatedRMSNorm, RMSNorm
+from .norm import GatedRMSNorm, RMSNorm, lower_head_norm
 
 
 class GLA(nn.Module):
@@ -155,3 +155,33 @@ class GLA(nn.Module):
             os.append(o)
         o = torch.cat(os) if len(os) > 1 else os[0]
         return self._out(o, g)
+
+    # ---- the decode program's lowering (docs/adding-a-mixer.md) ---------------------------------
+    def lower_decode(self, b, norm, view) -> None:
+        """Five or six ops: the pre-norm, in_proj, the conv step (with the short conv), the GLA step (the decay
+        gate's low-rank up-projection and log decay inside it), the per-head norm, out_proj with the residual."""
+        c = self.cfg
+        pools = b.float_pools(view, ("conv", "recurrent") if self.conv1d is not None else ("recurrent",))
+        H, Hkv, K, V, R = self.n_heads, c.n_kv_heads, self.head_k_dim, self.head_v_dim, c.gate_low_rank_dim
+        if V > 512 or c.feature_map is not None or c.gate_fn != "swish":
+            raise b.Unsupported(f"head_v_dim {V} (the native step takes up to 512), or a feature map / gate function")
+        if b.int4(self.gk_proj) is not None or not b.plain(self.gk_proj.bias):
+            raise b.Unsupported("an int4 (or oddly typed) decay-gate projection")
+        wg, sg = b.weight(self.gk_proj)
+        d_model, width = self.in_proj.in_features, self.in_proj.out_features
+        h, proj = b.buffer(d_model), b.buffer(width)
+        low, gk, gf = b.buffer(R), b.buffer(c.kv_key_dim), b.buffer(c.kv_key_dim, torch.float32)
+        o, y = b.buffer(c.value_dim), b.buffer(c.value_dim)
+        b.norm(norm, b.X, h)
+        b.linear(self.in_proj, h, proj)  # q | k | v | g | gk_low
+        qkv, stride = proj, width
+        if self.conv1d is not None:
+            qkv, stride = b.buffer(c.conv_dim), c.conv_dim
+            b.causal_conv(self.conv1d, pools[0], proj, width, qkv)
+        clamp = c.clamp_min is not None
+        b.op("GLA", state=pools[-1].data, qkv=qkv, low=proj[:, c.conv_dim + self.gate_dim:], low_buf=low, w=wg,
+             wscale=sg, bias=self.gk_proj.bias, gk=gk, g=gf, y=o, sdt=b.code(pools[-1].data), xdt=b.dt, qkv_s=stride,
+             low_s=width, wdt=b.code(wg), bdt=b.code(self.gk_proj.bias), R=R, H=H, Hkv=Hkv, K=K, V=V,
+             clamp=int(clamp), normalizer=c.gate_logit_normalizer, clamp_min=c.clamp_min if clamp else 0.0)
+        lower_head_norm(b, self.norm, o, proj[:, c.conv_dim:] if self.gate_dim else None, width, H, V, y)
+        b.linear(self.out_proj, y, b.X, residual=b.X)

@@ -155,3 +155,36 @@ class Mamba2(nn.Module):
             ys.append(y)
         y = torch.cat(ys) if len(ys) > 1 else ys[0]
         return self.out_proj(self.norm(y.reshape(u.shape[0], self.d_inner), z))
+
+    # ---- the decode program's lowering (docs/adding-a-mixer.md) ---------------------------------
+    def lower_decode(self, b, norm, view) -> None:
+        """Seven ops: the pre-norm, in_proj, the conv step (SiLU), dt / A, the SSD state step, the gated norm,
+        out_proj with the residual. Plain float state pools only."""
+        conv_pool, ssm_pool = b.float_pools(view, ("conv", "ssm"))
+        if not isinstance(self.norm, GatedRMSNorm) or self.d_inner // self.norm.groups > 8192 or self.d_state > 512 \
+                or self.n_heads % self.n_groups:
+            raise b.Unsupported("the gated norm or state layout")
+        conv_w = self.conv1d.weight[:, 0]
+        if not b.plain(conv_w, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight):
+            raise b.Unsupported("conv / dt / A / D parameters")
+        d_model = self.in_proj.weight.shape[1]
+        width, conv_dim = self.in_proj.weight.shape[0], self.cfg.conv_dim
+        H, gn = self.n_heads, self.n_groups * self.d_state
+        h, zxbcdt, xbc = b.buffer(d_model), b.buffer(width), b.buffer(conv_dim)
+        dt_out, A = b.buffer(H, torch.float32), b.buffer(H, torch.float32)
+        y, g = b.buffer(self.d_inner), b.buffer(self.d_inner)
+        b.norm(norm, b.X, h)
+        b.linear(self.in_proj, h, zxbcdt)
+        b.causal_conv(self.conv1d, conv_pool, zxbcdt[:, self.d_inner:], width, xbc)  # z | xBC | dt, row stride width
+        lo, hi = self.cfg.dt_limit
+        clamp = lo > 0.0 or hi != float("inf")
+        b.op("DT", dt_raw=zxbcdt[:, self.d_inner + conv_dim:], dt_bias=self.dt_bias, A_log=self.A_log, dt_out=dt_out,
+             A_out=A, xdt=b.dt, dts=width, bdt=b.code(self.dt_bias), adt=b.code(self.A_log), clamp=int(clamp), H=H,
+             lo=lo, hi=min(hi, 3.0e38))
+        b.op("SSD", state=ssm_pool.data, x=xbc, dt=dt_out, A=A, B=xbc[:, self.d_inner:], C=xbc[:, self.d_inner + gn:],
+             Dp=self.D, y=y, sdt=b.code(ssm_pool.data), xdt=b.dt, xs=conv_dim, dts=H, bs=conv_dim, cs=conv_dim,
+             ddt=b.code(self.D), H=H, P=self.head_dim, N=self.d_state, G=self.n_groups)
+        b.op("GATED_RMSNORM", y=y, z=zxbcdt, w=self.norm.weight, out=g, zs=width, dt=b.dt,
+             wdt=b.code(self.norm.weight), groups=self.norm.groups, norm_before_gate=int(self.norm.norm_before_gate),
+             d=self.d_inner, eps=self.norm.eps)
+        b.linear(self.out_proj, g, b.X, residual=b.X)

@@ -45,6 +45,14 @@ class RMSNorm(nn.Module):
             return normed.mul_(self.weight)
         return self.weight * normed
 
+    def lower_decode(self, b, x, y) -> None:
+        """The decode program's op for this norm (``b``: hybrid/decode/builder.py's builder): rows x -> y, with
+        forward's rounding points. Not the zero-centred form."""
+        if type(self) is not RMSNorm or self.offset:
+            raise b.Unsupported(f"a {type(self).__name__}" + (f" with offset {self.offset}" if self.offset else ""))
+        b.op("RMSNORM", x=x, w=self.weight, y=y, xdt=b.dt, wdt=b.code(self.weight), d=self.weight.shape[0],
+             eps=self.eps)
+
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm over ``groups`` equal slices of the last dim, gated by ``silu(z)``.
@@ -73,3 +81,18 @@ class GatedRMSNorm(nn.Module):
         if self.norm_before_gate:
             out = out.mul_(gate) if inplace else out * gate
         return out.to(x.dtype)
+
+
+def lower_head_norm(b, norm, o, z, width: int, H: int, V: int, y) -> None:
+    """The decode program's per-head output norm (one [V] weight shared by the heads) of o [n, H V]:
+    GatedRMSNorm(V, norm_before_gate) by silu(z) (z's rows ``width`` apart), or a plain RMSNorm(V) when z is None
+    (Gated DeltaNet's and GLA's output norms)."""
+    gated = z is not None
+    if gated and not (type(norm) is GatedRMSNorm and norm.norm_before_gate and norm.groups == 1):
+        raise b.Unsupported("an output norm other than a per-head GatedRMSNorm(norm_before_gate)")
+    if not gated and not (type(norm) is RMSNorm and not norm.offset and norm.weight.dtype == b.dtype):
+        raise b.Unsupported("an output norm other than a plain per-head RMSNorm in the model dtype")
+    if norm.weight.shape != (V,) or not b.plain(norm.weight):
+        raise b.Unsupported(f"an output norm weight of shape {tuple(norm.weight.shape)}")
+    b.op("HEAD_NORM", y=o, z=z, w=norm.weight, out=y, ys=H * V, zs=width, dt=b.dt, wdt=b.code(norm.weight),
+         gated=int(gated), H=H, V=V, eps=norm.eps)

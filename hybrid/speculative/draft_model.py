@@ -16,6 +16,7 @@ import time
 import torch
 
 from ..cache.manager import CacheManager
+from ..decode.native_program import forward_packed
 from ..engine.packed_batch import SeqChunk, build_batch
 from .verifier import DRAFT_SALT, draw, stream_uniforms, token_probs
 
@@ -88,7 +89,7 @@ class DraftModelDrafter:
             else:
                 chunks = [SeqChunk(reqs[i].request_id, [drafts[i][-1]], reqs[i].num_tokens + j - 1) for i in active]
             order = sorted(range(len(chunks)), key=lambda c: len(chunks[c].tokens) != 1)  # decodes first
-            logits = self.model.forward_packed(build_batch(self.manager, [chunks[c] for c in order]), self.cache)
+            logits = forward_packed(self.model, build_batch(self.manager, [chunks[c] for c in order]), self.cache)
             logits = logits[torch.tensor([order.index(c) for c in range(len(chunks))], device=logits.device)]
             if j == 0:
                 for i in active:

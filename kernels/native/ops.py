@@ -309,7 +309,7 @@ _after_supports(paged_decode, lambda q, k_pool, v_pool, seq_lens, block_tables, 
                                                                  scale))
 
 
-# the activations of the native library's fused ops (sublayer.c; the decode program, hybrid/layers/fused_decode.py,
+# the activations of the native library's fused ops (sublayer.c; the decode program, hybrid/decode/builder.py,
 # passes them)
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}
 

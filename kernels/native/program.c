@@ -14,7 +14,7 @@
 /* The op kinds (OP_GEMV, ...), HL_OP_PTRS / HL_OP_INTS / HL_OP_FLOATS and each op's field slots (P_GEMV_w, I_GEMV_N,
    F_PAGED_scale, ...) come from kernels/native/program_ops.py, which writes them at the top of this translation
    unit (kernels/native/variants.py source_text); run_op reads an op's fields by name through them, as
-   hybrid/layers/fused_decode.py writes them by name from the same table. */
+   hybrid/decode/builder.py writes them by name from the same table. */
 
 typedef struct {
     int64_t kind;

@@ -2,7 +2,8 @@
 the names of its pointer, integer and float fields, in slot order. The C side gets a generated header (:func:`header`,
 compiled at the top of the library's translation unit: ``enum { OP_GEMV = 1, ... }`` and one index constant per
 field, ``P_GEMV_w``, ``I_GEMV_N``, ``F_PAGED_scale``), which program.c's ``run_op`` reads fields by (``OPP(GEMV, w)``);
-the Python side packs an op by field name (:func:`pack_slots`, hybrid/layers/fused_decode.py). A field one side
+the Python side packs an op by field name (:func:`pack_slots`, hybrid/decode/builder.py and each layer's
+lower_decode). A field one side
 names that the table lacks fails to compile (C) or is refused (Python); tests/test_native_program_ops.py checks that
 run_op reads every field of the table and only those. Standard library only (setup.py compiles the library before
 torch can be imported).
