@@ -103,7 +103,7 @@ def int4pack_block() -> int:
     return 64 if int(q[0]) == 16 else 32
 
 
-INT4_BLOCKS = (32, 64)  # the int4pack block sizes the native product reads (aten's AVX2 and AVX512 layouts)
+INT4_BLOCKS = _native_products.INT4_BLOCKS  # the int4pack block sizes the native product reads (one definition)
 
 
 def int4_codes(qdata: torch.Tensor, block: int | None = None) -> torch.Tensor:
