@@ -9,7 +9,14 @@ from distill_helpers import tiny_teacher, token_stream
 
 from hybrid.distill.align import align_layers, load_replacements
 from hybrid.distill.init import attention_positions, replacement_from_attention
-from hybrid.distill.kl import chunked_kl_backward, distill_kl, final_hidden, kl_divergence, trained_parameters
+from hybrid.distill.kl import (
+    TRAIN_ATTENTION,
+    chunked_kl_backward,
+    distill_kl,
+    final_hidden,
+    kl_divergence,
+    trained_parameters,
+)
 from hybrid.distill.student import build_student
 
 
@@ -22,7 +29,7 @@ def _student(teacher, keep=(1,), mixer="mamba2"):
 def test_chunked_kl_equals_the_whole_vocab_kl_and_its_gradient():
     teacher = tiny_teacher()
     student = _student(teacher)
-    params = trained_parameters(student)
+    params = trained_parameters(student, train_attention=False)
     ids = token_stream()(0).__next__()
     with torch.no_grad():
         ht = final_hidden(teacher, ids)
@@ -37,15 +44,16 @@ def test_chunked_kl_equals_the_whole_vocab_kl_and_its_gradient():
     assert abs(kl - whole_kl) <= 1e-6 * whole_kl
     for g, p in zip(chunked, params, strict=True):  # fp32 sums in another order: relative 1e-5 of the largest
         assert torch.allclose(g, p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item())
-    # by default the replacements train and nothing else (the kept attention layer 1, at block 2, is frozen)
+    # frozen attention: the replacements train and nothing else (the kept attention layer 1, at block 2)
     trained = {n for n, p in student.named_parameters() if p.requires_grad}
     replacements = {n for n, p in student.named_parameters()
                     if n.startswith("layers.") and student.layers[int(n.split(".")[1])].kind not in ("mlp", "attention")
                     and ".mixer." in n}
     assert trained == replacements and "embed.weight" not in trained and any("layers.0.mixer" in n for n in trained)
     assert not any(n.startswith("layers.2.") for n in trained)
-    # train_attention: the kept attention layers' mixers too
-    trained_parameters(student, train_all=False, train_attention=True)
+    # by default (TRAIN_ATTENTION, chosen by measurement) the kept attention layers' mixers too
+    assert TRAIN_ATTENTION
+    trained_parameters(student, train_all=False)
     assert {n for n, p in student.named_parameters() if p.requires_grad} == replacements | {
         n for n, _ in student.named_parameters() if n.startswith("layers.2.mixer.")}
 
