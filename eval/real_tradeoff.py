@@ -124,6 +124,8 @@ def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff
     ``speed=False`` stops after the accuracy stage (nothing timed, no report written, no files returned): the
     training and the accuracy columns tolerate a busy machine, the timings do not, so a long run can do those
     first and a later run with the same arguments (members reused by key) times them on a quiet machine."""
+    from tqdm import tqdm
+
     from ..distill.data import build_token_source, token_batches
     from ..tokenizer import load_tokenizer
     from . import real_tradeoff_measure as measure
@@ -225,9 +227,9 @@ def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff
     t0 = time.perf_counter()
     with timing_lock(lock, settings, progress):
         settings["load_at_timing"] = _load()
-        for m in members:
-            if "prefill" in m:
-                continue  # measured in an earlier run with the same key
+        todo = [m for m in members if "prefill" not in m]  # the others were timed by an earlier run (same key)
+        for m in tqdm(todo, desc=f"time prefill {'/'.join(f'{n // 1024}K' for n in budget.prefill_lengths)} and "
+                      "decode", unit="member", disable=not progress or not todo):
             model = measure.load(m["checkpoint"])
             m.update(measure.speed(model, prefill_lengths=budget.prefill_lengths, memory_length=MEMORY_LENGTH,
                                    decode_context=budget.decode_context, decode_steps=budget.decode_steps,
