@@ -67,10 +67,10 @@ class Budget:
 
     def check(self) -> None:
         """Refuse a budget whose stages cannot all be fed, before hours of training find out: the data stage
-        holds out ``HELDOUT_FRACTION`` of ``data_tokens`` (at least ``MIN_HELDOUT_TOKENS``)."""
-        from ..distill.data import HELDOUT_FRACTION, MIN_HELDOUT_TOKENS
+        holds out :func:`hybrid.distill.data.heldout_size` of ``data_tokens``."""
+        from ..distill.data import heldout_size
 
-        held = max(MIN_HELDOUT_TOKENS, int(self.data_tokens * HELDOUT_FRACTION))
+        held = heldout_size(self.data_tokens)
         if self.heldout_tokens > held:
             raise ValueError(f"budget {self.name!r} asks for {self.heldout_tokens} held-out tokens but its "
                              f"{self.data_tokens} data tokens hold out {held}; lower heldout_tokens or raise "

@@ -110,6 +110,12 @@ MIN_WHOLE = 8
 _WORD = re.compile(r"[a-z0-9]+")
 
 
+def heldout_size(n_tokens: int) -> int:
+    """The held-out tokens a source of ``n_tokens`` training tokens is built with: :data:`HELDOUT_FRACTION` of
+    them, at least :data:`MIN_HELDOUT_TOKENS`."""
+    return max(MIN_HELDOUT_TOKENS, int(n_tokens * HELDOUT_FRACTION))
+
+
 def _words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
 
@@ -309,7 +315,7 @@ def build_token_source(teacher, tokenizer=None, *, cache_dir, n_tokens: int, tex
         if teacher_dir is None:
             raise ValueError("a HybridLM teacher needs its tokenizer: build_token_source(model, tokenizer, ...)")
         tokenizer = load_tokenizer(teacher_dir)
-    heldout_n = max(MIN_HELDOUT_TOKENS, int(n_tokens * HELDOUT_FRACTION))
+    heldout_n = heldout_size(n_tokens)
     files = [Path(f) for f in text_files]
     settings = {"version": VERSION, "n_tokens": n_tokens, "heldout_tokens": heldout_n, "seed": seed,
                 "temperature": TEMPERATURE, "top_p": TOP_P, "max_new_tokens": MAX_NEW_TOKENS,
