@@ -88,28 +88,29 @@ class NativeProgramBackend(DecodeBackend):
         return None
 
     def _kept_inputs(self, runner, chunks):
-        """The whole-step program, these rows written into the runner's kept inputs; None where it is gone (a
-        cache view rebuilt since the choice, e.g. a pruning policy set)."""
+        """The whole-step program and the runner's kept inputs, these rows written into them; None where the
+        program is gone (a cache view rebuilt since the choice, e.g. a pruning policy set)."""
         prog = program(runner.model, runner.cache)
         if prog.whole is None:
             return None
-        runner.kept_inputs().fill(runner.manager, chunks)
-        return prog
+        inputs = runner.kept_inputs()
+        inputs.fill(runner.manager, chunks)
+        return prog, inputs
 
     def run(self, runner, chunks):
-        prog = self._kept_inputs(runner, chunks)
-        if prog is None:
+        kept = self._kept_inputs(runner, chunks)
+        if kept is None:
             return None
-        inputs = runner.kept_inputs()
+        prog, inputs = kept
         tokens, positions, kv_slots, seq_lens, tables, state_slots = inputs.views()
         return prog.run(runner.model, tokens, positions, inputs.max_position, kv_slots, seq_lens, tables,
                         state_slots)
 
     def run_steps(self, runner, chunks, steps: int):
-        prog = self._kept_inputs(runner, chunks)
-        if prog is None:
+        kept = self._kept_inputs(runner, chunks)
+        if kept is None:
             return None
-        inputs = runner.kept_inputs()
+        prog, inputs = kept
         block_size = runner.manager.block_size if runner.manager.kv.enabled else 0
         tokens, positions, kv_slots, seq_lens, tables, state_slots = inputs.views()
         return prog.run_steps(runner.model, steps, block_size, tokens, positions, inputs.max_position, kv_slots,

@@ -50,7 +50,7 @@ class ModelRunner:
                                         mode=compile_mode)
         # the decode backends in the order they are asked: the first whose supports() says yes runs the step
         self.decode_backends = (self.compiled, NativeProgramBackend(), NativeSublayersBackend(), EagerBackend())
-        self._chosen: dict[DecodeShape, object] = {}
+        self._chosen: dict[tuple, object] = {}  # _choice_key -> backend
         self._inputs: DecodeInputs | None = None  # a CPU decode step's rows, kept across steps
         self.verify_states = None  # the last step's per-position Mamba states of its verify chunks
 
@@ -64,20 +64,25 @@ class ModelRunner:
         return self.compiled.compiled_shapes
 
     # ---- which program and threads a step runs with -------------------------------------------
+    def _choice_key(self, rows: int) -> tuple:
+        """The fields of :class:`DecodeShape` that can change between steps (rows, observed, grad, native_off), as a
+        plain tuple: the cache key of :meth:`decode_backend` (a frozen dataclass costs microseconds a step to build)."""
+        return (rows, self.manager.kv.capture is not None, torch.is_grad_enabled(),
+                native_switch() if self.device.type == "cpu" else None)
+
+    def _shape(self, key: tuple) -> DecodeShape:
+        return DecodeShape(key[0], self.device.type, self.compile, *key[1:])
+
     def decode_shape(self, rows: int) -> DecodeShape:
         """What the backend choice of a ``rows``-row decode step depends on, as things are now."""
-        return DecodeShape(rows, self.device.type, self.compile, self.manager.kv.capture is not None,
-                           torch.is_grad_enabled(), native_switch() if self.device.type == "cpu" else None)
+        return self._shape(self._choice_key(rows))
 
     def decode_backend(self, rows: int):
         """The backend that runs a ``rows``-row decode step here: chosen once per shape, then looked up."""
-        # the key is DecodeShape's fields as a plain tuple: a frozen dataclass costs microseconds a step to build
-        cpu = self.device.type == "cpu"
-        key = (rows, self.manager.kv.capture is not None, torch.is_grad_enabled(), native_switch() if cpu else None)
+        key = self._choice_key(rows)
         backend = self._chosen.get(key)
         if backend is None:
-            shape = DecodeShape(rows, self.device.type, self.compile, *key[1:])
-            backend = self._chosen[key] = choose(self.decode_backends, self.model, self.cache, shape)
+            backend = self._chosen[key] = choose(self.decode_backends, self.model, self.cache, self._shape(key))
         return backend
 
     def decode_report(self, rows: int = 1) -> str:
