@@ -7,8 +7,9 @@ LM heads and the KL with its closed-form gradient (:mod:`.fused_kl`), and one ba
 hidden state runs through its layers. A chunk of 256 tokens over a 49152-word vocab is ~50 MB of fp32 logits
 per model instead of 400 MB each for 2048 tokens.
 
-By default only the replacements train; the kept attention layers, MLPs, norms and embeddings stay the
-teacher's (``train_attention`` trains the kept attention layers too, ``train_all`` everything).
+By default the mixers train (the replacements and the kept attention layers: :data:`TRAIN_ATTENTION`); the MLPs,
+norms and embeddings stay the teacher's (``train_attention=False`` keeps the attention layers the teacher's too,
+``train_all`` trains everything).
 """
 
 from __future__ import annotations
