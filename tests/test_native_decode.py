@@ -501,12 +501,15 @@ def test_the_library_compiles_for_an_x86_64_without_avx(tmp_path):
     8-float vector to a ymm register ("+x") made the whole library fail to compile there (then every native path
     was lost, silently: the build's failure falls back to torch). Compile only, no optimisation: the point is
     that the compiler takes it."""
-    src = tmp_path / "hybrid_decode.c"
-    src.write_text(native.source())
-    cmd = [c_compiler(), "-O0", "-march=x86-64", "-w", "-fPIC", "-c", str(src), "-o",
-           str(tmp_path / "hybrid_decode.o")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
+    from hybrid.kernels.native import variants
+
+    for header, text in variants.generated().items():
+        (tmp_path / header).write_text(text)
+    for f in variants.SOURCES:
+        cmd = [c_compiler(), "-O0", "-march=x86-64", "-w", "-fPIC", f"-I{tmp_path}", "-c", str(variants.HERE / f),
+               "-o", str(tmp_path / f"{f}.o")]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, (f, res.stderr[-2000:])
 
 
 def test_avx2_build_matches_reference():

@@ -29,7 +29,7 @@ def test_this_machine_loads_the_best_variant_it_runs():
 
 
 def test_a_library_name_changes_with_its_sources(tmp_path):
-    for f in (*variants.SOURCES, "program_ops.py"):
+    for f in (*variants.SOURCES, *variants.headers(), "program_ops.py"):
         shutil.copy(variants.HERE / f, tmp_path / f)
     v = variants.BY_NAME["x86-64-v3"]
     before = variants.library_path(v, tmp_path)
@@ -45,11 +45,12 @@ def test_a_library_name_changes_with_its_sources(tmp_path):
 @pytest.mark.parametrize("name", [v.name for v in variants.VARIANTS])
 def test_each_variant_compiles_without_linux(name, tmp_path):
     """The sources with __linux__ undefined (what macOS sees: no futex, no arch_prctl for AMX) compile for each
-    variant: the pool's sleep falls back to a yield there. Syntax and types only (-fsyntax-only: seconds)."""
-    src = tmp_path / "t.c"
-    src.write_text(variants.source_text())
+    variant: the pool's sleep falls back to a yield there. Syntax and types only (-fsyntax-only: seconds), each
+    file its own translation unit."""
+    for header, text in variants.generated().items():
+        (tmp_path / header).write_text(text)
     cmd = [variants.compiler(), *variants.COMPILE, *variants.BY_NAME[name].flags, "-U__linux__", "-fsyntax-only",
-           str(src)]
+           f"-I{tmp_path}", *(str(variants.HERE / f) for f in variants.SOURCES)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "futex" not in res.stderr

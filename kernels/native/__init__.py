@@ -1,6 +1,7 @@
 """Our own C kernels for a CPU, called through ctypes: the ``native`` dispatch backend. The C sources (one file per
 op family, :data:`variants.SOURCES`: the products, the state steps, paged attention, the decode program, the thread
-pool) make one library; the decode step's matrix-vector products run at the memory bandwidth.
+pool; each its own translation unit, sharing native.h and the headers beside it) make one library; the decode
+step's matrix-vector products run at the memory bandwidth.
 
 The library is compiled when the package is built (setup.py), once per x86-64 level (:mod:`.variants`:
 ``x86-64-v3`` AVX2, ``x86-64-v4`` AVX-512, ``avx512-bf16`` AVX-512 BF16/VNNI/AMX), into ``_lib/`` beside this
@@ -62,12 +63,6 @@ def _disabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off")
 
 
-def source() -> str:
-    """The library's C source: one translation unit, program.c running the other files' static
-    ops back to back."""
-    return variants.source_text()
-
-
 _loaded = [None]  # what the library is: a variant's name, or "-march=native"
 
 
@@ -76,7 +71,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if _disabled():
         return None, f"{ENV}=0"
     if os.environ.get(BUILD_ENV, "").strip().lower() == "native":
-        lib, why = build("hybrid_decode", source(), FLAGS, variants.LIBS)
+        lib, why = build("hybrid_decode", FLAGS)
         _loaded[0] = "-march=native (HYBRID_NATIVE_BUILD=native)" if lib is not None else None
     else:
         lib, why = _prebuilt()
@@ -165,7 +160,7 @@ def build_variant(name: str, extra_flags: tuple[str, ...]) -> ctypes.CDLL:
     """The library built with ``extra_flags`` too (e.g. ``-mno-avx512f``: what a CPU without AVX-512 runs), its
     functions declared as the library's are, its pool on 2 threads: for tests of code paths this CPU would not
     take. RuntimeError when it does not build."""
-    lib, why = build(f"hybrid_decode_{name}", source(), (*FLAGS, *extra_flags), variants.LIBS)
+    lib, why = build(f"hybrid_decode_{name}", (*FLAGS, *extra_flags))
     if lib is None:
         raise RuntimeError(f"the {name} build of the native kernels failed: {why}")
     _declare(lib).hl_set_threads(2, 0)

@@ -1,4 +1,7 @@
 /* ---- paged decode attention ------------------------------------------------------------------------------- */
+#include "native.h"
+#include "gemv.h"
+
 /* One query token per sequence over its paged K/V (fp32 or bf16 pools [NB, BS, Hkv, D]). A work item is one
    (sequence, KV head, span of PAGED_SPAN visible keys): the group's rep query heads score the span's keys in one
    pass over K (each key row widened once for all rep heads), then one pass over V sums the weighted values:

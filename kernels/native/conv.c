@@ -1,4 +1,7 @@
 /* ---- causal conv1d step ------------------------------------------------------------------------------------ */
+#include "native.h"
+#include "gemv.h"
+
 /* state [S, C, K-1] shifted by one token per sequence: the window is the state then x (rounded to the state's
    dtype first, as the reference concatenates them), y = window . w + bias, SiLU optional. */
 typedef struct {

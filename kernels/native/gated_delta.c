@@ -1,4 +1,7 @@
 /* ---- Gated DeltaNet step ---------------------------------------------------------------------------------- */
+#include "native.h"
+#include "gemv.h"
+
 /* One token per sequence: per (sequence b, value head h; key head h / (H / Hk)) the state S [K, V] (fp32 or
    bf16 storage) becomes a S + k delta^T with a = exp(g), delta = beta (v - a S^T k), and o = S'^T q scale —
    gated_delta_step_ref's arithmetic in two passes over the state (one read for S^T k, one update that also
@@ -157,7 +160,7 @@ int hl_gdn_step(void *state, int sdt, const int64_t *slots, const void *q, const
                 int xdt, int64_t vs, const float *g, const float *beta, int64_t gs, float scale, void *y, int64_t Bsz,
                 int64_t H, int64_t Hk, int64_t K, int64_t V) {
     if (K > 512 || V > 512 || Hk < 1 || H % Hk) return -1;
-    GdnStep j = {state, slots, q, k, v, g, beta, y, qs, vs, gs, H, Hk, K, V, scale, sdt, xdt, Bsz, P.nworkers + 1};
+    GdnStep j = {state, slots, q, k, v, g, beta, y, qs, vs, gs, H, Hk, K, V, scale, sdt, xdt, Bsz, pool_threads()};
     pool_run(gdn_step_chunk, &j, Bsz * H);
     return 0;
 }

@@ -10,21 +10,9 @@
    Per block and group the codes' dot products sum_k q x_k are accumulated in fp32 (one k's 16 or 32 bytes give
    32 or 64 rows' codes), then y += scale * that + (zero - 8 scale) * sum_k x_k: the group's dequantisation costs a
    few operations per row per group instead of one per weight. */
+#include "native.h"
+#include "products.h"
 
-typedef struct {
-    const uint8_t *q; /* qdata [N, K/2] */
-    const void *sz;   /* scale_and_zero [K/G, N, 2] */
-    int64_t N, K, G;
-    int sdt;
-    int bn; /* rows per block of the layout: 32 or 64 */
-} Int4Mat;
-
-typedef struct {
-    const float *x;    /* [B, K] fp32 */
-    const float *xsum; /* [B, K/G] each group's sum of x */
-    int64_t B;
-    const uint32_t *xp; /* [B, K/2] bf16 x as (k, k + 1) pairs for the 64-row vdpbf16ps loop, else NULL */
-} Int4X;
 
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
@@ -172,8 +160,6 @@ static int int4_block32(const Int4Mat *m, const Int4X *xs, int64_t nb, float out
    16-row vectors of the block's 64 codes; with AVX2 the two halves go through nib32 (rows 0-7, 8-15, 32-39, 40-47
    and 16-23, 24-31, 48-55, 56-63). */
 #ifdef __AVX512F__
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
 /* the codes of one k of a 64-row block as fp32: rows 0-15, 16-31, 32-47, 48-63 */
 static inline void nib64(const uint8_t *p, v16 *r0, v16 *r1, v16 *r2, v16 *r3) {
@@ -396,12 +382,12 @@ static int int4_block64(const Int4Mat *m, const Int4X *xs, int64_t nb, float out
 
 /* out[b][r] = block nb's row r (r < the returned count) of the dequantised W against input row b, block nb of
    m->bn rows (the rows from nb * m->bn); -1 when out of memory */
-static int int4_block(const Int4Mat *m, const Int4X *xs, int64_t nb, float out[][64]) {
+int int4_block(const Int4Mat *m, const Int4X *xs, int64_t nb, float out[][64]) {
     return m->bn == 64 ? int4_block64(m, xs, nb, out) : int4_block32(m, xs, nb, out);
 }
 
 /* x [B, K] (fp32 or bf16) as fp32, then each group's sum, in this thread's scratch */
-static float *int4_load_x(const void *x, int xdt, int64_t B, int64_t K, int64_t G, Int4X *xs) {
+float *int4_load_x(const void *x, int xdt, int64_t B, int64_t K, int64_t G, Int4X *xs) {
     static _Thread_local float *buf = NULL;
     static _Thread_local int64_t cap = 0;
     const int64_t ng = K / G;
@@ -427,13 +413,13 @@ static float *int4_load_x(const void *x, int xdt, int64_t B, int64_t K, int64_t 
     return xf;
 }
 
-static int int4_shape_ok(int64_t B, int64_t N, int64_t K, int64_t G, int bn) {
+int int4_shape_ok(int64_t B, int64_t N, int64_t K, int64_t G, int bn) {
     return B >= 1 && B <= MAXB && N >= 16 && N % 16 == 0 && G >= 2 && G % 2 == 0 && G <= 1024 && K >= G && K % G == 0
            && (bn == 32 || bn == 64);
 }
 
 /* blocks of bn rows a chunk of the pool takes (chunk_rows' ~1/64 of the matrix, at least 32 KB) */
-static int64_t int4_chunk_blocks(int64_t N, int64_t K, int bn) {
+int64_t int4_chunk_blocks(int64_t N, int64_t K, int bn) {
     const int64_t b = chunk_rows(N, K / 2) / bn;
     return b < 1 ? 1 : b;
 }
@@ -466,9 +452,9 @@ static void int4_gemv_chunk(const void *job, int64_t chunk) {
 
 /* y[B, N] = act(x[B, K] W^T + bias[N]) + res[B, N] for int4 W (q, sz: see above; sdt its scale dtype; bn the
    layout's rows per block, 32 or 64) */
-static int gemv_int4_act(const uint8_t *q, const void *sz, int sdt, int64_t G, const void *bias, int bdt,
-                         const void *x, int xdt, const void *res, void *y, int ydt, int64_t B, int64_t N, int64_t K,
-                         int act1, int bn) {
+int gemv_int4_act(const uint8_t *q, const void *sz, int sdt, int64_t G, const void *bias, int bdt,
+                  const void *x, int xdt, const void *res, void *y, int ydt, int64_t B, int64_t N, int64_t K,
+                  int act1, int bn) {
     if (!int4_shape_ok(B, N, K, G, bn) || (sdt != DT_F32 && sdt != DT_BF16)) return -1;
     Int4Gemv g = {{q, sz, N, K, G, sdt, bn}, {0}, bias, res, y, int4_chunk_blocks(N, K, bn), bdt, ydt, act1};
     if (!int4_load_x(x, xdt, B, K, G, &g.xs)) return -1;

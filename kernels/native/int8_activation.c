@@ -21,6 +21,9 @@
    2 * 255 * 8 = 4080) and x . W = s * (sum_g ws_g * (u . w)_g - (128 + zp) * C[n]): the group products are
    integers, their scaled sum fp32 (torchao's F.linear on the dequantised tensors sums the same terms in
    another order). */
+#include "native.h"
+#include "products.h"
+
 
 enum { QK_I8DQ = 0, QK_8DA4W = 1 };
 
@@ -396,8 +399,8 @@ static int64_t q_row_bytes(int kind, int64_t K) { return kind == QK_I8DQ ? K : K
 /* y[B, N] = act(x[B, K] W^T + bias[N]) + res[B, N] for an int8dq (codes, row scales) or 8da4w (nibbles, group
    scales then C) W; kind QK_*;
    act1: 0 none, else ACT_* + 1 */
-static int gemv_q_act(int kind, const void *w, const float *ws, const void *bias, int bdt, const void *x, int xdt,
-                      const void *res, void *y, int ydt, int64_t B, int64_t N, int64_t K, int act1) {
+int gemv_q_act(int kind, const void *w, const float *ws, const void *bias, int bdt, const void *x, int xdt,
+               const void *res, void *y, int ydt, int64_t B, int64_t N, int64_t K, int act1) {
     if (!q_shape_ok(kind, B, N, K)) return -1;
     QGemv g = {q_mat(kind, w, ws, N, K), {0}, bias, res, y, chunk_rows(N, q_row_bytes(kind, K)), bdt, ydt, act1};
     if (!q_load_x(x, xdt, B, K, kind, &g.a)) return -1;

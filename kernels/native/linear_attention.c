@@ -4,6 +4,9 @@
 
    Compiled after decode.c, in its translation unit: the thread pool, the dtype helpers, hl_gdn_step and the
    product kernel (gemv_act) are decode.c's. */
+#include "native.h"
+#include "products.h"
+
 
 /* ---- Gated DeltaNet: the one-token step after the conv --------------------------------------------------- */
 /* The pieces are also the eager layer's decode ops (kernels/gated_delta.py's l2norm_heads and gates dispatch

@@ -1,5 +1,5 @@
 /* ---- the pool ------------------------------------------------------------------------------------------ */
-typedef void (*chunk_fn)(const void *job, int64_t chunk);
+#include "native.h"
 
 typedef struct {
     chunk_fn fn;
@@ -94,7 +94,7 @@ out:
    ahead; weights that fit in the L3 stay there between steps only if nothing evicts them (llama-d512 bf16 on a Xeon
    with a 300 MiB L3: 6.5 ms with the then non-temporal prefetch, 5.2 with a plain T0 prefetch, 3.4-4.5 ms with
    none). */
-static int P_stream = 1;
+int P_stream = 1;
 
 int hl_set_stream_prefetch(int on) {
     const int was = P_stream;
@@ -102,21 +102,7 @@ int hl_set_stream_prefetch(int on) {
     return was;
 }
 
-/* STREAM_PREFETCH(p, lines): the `lines` 64-byte weight lines from p + PF_AHEAD into L2 (prefetcht1), where p is what
-   a loop step reads now: every line the loop will read (a 128-byte bf16 step names two), 4 KB ahead — far enough
-   for DRAM's latency at the bandwidth two cores draw, and past the rest of a 4-row pass (the next group of four
-   512-wide bf16 rows starts 4 KB on). On a 2-vCPU Zen 4 (32 MiB L3) this took llama-d512's decode program from
-   5.2-5.6 to 3.5-3.8 ms in bf16, 7.7 to 6.0 in fp32, 2.7-3.4 to 1.4-1.8 in int8dq (three A/B rounds each in one
-   process) against the earlier non-temporal prefetch of one line a step 1 KB ahead (half a bf16 step's lines, a
-   quarter of the next rows', and none for fp32), which had measured faster than no prefetch on a Zen 3 VM. */
-#define PF_AHEAD 4096
-#define STREAM_PREFETCH(ptr, lines) do { \
-        if (P_stream) \
-            for (int pf_ = 0; pf_ < (lines); ++pf_) \
-                _mm_prefetch((const char *)(ptr) + PF_AHEAD + 64 * pf_, _MM_HINT_T1); \
-    } while (0)
-
-static double now_us(void) {
+double now_us(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
@@ -188,10 +174,10 @@ int hl_set_threads(int n, int64_t spin) {
 /* A decode program's waits for descheduled workers (program.c's run_program reads and resets them): microseconds
    the caller spent, its own chunks done, waiting for chunks a worker had claimed; and whether the program runs
    its ops on the caller alone (P_solo: set while another process keeps taking a worker's core). */
-static double P_waited_us = 0.0;
-static int P_solo = 0;
+double P_waited_us = 0.0;
+int P_solo = 0;
 
-static void pool_run(chunk_fn fn, const void *job, int64_t nchunks) {
+void pool_run(chunk_fn fn, const void *job, int64_t nchunks) {
     if (P.nworkers == 0 || nchunks == 1 || P_solo || pthread_mutex_trylock(&P_run) != 0) {
         for (int64_t c = 0; c < nchunks; ++c) fn(job, c);
         return;
@@ -223,6 +209,10 @@ static void pool_run(chunk_fn fn, const void *job, int64_t nchunks) {
     }
     pthread_mutex_unlock(&P_run);
 }
+
+int pool_threads(void) { return P.nworkers + 1; }
+
+void pool_hot(int on) { atomic_store_explicit(&P.hot, on, memory_order_relaxed); }
 
 /* ---- the machine's read bandwidth ------------------------------------------------------------------------------
    A streaming read the way the products read their weights (the pool's threads, each a run of 256 KB chunks, wide
@@ -285,5 +275,4 @@ int64_t hl_stream_read(const void *buf, int64_t bytes) {
     return atomic_load(&j.sink);
 }
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_NONE = -1 };
 

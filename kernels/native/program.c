@@ -5,25 +5,28 @@
    of interpreter, ctypes and tensor bookkeeping between them added up to as long as the products themselves,
    and each call woke the pool's sleeping workers anew. Here the step's per-step inputs (the rows' K/V slots,
    lengths, block tables, state slots, RoPE cos/sin) come in one HlStep; the workers spin between the ops of a
-   program (P.hot) and sleep after it. A step may also hand over its token ids and positions instead of its input
+   program (pool_hot) and sleep after it. A step may also hand over its token ids and positions instead of its input
    rows and cos/sin: the program then gathers the embedding rows and the RoPE table rows itself (the engine's
    steady decode state, hybrid/decode_inputs.py: no tensor is made per step).
 
-   Compiled together with decode.c (one translation unit: the ops are its static functions). */
+   The ops are the other files' functions, called directly (one declaration each in native.h / products.h). */
 
 /* The op kinds (OP_GEMV, ...), HL_OP_PTRS / HL_OP_INTS / HL_OP_FLOATS and each op's field slots (P_GEMV_w, I_GEMV_N,
-   F_PAGED_scale, ...) come from kernels/native/program_ops.py, which writes them at the top of this translation
-   unit (kernels/native/variants.py source_text); run_op reads an op's fields by name through them, as
+   F_PAGED_scale, ...) come from kernels/native/program_ops.py, which writes program_ops.h into the build directory
+   (kernels/native/variants.py; never edited by hand); run_op reads an op's fields by name through them, as
    hybrid/decode/builder.py writes them by name from the same table. */
+#include "native.h"
+#include "products.h"
+#include "program_ops.h"
 
-typedef struct {
+struct HlOp {
     int64_t kind;
     const void *p[HL_OP_PTRS];
     int64_t i[HL_OP_INTS];
     double f[HL_OP_FLOATS];
-} HlOp;
+};
 
-typedef struct {
+struct HlStep {
     int64_t n;                 /* rows (one token each) */
     void *x;                   /* [n, d_model] the residual stream, updated in place */
     const int64_t *kv_slots;   /* [n] each row's K/V pool slot */
@@ -39,7 +42,7 @@ typedef struct {
     const int64_t *positions;  /* [n] positions: cos[r] = cos_table[positions[r]], same for sin */
     const void *cos_table, *sin_table; /* [table_rows, rot], rows of rope_row_bytes */
     int64_t rope_row_bytes, table_rows;
-} HlStep;
+};
 
 /* a pointer slot holding this stands for the step's residual stream */
 #define HL_STEP_X ((const void *)1)
@@ -223,7 +226,7 @@ static int oversubscribed(void) {
         if ((p = strchr(p, ' '))) ++p;
     const long running = p ? strtol(p, NULL, 10) : 0, cpus = sysconf(_SC_NPROCESSORS_ONLN);
     if (running < 1 || cpus < 1) return -1;
-    return running - 1 > cpus - 1 - P.nworkers;
+    return running - 1 > cpus - pool_threads();
 }
 
 /* how many programs ran on the caller alone since the library loaded (kernels.native.solo_runs) */
@@ -237,7 +240,7 @@ int64_t hl_program_run(const HlOp *ops, int64_t nops, const HlStep *st, double *
     if (P_solo) --P_solo_left, ++P_solo_runs;
     P_waited_us = 0.0;
     const double t_run = now_us();
-    atomic_store_explicit(&P.hot, !P_solo, memory_order_relaxed);
+    pool_hot(!P_solo);
     int64_t rc = 0;
     for (int64_t k = 0; k < nops; ++k) {
         const double t0 = times ? now_us() : 0.0;
@@ -247,14 +250,13 @@ int64_t hl_program_run(const HlOp *ops, int64_t nops, const HlStep *st, double *
         }
         if (times) times[k] += now_us() - t0;
     }
-    atomic_store_explicit(&P.hot, 0, memory_order_relaxed);
+    pool_hot(0);
     if (!P_solo && P_waited_us > SOLO_WAIT * (now_us() - t_run) && oversubscribed() != 0)
         P_solo_left = st->n > SOLO_FEW_ROWS ? SOLO_STEPS_WIDE : SOLO_STEPS;
     P_solo = 0;
     return rc;
 }
 
-void hl_argmax(const void *x, int dt, int64_t rows, int64_t V, int64_t *out);
 
 /* Several greedy decode steps in one call (the engine's multi-step decode: hybrid/engine.py): step s runs the
    program on the rows' current tokens, takes each row's argmax of the logits (logits [n, V] of dtype ldt, the

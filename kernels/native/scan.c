@@ -1,4 +1,7 @@
 /* ---- Mamba-1 selective scan (prefill) ---------------------------------------------------------------------- */
+#include "native.h"
+#include "gemv.h"
+
 /* h_t = e^{dt_t A} h_{t-1} + dt_t x_t B_t, y_t = C_t . h_t + D x_t over whole sequences: selective_scan_ref's
    arithmetic, in fp32. Eager torch makes it out of whole-block passes over [T, D, N] work tensors, streaming 12+
    bytes per state element per token through memory; this loop walks a block of SCAN_CB channels through all of a

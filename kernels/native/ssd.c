@@ -1,4 +1,7 @@
 /* ---- Mamba-2 SSD step -------------------------------------------------------------------------------------- */
+#include "native.h"
+#include "gemv.h"
+
 /* One token per sequence: per (sequence b, head h) the state rows s[p][:] (P x N, fp32 or bf16 storage) become
    s * exp(dt A) + dt x[p] B, and y[p] = s . C + D x[p] — ssd_step_ref's arithmetic in one pass over the state
    (the torch path makes three). The heads of a group share B and C. */

@@ -1,4 +1,7 @@
 /* ---- the pieces of a fused decode sub-layer ---------------------------------------------------------------- */
+#include "native.h"
+#include "products.h"
+
 /* Each mirrors the rounding points of the torch layers it replaces (for bf16: every torch op rounds its
    output), so the fused step computes what the eager layers compute. */
 
@@ -149,25 +152,10 @@ int hl_gated_up(const void *wg, const float *sg, const void *bg, const void *wu,
     return 0;
 }
 
-/* Attention's projections (hybrid.layers.attention.Attention.qkv + write_kv): q, k, v from one pass of the pool
-   over the three matrices, a chunk per head; RoPE (rotate-half, the first rot channels of each head) on q and
-   k with the step's cos/sin [B, rot] (in the model's dtype); q to q_out [B, Hq, D], k and v straight into
-   their slots of the K/V pools [NB * BS, Hkv, D] (fp32 or bf16). */
-typedef struct {
-    Gemv m[3];
-    void *kpool, *vpool;
-    const int64_t *slots;
-    const void *cos, *sin;
-    int64_t Hq, Hkv, D, rot;
-    int pdt;
-    int int4;          /* the matrices are int4 (q4, xs4; m[] keeps their biases, outputs and shapes) */
-    Int4Mat q4[3];
-    Int4X xs4;
-} QkvRope;
 
 /* RoPE on a q or k head's values acc[b][0..D) (rotate-half, the first rot channels, the step's cos/sin), then the
    head stored: q into q_out, k and v into their K/V pool slots (which: 0 q, 1 k, 2 v) */
-static void qkv_rope_store(const QkvRope *j, int which, int64_t h, float acc[][512]) {
+void qkv_rope_store(const QkvRope *j, int which, int64_t h, float acc[][512]) {
     const Gemv *g = &j->m[which];
     const int64_t D = j->D, rot = j->rot, half = rot / 2, B = g->B;
     const int ydt = g->ydt;

@@ -3,8 +3,10 @@
 its variants and picks one at load. Standard library only: setup.py loads this file by its path, before torch or
 the package can be imported.
 
-A library's file name carries a hash of the C sources and its flags, so a library built from other sources (a
-source checkout whose ``.c`` files changed since ``pip install -e .``) is never loaded as if it were current.
+Each ``.c`` file (:data:`SOURCES`, one per op family) is compiled on its own and the objects linked into the
+variant's library. A library's file name carries a hash of every ``.c`` and ``.h`` file, the generated op-table
+header and the flags, so a library built from other sources (a source checkout whose files changed since ``pip
+install -e .``) is never loaded as if it were current.
 
     python kernels/native/variants.py --inplace          # this CPU's best variant, into kernels/native/_lib
     python kernels/native/variants.py --inplace --all    # every variant (what the wheel ships)
@@ -26,15 +28,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 LIB_DIR = "_lib"  # beside this file, in the source tree and in the installed package alike
-# the decode kernels, one file per op family (decode.c until it was split: the same text, in this order). No file
-# #includes another: the library is one translation unit, so the ops stay static and program.c calls them directly.
-# native.h comes first: the includes, the dtype codes and the vector types every part uses.
-DECODE = ("native.h", "pool.c", "convert.c", "gemv.c", "amx.c", "int4.c", "ssd.c", "scan.c", "gated_delta.c", "conv.c",
-          "attention.c", "sublayer.c", "int8_activation.c")
-SOURCES = (*DECODE, "linear_attention.c", "program.c")  # one translation unit, in this order
+# The library's translation units, one file per op family; each #includes native.h (and simd.h, gemv.h, products.h
+# as it needs), is compiled on its own (in parallel) and the objects are linked into one shared library. A new
+# family file is added here (tests/test_native_build.py fails on a .c file this list lacks).
+SOURCES = ("pool.c", "convert.c", "amx.c", "int4.c", "ssd.c", "scan.c", "gated_delta.c", "conv.c", "attention.c",
+           "sublayer.c", "int8_activation.c", "linear_attention.c", "program.c")
+# written into the build directory by program_ops.py at every build (never edited by hand): the decode program's op
+# codes and field slots, #included by program.c
+GENERATED = "program_ops.h"
 # -fno-unsafe-math-optimizations under -ffast-math: no approximate reciprocals / rsqrt and no reassociated
 # auto-vectorised sums, so the ops round where torch's do on every CPU (kernels/native/build.py says more).
-COMPILE = ("-O3", "-ffast-math", "-fno-unsafe-math-optimizations", "-fPIC")
+# -fvisibility=hidden: only the entry points native.h marks HL_API are exported (what Python's ctypes declares).
+COMPILE = ("-O3", "-ffast-math", "-fno-unsafe-math-optimizations", "-fPIC", "-fvisibility=hidden")
 # linked without -ffast-math: GCC (before 13) would link crtfastmath.o into the library, whose constructor sets
 # flush-to-zero in the thread that loads it, and torch's own ops there then flushed denormals.
 LINK = ("-shared",)
@@ -65,11 +70,20 @@ VARIANTS = (  # best first
 BY_NAME = {v.name: v for v in VARIANTS}
 
 
-def source_text(src_dir: Path = HERE) -> str:
-    """The translation unit: the decode program's op table (program_ops.py's generated header), then the sources."""
-    decode = "".join((src_dir / f).read_text() for f in DECODE)
-    return "\n".join([_program_ops(src_dir).header(), decode,
-                      *((src_dir / f).read_text() for f in SOURCES[len(DECODE):])])
+def headers(src_dir: Path = HERE) -> list[str]:
+    """The hand-written headers beside the sources (every one a source may #include)."""
+    return sorted(p.name for p in src_dir.glob("*.h"))
+
+
+def generated(src_dir: Path = HERE) -> dict[str, str]:
+    """The headers a build writes beside its objects: {name: text} (program_ops.py's op table)."""
+    return {GENERATED: _program_ops(src_dir).header()}
+
+
+def source_files(src_dir: Path = HERE) -> dict[str, str]:
+    """Everything a build compiles, by file name: the .c files, the headers, the generated header."""
+    files = {name: (src_dir / name).read_text() for name in (*SOURCES, *headers(src_dir))}
+    return {**files, **generated(src_dir)}
 
 
 def _program_ops(src_dir: Path):
@@ -85,8 +99,12 @@ def _program_ops(src_dir: Path):
 
 
 def key(variant: Variant, src_dir: Path = HERE) -> str:
-    """A hash of the sources and everything the variant is compiled with: part of its file name."""
-    text = "\0".join([source_text(src_dir), variant.name, *variant.flags, *COMPILE, *LINK, *LIBS])
+    """A hash of every source and header and everything the variant is compiled with: part of its file name."""
+    return digest(source_files(src_dir), (variant.name, *variant.flags, *COMPILE, *LINK, *LIBS))
+
+
+def digest(files: dict[str, str], flags: tuple[str, ...]) -> str:
+    text = "\0".join([*(f"{name}\0{files[name]}" for name in sorted(files)), *flags])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -134,25 +152,49 @@ class BuildError(RuntimeError):
     pass
 
 
-def compile_variant(variant: Variant, lib_dir: Path, src_dir: Path = HERE) -> Path:
-    """Compile one variant into ``lib_dir`` (atomically: two builds of the same file lose nothing). Returns its
-    path; BuildError with the compiler's message when it fails."""
+def compile_library(cc: str, flags: tuple[str, ...], out: Path, src_dir: Path = HERE, what: str = "the library",
+                    jobs: int | None = None) -> Path:
+    """Compile each of :data:`SOURCES` on its own with ``flags`` (``jobs`` compiler processes at once; default: one
+    per CPU), link the objects into ``out`` (atomically: two builds of the same file lose nothing). Returns ``out``;
+    BuildError with the compiler's message when a step fails."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp = Path(tmp)
+        for name, text in generated(src_dir).items():
+            (tmp / name).write_text(text)
+
+        def run(cmd: list[str], step: str) -> None:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if res.returncode != 0:
+                raise BuildError(f"{step} failed for {what} ({' '.join(f for f in flags if f.startswith('-m'))}): "
+                                 f"{res.stderr.strip()[-600:]}")
+
+        objects = [tmp / f"{Path(name).stem}.o" for name in SOURCES]
+        workers = max(1, min(len(SOURCES), jobs or os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
+            # (-I tmp: the generated header; the sources' own headers are found beside them)
+            futures = [ex.submit(run, [cc, *flags, f"-I{tmp}", "-c", str(src_dir / name), "-o", str(obj)],
+                                 f"compiling {name}") for name, obj in zip(SOURCES, objects)]
+            try:
+                for f in futures:
+                    f.result()
+            except BuildError:
+                ex.shutdown(cancel_futures=True)  # the first error is the one to read: no more files
+                raise
+        so = tmp / "library.so"
+        run([cc, *LINK, *map(str, objects), "-o", str(so), *LIBS], "linking")
+        os.replace(so, out)
+    return out
+
+
+def compile_variant(variant: Variant, lib_dir: Path, src_dir: Path = HERE, jobs: int | None = None) -> Path:
+    """Compile one variant into ``lib_dir``. Returns its path; BuildError with the compiler's message when it
+    fails."""
     cc = compiler()
     if cc is None:
         raise BuildError("no C compiler (cc / gcc / clang, or $CC) on PATH")
-    out = library_path(variant, src_dir, lib_dir)
-    lib_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib_dir) as tmp:
-        src, obj, so = (Path(tmp) / f"hybrid_decode{ext}" for ext in (".c", ".o", ".so"))
-        src.write_text(source_text(src_dir))
-        for cmd in ([cc, *COMPILE, *variant.flags, "-c", str(src), "-o", str(obj)],
-                    [cc, *LINK, str(obj), "-o", str(so), *LIBS]):
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            if res.returncode != 0:
-                raise BuildError(f"{' '.join(cmd[:1] + list(variant.flags))} failed for the {variant.name} variant: "
-                                 f"{res.stderr.strip()[-600:]}")
-        os.replace(so, out)
-    return out
+    return compile_library(cc, (*COMPILE, *variant.flags), library_path(variant, src_dir, lib_dir), src_dir,
+                           f"the {variant.name} variant", jobs)
 
 
 def remove_stale(lib_dir: Path, src_dir: Path = HERE) -> None:
@@ -178,13 +220,12 @@ def requested() -> list[Variant]:
 
 
 def build_all(lib_dir: Path, variants: list[Variant], src_dir: Path = HERE, log=print) -> list[Path]:
-    """Compile ``variants`` into ``lib_dir`` side by side (one compiler process each) and remove older builds."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(variants), os.cpu_count() or 1))) as ex:
-        futures = {ex.submit(compile_variant, v, lib_dir, src_dir): v for v in variants}
-        built = []
-        for f in concurrent.futures.as_completed(futures):
-            built.append(f.result())
-            log(f"hybrid-lm: built the {futures[f].name} native library ({built[-1].name})")
+    """Compile ``variants`` into ``lib_dir`` one after another (each one's files in parallel) and remove older
+    builds."""
+    built = []
+    for v in variants:
+        built.append(compile_variant(v, lib_dir, src_dir))
+        log(f"hybrid-lm: built the {v.name} native library ({built[-1].name})")
     remove_stale(lib_dir, src_dir)
     return built
 

@@ -1,4 +1,11 @@
 /* ---- matrix-vector products ------------------------------------------------------------------------------ */
+/* gemv.h: the products' row kernels and the dtype-coded load / store helpers of every family, all static inline:
+   each file that runs products (amx.c, int4.c, int8_activation.c, sublayer.c) or loads weights (the state steps,
+   conv, attention) inlines them, as when the library was one translation unit. A file's scratch buffers
+   (x_scratch, w_scratch: thread-local) are its own. */
+#ifndef HL_GEMV_H
+#define HL_GEMV_H
+#include "native.h"
 
 typedef struct {
     const void *w;      /* [N, K] */
@@ -111,7 +118,7 @@ static inline void bf16x8_store(uint16_t *p, __m256 v) {
    eight double lanes summed in a fixed order (which lane a value falls in depends on its index alone) */
 typedef double v4d __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
-static double sumsq_f64(const void *x, int dt, int64_t d) {
+static inline double sumsq_f64(const void *x, int dt, int64_t d) {
     v4d a0 = {0}, a1 = {0};
     int64_t i = 0;
     for (; i + 8 <= d; i += 8) {
@@ -131,7 +138,7 @@ static double sumsq_f64(const void *x, int dt, int64_t d) {
 
 /* A thread's scratch of at least n floats (*buf / *cap: that thread's own), grown when too small; NULL when
    out of memory. */
-static float *grow_scratch(float **buf, int64_t *cap, int64_t n) {
+static inline float *grow_scratch(float **buf, int64_t *cap, int64_t n) {
     if (n > *cap) {
         free(*buf);
         *buf = aligned_alloc(64, ((n * 4 + 63) / 64) * 64);
@@ -141,7 +148,7 @@ static float *grow_scratch(float **buf, int64_t *cap, int64_t n) {
 }
 
 /* the input rows converted to fp32 (load_x) */
-static float *x_scratch(int64_t n) {
+static inline float *x_scratch(int64_t n) {
     static _Thread_local float *buf = NULL;
     static _Thread_local int64_t cap = 0;
     return grow_scratch(&buf, &cap, n);
@@ -162,7 +169,7 @@ static inline void bf16x16(const uint16_t *p, v8 *lo, v8 *hi) {
 
 /* x [B, K] (fp32) reordered in blocks of 16 for bf16x16: 0-3, 8-11, 4-7, 12-15; the tail past the last full
    block stays in order. */
-static void permute_for_bf16(float *x, int64_t B, int64_t K) {
+static inline void permute_for_bf16(float *x, int64_t B, int64_t K) {
 #ifdef BF16_UNPACK
     const int64_t K16 = K & ~(int64_t)15;
     for (int64_t b = 0; b < B; ++b)
@@ -178,7 +185,7 @@ static void permute_for_bf16(float *x, int64_t B, int64_t K) {
 }
 
 /* x converted to fp32 into this thread's scratch, in the order the weights' dot products take it */
-static float *load_x(const void *x, int xdt, int64_t B, int64_t K, int wdt) {
+static inline float *load_x(const void *x, int xdt, int64_t B, int64_t K, int wdt) {
     float *xf = x_scratch(B * K);
     if (!xf) return NULL;
     for (int64_t i = 0; i < B * K; ++i) xf[i] = load_as_f32(x, xdt, i);
@@ -344,14 +351,14 @@ static inline const uint16_t *bf16_x(const void *x, int xdt, int wdt, int64_t B,
 }
 
 /* a block of weight rows widened to fp32 (dot_rows) */
-static float *w_scratch(int64_t n) {
+static inline float *w_scratch(int64_t n) {
     static _Thread_local float *buf = NULL;
     static _Thread_local int64_t cap = 0;
     return grow_scratch(&buf, &cap, n);
 }
 
 /* weight row n as fp32, in the order the (permuted, for bf16) x takes it */
-static const float *row_f32(const Gemv *g, int64_t n, float *dst, const int wdt) {
+static inline const float *row_f32(const Gemv *g, int64_t n, float *dst, const int wdt) {
     const int64_t K = g->K;
     if (wdt == DT_F32) return (const float *)g->w + n * K;
     int64_t k = 0;
@@ -678,3 +685,4 @@ static inline void dot4_f32(const Gemv *g, int64_t n0, float out[4][MAXB]) {
 }
 #endif
 
+#endif /* HL_GEMV_H */
