@@ -20,15 +20,16 @@ static int amx_usable(void) {
    at the start of every chunk that uses the tiles: torch's own AMX kernels configure (and release) the tiles of
    the thread they run on between our calls. */
 void amx_configure(void) {
-    struct {
+    /* A constant in memory, not a local filled in before the call: GCC 12's _tile_loadconfig tells the compiler its
+       asm reads 8 bytes of the configuration, so the stores of a local's colsb / rows were dead to it, and once
+       this function was compiled apart from its callers (its own translation unit) they were dropped: the tiles
+       were configured with no rows and the first tilezero faulted (SIGILL). (a tile not used must be all zero) */
+    static const struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
         uint8_t rows[16];
-    } __attribute__((packed)) cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64; /* (a tile not used must be all zero) */
-    for (int t = 0; t < 7; ++t) cfg.rows[t] = 16;
+    } __attribute__((packed, aligned(64))) cfg = {
+        .palette = 1, .colsb = {64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16}};
     _tile_loadconfig(&cfg);
 }
 
