@@ -3,8 +3,7 @@
    each file that runs products (amx.c, int4.c, int8_activation.c, sublayer.c) or loads weights (the state steps,
    conv, attention) inlines them, as when the library was one translation unit. A file's scratch buffers
    (x_scratch, w_scratch: thread-local) are its own. */
-#ifndef HL_GEMV_H
-#define HL_GEMV_H
+#pragma once
 #include "native.h"
 
 typedef struct {
@@ -684,5 +683,3 @@ static inline void dot4_f32(const Gemv *g, int64_t n0, float out[4][MAXB]) {
     hsum4_ps(v, out, 0);
 }
 #endif
-
-#endif /* HL_GEMV_H */

@@ -26,8 +26,7 @@
    across files are static inline in simd.h (conversions, activations), gemv.h (the products' row kernels and the
    load/store helpers of every family) and products.h (the blocked row products the fused sub-layers share). */
 
-#ifndef HL_NATIVE_H
-#define HL_NATIVE_H
+#pragma once
 
 #define _GNU_SOURCE
 #ifdef __linux__
@@ -196,5 +195,3 @@ void silu_bf16_exact(float *v, int64_t n);
 #pragma GCC visibility pop
 
 #include "simd.h"
-
-#endif /* HL_NATIVE_H */

@@ -2,8 +2,7 @@
    sub-layers, program.c): the blocked row products as static inline kernels (dot_rows, dot_rows16, the AMX tiles:
    each caller specialises them per weight dtype, as when the library was one translation unit), and one
    declaration of each product driver and shared argument struct called across files. */
-#ifndef HL_PRODUCTS_H
-#define HL_PRODUCTS_H
+#pragma once
 #include "gemv.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__x86_64__) && \
@@ -182,5 +181,3 @@ static inline int one_row_streaming(const Gemv *g) { return g->B == 1 && P_strea
 static inline float row_value(const Gemv *g, int64_t n, float sum) {
     return sum * (g->wdt == DT_I8 ? g->scale[n] : 1.0f) + (g->bias ? load_as_f32(g->bias, g->bdt, n) : 0.0f);
 }
-
-#endif /* HL_PRODUCTS_H */

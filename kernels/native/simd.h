@@ -2,8 +2,7 @@
    library was one translation unit): bf16 <-> fp32 with torch's rounding, the dtype-coded load/store of one value,
    a horizontal sum, the MLP activations, and the AVX-512 exp / SiLU of 16 lanes. Included by native.h. */
 
-#ifndef HL_SIMD_H
-#define HL_SIMD_H
+#pragma once
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -72,5 +71,3 @@ static inline __m512 silu16_ps(__m512 v) {
     return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16_ps(_mm512_sub_ps(_mm512_setzero_ps(), v))));
 }
 #endif
-
-#endif /* HL_SIMD_H */
