@@ -453,8 +453,8 @@ static void int4_gemv_chunk(const void *job, int64_t chunk) {
 /* y[B, N] = act(x[B, K] W^T + bias[N]) + res[B, N] for int4 W (q, sz: see above; sdt its scale dtype; bn the
    layout's rows per block, 32 or 64) */
 int gemv_int4_act(const uint8_t *q, const void *sz, int sdt, int64_t G, const void *bias, int bdt,
-                  const void *x, int xdt, const void *res, void *y, int ydt, int64_t B, int64_t N, int64_t K,
-                  int act1, int bn) {
+                         const void *x, int xdt, const void *res, void *y, int ydt, int64_t B, int64_t N, int64_t K,
+                         int act1, int bn) {
     if (!int4_shape_ok(B, N, K, G, bn) || (sdt != DT_F32 && sdt != DT_BF16)) return -1;
     Int4Gemv g = {{q, sz, N, K, G, sdt, bn}, {0}, bias, res, y, int4_chunk_blocks(N, K, bn), bdt, ydt, act1};
     if (!int4_load_x(x, xdt, B, K, G, &g.xs)) return -1;

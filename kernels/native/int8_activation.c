@@ -400,7 +400,7 @@ static int64_t q_row_bytes(int kind, int64_t K) { return kind == QK_I8DQ ? K : K
    scales then C) W; kind QK_*;
    act1: 0 none, else ACT_* + 1 */
 int gemv_q_act(int kind, const void *w, const float *ws, const void *bias, int bdt, const void *x, int xdt,
-               const void *res, void *y, int ydt, int64_t B, int64_t N, int64_t K, int act1) {
+                      const void *res, void *y, int ydt, int64_t B, int64_t N, int64_t K, int act1) {
     if (!q_shape_ok(kind, B, N, K)) return -1;
     QGemv g = {q_mat(kind, w, ws, N, K), {0}, bias, res, y, chunk_rows(N, q_row_bytes(kind, K)), bdt, ydt, act1};
     if (!q_load_x(x, xdt, B, K, kind, &g.a)) return -1;
