@@ -5,7 +5,8 @@ cannot share ours), so this side exports the recipe's seed-0 model — the weigh
 in the format vLLM serves for that family (``save_pretrained(format=...)``) and runs
 ``scripts/serving/run_vllm.py bench`` on it in that venv. vLLM's decode rate is, as in
 ``scripts/serving/throughput.py``, B requests of P prompt ids generating N tokens less the same requests
-generating one (its prefill and first token), median of the repeats with min and max; 2 OpenMP threads bound
+generating one (its prefill and first token: the least of the repeats, a fixed cost that noise only lengthens),
+median of the repeats with min and max; 2 OpenMP threads bound
 to cores 0-1 like ours. Exports are cached under the work folder by recipe. :func:`ours_same_way` times our
 engine by that same recipe (``hybrid.generate`` of the same requests, N tokens less one), so the ratio compares
 two whole request loops, not our per-step timing with vLLM's end-to-end one.
@@ -169,10 +170,19 @@ def agreement(ours: list[int], theirs: list[int]) -> str:
     return f"{n}/{max(len(ours), len(theirs))} (first difference at token {n})"
 
 
+def decode_seconds(whole: float, first: float) -> float:
+    """A request loop's decode time: the whole loop less its prefill and first token; RuntimeError where the loop
+    took no longer than that (a stall in the timing, not a rate)."""
+    if whole <= first:
+        raise RuntimeError(f"a {whole:.3f} s request loop took no longer than its prefill alone ({first:.3f} s): "
+                           "the host stalled the timing; rerun")
+    return whole - first
+
+
 def ours_same_way(model: HybridLM, batch: int, prompt: int, new_tokens: int, repeats: int = 3) -> dict:
     """Our aggregate decode rate measured as :func:`vllm_decode` measures vLLM's: ``batch`` requests of ``prompt``
-    random ids through ``hybrid.generate`` generating ``new_tokens``, less the same requests generating one
-    (median of ``repeats`` after a warm-up, with min and max)."""
+    random ids through ``hybrid.generate`` generating ``new_tokens``, less the same requests generating one (the
+    least of ``repeats``), median of ``repeats`` after a warm-up, with min and max."""
     rng = random.Random(0)
     prompts = [[rng.randrange(model.config.vocab_size) for _ in range(prompt)] for _ in range(batch)]
 
@@ -183,5 +193,6 @@ def ours_same_way(model: HybridLM, batch: int, prompt: int, new_tokens: int, rep
         return time.perf_counter() - t0
 
     timed(2)
-    rates = sorted(batch * (new_tokens - 1) / max(timed(new_tokens) - timed(1), 1e-9) for _ in range(repeats))
+    first = min(timed(1) for _ in range(repeats))
+    rates = sorted(batch * (new_tokens - 1) / decode_seconds(timed(new_tokens), first) for _ in range(repeats))
     return {"tok/s": round(statistics.median(rates), 1), "min": round(rates[0], 1), "max": round(rates[-1], 1)}

@@ -83,6 +83,12 @@ def test_a_failed_run_says_where_its_log_is(tmp_path):
                       dtype="float32")
 
 
+def test_a_loop_no_longer_than_its_prefill_is_refused_not_a_rate():
+    assert v.decode_seconds(3.0, 1.0) == 2.0
+    with pytest.raises(RuntimeError, match="took no longer than its prefill alone .*stalled"):
+        v.decode_seconds(1.0, 1.2)
+
+
 def test_ours_timed_the_way_vllm_is():
     with torch.inference_mode():
         row = v.ours_same_way(_model("llama-tiny"), batch=3, prompt=5, new_tokens=4, repeats=2)
