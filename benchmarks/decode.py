@@ -152,7 +152,6 @@ def vllm_runs(args, dtype: torch.dtype) -> list[dict]:
     from benchmarks.vllm_cpu import (
         GREEDY_TOKENS,
         agreement,
-        bench_model,
         check_python,
         ours_same_way,
         vllm_decode,
@@ -161,6 +160,8 @@ def vllm_runs(args, dtype: torch.dtype) -> list[dict]:
 
     if args.quantize:
         raise SystemExit("--vllm-python times vLLM on the unquantised weights: run it without --quantize")
+    if args.vllm_rounds < 1:
+        raise SystemExit(f"--vllm-rounds {args.vllm_rounds}: give 1 or more rounds")
     for name in args.recipes:
         vllm_format(name)  # an unknown family fails before anything runs
     check_python(args.vllm_python)

@@ -179,3 +179,10 @@ def test_decode_times_a_folder_against_vllm_in_alternating_rounds(tmp_path, fake
         ref = decode.ours_greedy(v.bench_model(str(folder)).to(torch.bfloat16), [3, 4, 5, 6, 7], v.GREEDY_TOKENS)
         assert r["ours_greedy_tokens"] == ref and len(ref) == v.GREEDY_TOKENS
         assert r["same_greedy"] == v.agreement(ref, [9, 8, 7])
+
+
+def test_rounds_must_be_at_least_one(tmp_path, fake_python):
+    args = SimpleNamespace(vllm_python=str(fake_python), quantize=None, recipes=["llama-tiny"], vllm_dir=str(tmp_path),
+                           vllm_batches=[2], batches=[1], decode_contexts=[4], vllm_rounds=0, vllm_new_tokens=3)
+    with pytest.raises(SystemExit, match="--vllm-rounds 0: give 1 or more rounds"):
+        decode.vllm_runs(args, torch.float32)
