@@ -124,6 +124,7 @@ def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff
     ``speed=False`` stops after the accuracy stage (nothing timed, no report written, no files returned): the
     training and the accuracy columns tolerate a busy machine, the timings do not, so a long run can do those
     first and a later run with the same arguments (members reused by key) times them on a quiet machine."""
+    import torch
     from tqdm import tqdm
 
     from ..distill.data import build_token_source, token_batches
@@ -132,7 +133,7 @@ def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff
     from .perplexity import top1
     from .real_tradeoff_report import write_report
     from .tasks.mmlu_local_data import resolve_dir
-    from .timing import set_threads
+    from .timing import matmul_peak_flops, set_threads
     from .tradeoff import _load, machine_facts, timing_lock
 
     t_start = time.perf_counter()
@@ -165,6 +166,11 @@ def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff
         return token_batches(source, seq_len=budget.seq_len, batch_size=budget.batch_size, start=start)
 
     distill = distill or _default_distill()
+    # the matmul peaks the stages' GFLOP/s are read against (their "of_peak"), probed once here
+    peaks = {"fp32": matmul_peak_flops("cpu", torch.float32)}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        peaks["bf16"] = matmul_peak_flops("cpu", torch.bfloat16)
+    settings["peak_GFLOP/s"] = {k: round(v / 1e9, 1) for k, v in peaks.items()}
     folders: dict[tuple[float, str], Path] = {}
     stages["distill"] = {}
     for mixer in sorted({m for _, m in family if m != "attention"}):
@@ -172,7 +178,7 @@ def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff
         t0 = time.perf_counter()
         manifest = distill(teacher, output / "distill" / mixer, shares=shares, mixer=mixer, batches=batches,
                            align_tokens=budget.align_tokens, kl_tokens=budget.kl_tokens, progress=progress,
-                           threads=threads)
+                           threads=threads, peak_flops=peaks)
         for s in shares:
             folders[(s, mixer)] = Path(manifest.students[s])
         stages["distill"][mixer] = {"seconds": round(time.perf_counter() - t0, 1), "budget": manifest.budget,

@@ -9,14 +9,15 @@ The recurrent quantities (decay cumsums, states, softplus) are fp32 either way.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+_NATIVE_BF16: list[bool] = []  # asked once; a plain list, not functools.cache, which torch.compile warns about
 
-@functools.cache
+
 def cpu_has_native_bf16() -> bool:
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not _NATIVE_BF16:
+        _NATIVE_BF16.append(bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return _NATIVE_BF16[0]
 
 
 def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -98,18 +98,76 @@ def _scan_chunks(state, xw, Bm, Cm, chunk_decay, *, mm, inplace):
     multiply-adds of this recurrence."""
     if inplace:
         return _walk_chunks(state, xw, Bm, Cm, chunk_decay, mm=mm)
-    b, nc, T, G, GP = xw.shape
-    H, P, N = state.shape[1:]
-    Bv, Cv = Bm.view(b, nc, T, G, N), Cm.view(b, nc, T, G, N)
-    S = state
-    ys = []
-    for c in range(nc):
-        C_c = Cv[:, c].transpose(1, 2).reshape(b * G, T, N)
-        ys.append(torch.bmm(C_c, S.view(b * G, GP, N).transpose(1, 2).to(mm)))
-        xwT = xw[:, c].permute(0, 2, 3, 1).reshape(b * G, GP, T)
-        B_c = Bv[:, c].transpose(1, 2).reshape(b * G, T, N)
-        S = S * chunk_decay[:, c, :, None, None] + torch.bmm(xwT, B_c).float().view(b, H, P, N)
-    return torch.stack(ys).view(nc, b, G, T, GP).permute(1, 0, 3, 2, 4), S
+    return _chunk_walk(state, xw, Bm, Cm, chunk_decay, mm)
+
+
+class _ChunkWalk(torch.autograd.Function):
+    """:func:`_scan_chunks` under autograd, its backward written out: the walk back over the chunks with the
+    states entering each chunk saved by the forward ([nc, b, H, P, N] fp32, the 4.7 MB of a 512-token
+    distillation batch of SmolLM2's students). Recorded op by op, a chunk left ~10 autograd nodes with a
+    view, cast or sum each, the chunk states' copies among them; here a chunk's backward is four batched
+    matmuls and two elementwise passes on the state. The operands round as the recorded ops' did: the
+    products take ``mm`` operands (the state rounded to it), the state and its gradient stay fp32.
+
+    With S_c the state entering chunk c and dS the gradient of S_{c+1}:
+      y_c = C_c S_c^T                  dC_c = dy_c S_c                dS_c = w_c dS + dy_c^T C_c
+      S_{c+1} = w_c S_c + xw_c^T B_c   dxw_c = B_c dS^T  dB_c = xw_c dS  dw_c = sum_{P,N} dS * S_c
+    """
+
+    @staticmethod
+    def forward(ctx, state, xw, Bm, Cm, chunk_decay, mm):
+        b, nc, T, G, GP = xw.shape
+        H, P, N = state.shape[1:]
+        Bv, Cv = Bm.view(b, nc, T, G, N), Cm.view(b, nc, T, G, N)
+        entering = torch.empty(nc, b, H, P, N, device=xw.device, dtype=torch.float32)
+        ys = torch.empty(nc, b * G, T, GP, device=xw.device, dtype=mm)
+        S = state.float()
+        for c in range(nc):
+            entering[c] = S
+            C_c = Cv[:, c].transpose(1, 2).reshape(b * G, T, N)
+            torch.bmm(C_c, S.view(b * G, GP, N).transpose(1, 2).to(mm), out=ys[c])
+            xwT = xw[:, c].permute(0, 2, 3, 1).reshape(b * G, GP, T)
+            B_c = Bv[:, c].transpose(1, 2).reshape(b * G, T, N)
+            S = S * chunk_decay[:, c, :, None, None] + torch.bmm(xwT, B_c).float().view(b, H, P, N)
+        ctx.save_for_backward(entering, xw, Bm, Cm, chunk_decay)
+        ctx.mm = mm
+        return ys.view(nc, b, G, T, GP).permute(1, 0, 3, 2, 4), S
+
+    @staticmethod
+    def backward(ctx, dy, dS_out):
+        entering, xw, Bm, Cm, chunk_decay = ctx.saved_tensors
+        mm = ctx.mm
+        b, nc, T, G, GP = xw.shape
+        H, P, N = entering.shape[2:]
+        Bv, Cv = Bm.view(b, nc, T, G, N), Cm.view(b, nc, T, G, N)
+        dyv = dy.permute(1, 0, 3, 2, 4)  # [nc, b, G, T, GP]
+        dS = dS_out.float() if dS_out is not None else xw.new_zeros(b, H, P, N, dtype=torch.float32)
+        dxw = torch.empty_like(xw)
+        dB = torch.empty(b, nc, T, G, N, device=xw.device, dtype=Bm.dtype)
+        dC = torch.empty(b, nc, T, G, N, device=xw.device, dtype=Cm.dtype)
+        dw = torch.empty(b, nc, H, device=xw.device, dtype=chunk_decay.dtype)
+        for c in reversed(range(nc)):
+            S_c = entering[c]
+            dS_mm = dS.view(b * G, GP, N).to(mm)
+            B_c = Bv[:, c].transpose(1, 2).reshape(b * G, T, N)
+            xw_c = xw[:, c].transpose(1, 2).reshape(b * G, T, GP)
+            dxw[:, c] = torch.bmm(B_c, dS_mm.transpose(1, 2)).view(b, G, T, GP).transpose(1, 2)
+            dB[:, c] = torch.bmm(xw_c, dS_mm).view(b, G, T, N).transpose(1, 2)
+            dw[:, c] = (dS * S_c).sum((2, 3))
+            dy_c = dyv[c].reshape(b * G, T, GP)
+            C_c = Cv[:, c].transpose(1, 2).reshape(b * G, T, N)
+            dC[:, c] = torch.bmm(dy_c, S_c.view(b * G, GP, N).to(mm)).view(b, G, T, N).transpose(1, 2)
+            dS = dS * chunk_decay[:, c, :, None, None] + torch.bmm(dy_c.transpose(1, 2), C_c).float().view(b, H, P, N)
+        d_state = dS if ctx.needs_input_grad[0] else None
+        return d_state, dxw, dB.view(b, nc * T, G, N), dC.view(b, nc * T, G, N), dw, None
+
+
+# left out of torch.compile's graphs: inductor (torch 2.13) miscompiles this walk's backward at some shapes (NaN
+# gradients for xw and B at b=4, G=9, 64-token chunks; right at G=3), and its eager form is already four matmuls
+# and two state passes a chunk
+@torch.compiler.disable
+def _chunk_walk(state, xw, Bm, Cm, chunk_decay, mm):
+    return _ChunkWalk.apply(state, xw, Bm, Cm, chunk_decay, mm)
 
 
 def _walk_chunks(state, xw, Bm, Cm, chunk_decay, *, mm):

@@ -14,6 +14,11 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The distillation stages compile their trained mixers by default (hybrid.distill.compiled): seconds per stage,
+# paid back over a real budget, not over a test's few steps. The suite trains eagerly; test_distill_compiled.py
+# compiles on purpose and checks the compiled stages against these eager ones.
+os.environ.setdefault("HYBRID_DISTILL_COMPILE", "0")
+
 import pytest  # noqa: E402
 
 # Every test model is tiny: a second OpenMP thread only adds hand-off and spin-waiting (tens of times

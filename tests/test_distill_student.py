@@ -33,6 +33,24 @@ def test_student_keeping_every_attention_layer_is_the_teacher():
     assert torch.equal(student(ids), teacher(ids))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_students_own_their_weights(dtype):
+    """Several students come from one set of replacements (one per attention share) and each trains in place: a
+    student's weights are never the replacements' or the teacher's tensors, in the replacements' own dtype too
+    (fp32 training once trained every later share's student from the previous one's result)."""
+    teacher = tiny_teacher().to(dtype)
+    reps = {n: {k: v.to(dtype) for k, v in sd.items()} for n, sd in _replacements(teacher, "mamba2").items()}
+    theirs = {id(v.untyped_storage()) for sd in reps.values() for v in sd.values()}
+    theirs |= {id(p.untyped_storage()) for p in teacher.parameters()}
+    before = {(n, k): v.clone() for n, sd in reps.items() for k, v in sd.items()}
+    student = build_student(teacher, reps, keep=[], mixer="mamba2")
+    assert not theirs & {id(p.untyped_storage()) for p in student.parameters()}
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(reps[n][k], v) for (n, k), v in before.items())
+
+
 @torch.no_grad()
 def _greedy(model, prompt, n):
     seq = list(prompt)

@@ -51,6 +51,62 @@ def test_ssd_chunked_gradients_match_recurrence():
         assert rel_err(got.grad, want.grad) < 1e-4
 
 
+@pytest.mark.parametrize("G,H", [(1, 2), (3, 3), (2, 6)])
+def test_ssd_gradients_across_blocks_and_groups(monkeypatch, G, H):
+    """The written-out chunk walk backward (kernels.ssd._ChunkWalk): several blocks, so the state's gradient
+    crosses block boundaries into a trained initial state; one head per group and several; equal to the
+    recurrence's gradients through every input."""
+    monkeypatch.setattr("hybrid.kernels.ssd._TORCH_BLOCK", 32)
+    x, dt, A, B, C, D, s0 = _inputs(2, 75, H, 4, G, 8)
+    leaves = [t.clone().requires_grad_() for t in (x, dt, A, B, C, s0)]
+    ref = [t.clone().requires_grad_() for t in (x, dt, A, B, C, s0)]
+    y, s = kernels.ssd_chunk_scan(*leaves[:5], chunk_size=16, D=D, initial_state=leaves[5])
+    y_r, s_r = kernels.ssd_scan_ref(*ref[:5], D=D, initial_state=ref[5])
+    w_y, w_s = torch.randn_like(y), torch.randn_like(s)
+    ((y * w_y).sum() + (s * w_s).sum()).backward()
+    ((y_r * w_y).sum() + (s_r * w_s).sum()).backward()
+    for name, got, want in zip("x dt A B C state".split(), leaves, ref, strict=True):
+        assert rel_err(got.grad, want.grad) < 1e-4, name
+
+
+def _recorded_walk(state, xw, Bm, Cm, chunk_decay, mm):
+    """The chunk walk as autograd records it op by op (what _ChunkWalk's backward writes out)."""
+    b, nc, T, G, GP = xw.shape
+    H, P, N = state.shape[1:]
+    Bv, Cv = Bm.view(b, nc, T, G, N), Cm.view(b, nc, T, G, N)
+    S, ys = state, []
+    for c in range(nc):
+        C_c = Cv[:, c].transpose(1, 2).reshape(b * G, T, N)
+        ys.append(torch.bmm(C_c, S.view(b * G, GP, N).transpose(1, 2).to(mm)))
+        xwT = xw[:, c].permute(0, 2, 3, 1).reshape(b * G, GP, T)
+        B_c = Bv[:, c].transpose(1, 2).reshape(b * G, T, N)
+        S = S * chunk_decay[:, c, :, None, None] + torch.bmm(xwT, B_c).float().view(b, H, P, N)
+    return torch.stack(ys).view(nc, b, G, T, GP).permute(1, 0, 3, 2, 4), S
+
+
+@pytest.mark.parametrize("mm", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,hpg", [(9, 1), (2, 3)])
+def test_chunk_walk_backward_equals_the_recorded_ops(mm, G, hpg):
+    """bf16 operands round where the recorded ops round them: the same gradients (equal on this CPU; the bound
+    leaves room for another accumulation order only). The shapes include SmolLM2's students': a group per head."""
+    from hybrid.kernels.ssd import _chunk_walk
+
+    b, nc, T, P, N = 2, 3, 8, 4, 8
+    H = G * hpg
+    args = [torch.randn(b, H, P, N), torch.randn(b, nc, T, G, hpg * P).to(mm), torch.randn(b, nc * T, G, N).to(mm),
+            torch.randn(b, nc * T, G, N).to(mm), torch.rand(b, nc, H)]
+    mine = [t.clone().requires_grad_() for t in args]
+    theirs = [t.clone().requires_grad_() for t in args]
+    y, s = _chunk_walk(*mine, mm)
+    y_r, s_r = _recorded_walk(*theirs, mm)
+    assert torch.equal(y, y_r) and torch.equal(s, s_r)
+    w_y, w_s = torch.randn(y.shape).to(mm), torch.randn(s.shape)
+    ((y * w_y).float().sum() + (s * w_s).sum()).backward()
+    ((y_r * w_y).float().sum() + (s_r * w_s).sum()).backward()
+    for name, got, want in zip("state xw B C decay".split(), mine, theirs, strict=True):
+        assert rel_err(got.grad.float(), want.grad.float()) < 1e-6, name
+
+
 def _bf16_noise(exact: torch.Tensor) -> float:
     """The error of rounding the exact result to bf16: what any bf16 output carries at least."""
     return rel_err(exact.to(torch.bfloat16), exact)

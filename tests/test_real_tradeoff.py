@@ -31,7 +31,8 @@ def teacher_dir(tmp_path_factory):
 def fake_distill(calls):
     """Stands in for distill_family: every student is the teacher's folder (so every member measures alike)."""
 
-    def distill(teacher, out_dir, *, shares, mixer, batches, align_tokens, kl_tokens, progress, threads):
+    def distill(teacher, out_dir, *, shares, mixer, batches, align_tokens, kl_tokens, progress, threads, peak_flops):
+        assert peak_flops["fp32"] > 0 and all(v > 0 for v in peak_flops.values())  # the stages' "of_peak" needs it
         first = next(iter(batches(0)))
         assert first.shape == (TINY.batch_size, TINY.seq_len) and first.dtype == torch.int64
         calls.append((mixer, tuple(shares), align_tokens, kl_tokens))

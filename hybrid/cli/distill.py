@@ -47,6 +47,9 @@ def add_parser(sub) -> None:
     p.add_argument("--align-lr", type=float, default=1e-3, help="peak learning rate of the alignment")
     p.add_argument("--kl-lr", type=float, default=3e-4, help="peak learning rate of the KL stage")
     p.add_argument("--no-peak", action="store_true", help="skip the matmul peak probe (no share of peak reported)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="train the mixers eagerly, not through torch.compile (default: compiled where a C++ "
+                        "compiler is found; HYBRID_DISTILL_COMPILE=0 does the same)")
     p.set_defaults(func=run)
 
 
@@ -124,7 +127,8 @@ def run(args) -> None:
                        align_tokens=args.align_tokens, kl_tokens=args.kl_tokens, keep=args.keep, dtype=dtype,
                        train_all=args.train_all, align_lr=args.align_lr, kl_lr=args.kl_lr, peak_flops=peaks,
                        train_attention=None if args.kl_attention is None else args.kl_attention == "train",
-                       per_layer_clip=None if args.align_clip is None else args.align_clip == "per-layer")
+                       per_layer_clip=None if args.align_clip is None else args.align_clip == "per-layer",
+                       compile=False if args.no_compile else None)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
         return
     b = m.budget

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import HybridConfig
 from ..layers.mamba2 import Mamba2
+from .compiled import compile_for_training, restore_eager
 from .ddp import World
 from .init import attention_positions, check_teacher, new_mixer, replacement_from_attention
 from .trainer import MasterAdamW, load_state, train
@@ -114,14 +115,16 @@ def _with_section(cfg: HybridConfig, mixer) -> HybridConfig:
 def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[[int], Iterable[torch.Tensor]],
                  held_out: torch.Tensor, start: int, steps: int, lr: float = 1e-3, progress: bool = True,
                  world: World | None = None, checkpoint_every: int = 50, desc: str | None = None,
-                 per_layer_clip: bool = PER_LAYER_CLIP) -> dict:
+                 per_layer_clip: bool = PER_LAYER_CLIP, compile: bool | None = None) -> dict:
     """Train one ``mixer`` replacement per attention layer of ``teacher`` (a :class:`hybrid.HybridLM`, in the
     dtype to train in) for ``steps`` batches ``batches(start + i)``; write them and ``losses.json`` to
     ``out_dir`` and return ``losses.json``'s content (``"losses"``: per layer, on the batch ``held_out`` [B, L];
     ``"initial_losses"``: the same before training, after :func:`calibrate_head_scales` on the first
     training batch; ``"uncalibrated_losses"``: the mapping's alone; ``"loss_history"``, ``"tokens"``, ``"seconds"``,
     ``"steps"``). A finished ``out_dir`` is read back, not retrained. ``per_layer_clip``: each replacement's
-    gradient norm clipped alone instead of one norm over all of them."""
+    gradient norm clipped alone instead of one norm over all of them. ``compile``: the replacements' training
+    forward and backward through ``torch.compile`` (:mod:`hybrid.distill.compiled`; None: on unless
+    ``HYBRID_DISTILL_COMPILE=0``, and where Inductor can run)."""
     out_dir, world = Path(out_dir), world or World()
     done = out_dir / "losses.json"
     if done.is_file():
@@ -134,6 +137,7 @@ def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[
     teacher.requires_grad_(False)
     out_dir.mkdir(parents=True, exist_ok=True)
     capture = _Capture(teacher, positions)
+    compile_for_training(reps, compile)
 
     def run_teacher(batch: torch.Tensor) -> None:
         with torch.no_grad():
@@ -177,6 +181,7 @@ def align_layers(teacher, out_dir: str | Path, *, mixer: str, batches: Callable[
         losses = held_out_losses()
     finally:
         capture.close()
+        restore_eager(reps)
     result = {"mixer": mixer, "losses": losses, "initial_losses": initial, "uncalibrated_losses": uncalibrated,
               "steps": steps,
               "tokens": record["tokens"], "seconds": record["seconds"],

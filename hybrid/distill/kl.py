@@ -21,8 +21,11 @@ import torch
 
 from ..config import SUBCONFIGS
 from ..model import HybridLM
+from ..pattern import SYMBOLS
+from .compiled import compile_for_training, restore_eager
 from .ddp import World
 from .fused_kl import CHUNK_TOKENS, linear_kl_sum
+from .init import MIXERS
 from .trainer import MasterAdamW, train
 
 # whether the KL stage trains the kept attention layers beside the replacements. Trained: on SmolLM2-135M at the
@@ -98,11 +101,12 @@ def distill_kl(student: HybridLM, teacher: HybridLM, state_path: str | Path, *,
                batches: Callable[[int], Iterable[torch.Tensor]], start: int, steps: int, lr: float = 3e-4,
                train_all: bool = False, train_attention: bool = TRAIN_ATTENTION, progress: bool = True,
                world: World | None = None, desc: str = "kl",
-               checkpoint_every: int = 50) -> tuple[dict, dict[str, torch.Tensor]]:
+               checkpoint_every: int = 50, compile: bool | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Train ``student`` (in place) on ``steps`` batches ``batches(start + i)`` against ``teacher``; resumable
     through ``state_path``. Returns the record (``history``: per step ``{"loss": KL}``; ``tokens``; ``seconds``)
     and the trained parameters' fp32 master weights by name (the student itself holds them rounded to its
-    dtype)."""
+    dtype). ``compile``: the replaced mixers' training forward and backward through ``torch.compile``
+    (:mod:`hybrid.distill.compiled`; None: on unless ``HYBRID_DISTILL_COMPILE=0``, where Inductor can run)."""
     world = world or World()
     teacher.requires_grad_(False)
     params = trained_parameters(student, train_all, train_attention)
@@ -115,6 +119,9 @@ def distill_kl(student: HybridLM, teacher: HybridLM, state_path: str | Path, *,
         hs = final_hidden(student, batch)
         return {"loss": chunked_kl_backward(student, teacher, hs, ht)}
 
+    replaced = {SYMBOLS[symbol] for symbol in MIXERS.values()}  # the kinds that replace attention
+    mixers = [layer.mixer for layer in student.layers if getattr(layer.mixer, "kind", None) in replaced]
+    compile_for_training(mixers, compile)
     student.train()
     try:
         record = train(opt=opt, step_fn=step_fn, batches=batches, start=start, steps=steps, lr=lr,
@@ -122,4 +129,5 @@ def distill_kl(student: HybridLM, teacher: HybridLM, state_path: str | Path, *,
                        checkpoint_every=checkpoint_every)
     finally:
         student.eval()
+        restore_eager(mixers)
     return record, {names[id(p)]: m.detach() for p, m in zip(params, opt.masters, strict=True)}

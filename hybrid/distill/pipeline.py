@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .align import PER_LAYER_CLIP, align_flops_per_token, align_layers, choose_attention_layers, load_replacements
+from .compiled import compile_reason
 from .ddp import World, world_from_env
 from .init import MIXERS, attention_positions, check_teacher
 from .kl import TRAIN_ATTENTION, distill_kl, kl_divergence, kl_flops_per_token
@@ -105,12 +106,14 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
                    train_attention: bool | None = None, per_layer_clip: bool | None = None,
                    align_lr: float = 1e-3,
                    kl_lr: float = 3e-4, peak_flops: dict[str, float] | None = None, world: World | None = None,
-                   checkpoint_every: int = 50) -> FamilyManifest:
+                   checkpoint_every: int = 50, compile: bool | None = None) -> FamilyManifest:
     """Distil the transformer checkpoint ``teacher`` into students keeping each share of ``shares`` of its
     attention layers (the rest become ``mixer``: "mamba2" or "gdn"), with ``align_tokens`` tokens of layer
     alignment (once, for all shares) and ``kl_tokens`` of end-to-end KL per student. ``dtype`` of training
     (default bf16 where the CPU has it, with fp32 master weights), ``peak_flops`` ({"bf16": FLOP/s, "fp32": ...},
-    measured by the caller) for the share of peak. Writes and returns the manifest (``out_dir/manifest.json``).
+    measured by the caller) for the share of peak; ``compile``: the trained mixers through ``torch.compile``
+    (None: on unless ``HYBRID_DISTILL_COMPILE=0``, where Inductor can run; :mod:`hybrid.distill.compiled`).
+    Writes and returns the manifest (``out_dir/manifest.json``).
     A rerun with the same arguments resumes an interrupted stage and skips finished ones."""
     from ..pretrained import from_pretrained
     from ..pretrained_names import resolve
@@ -131,7 +134,7 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
     dtype = dtype or default_dtype()
     dname = "bf16" if dtype == torch.bfloat16 else "fp32" if dtype == torch.float32 else str(dtype)
     peak = (peak_flops or {}).get(dname)
-    precision = precision_note(dtype)
+    precision = precision_note(dtype) + ", " + (compile_reason(compile) or "compiled mixers")
     teacher_train = teacher_fp32 if dtype == torch.float32 else _cast_copy(teacher_fp32, dtype)
 
     held_out = next(iter(batches(0)))
@@ -148,7 +151,8 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
     aligned = align_layers(teacher_train, align_dir, mixer=mixer, batches=batches, held_out=held_out, start=1,
                            steps=align_steps, lr=align_lr, progress=progress, world=world,
                            checkpoint_every=checkpoint_every, desc=f"align {mixer} [{precision}]",
-                           per_layer_clip=PER_LAYER_CLIP if per_layer_clip is None else per_layer_clip)
+                           per_layer_clip=PER_LAYER_CLIP if per_layer_clip is None else per_layer_clip,
+                           compile=compile)
     manifest.align_losses = aligned["losses"]
     n_attn = len(attention_positions(teacher_fp32.config))
     align_fpt = align_flops_per_token(teacher_fp32, mixer, seq_len)
@@ -175,7 +179,8 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
                                  record_file, teacher, held_out=held_out, batches=batches, start=1 + align_steps,
                                  steps=kl_steps, lr=kl_lr, train_all=train_all, train_attention=train_attention,
                                  progress=progress, world=world,
-                                 checkpoint_every=checkpoint_every, desc=f"kl {name} [{precision}]")
+                                 checkpoint_every=checkpoint_every, desc=f"kl {name} [{precision}]",
+                                 compile=compile)
         manifest.students[share] = folder
         manifest.kl[share] = {k: rec[k] for k in ("kl_before", "kl_after", "kl_last_steps")}
         budget["kl"][f"{share:g}"] = {"tokens": rec["tokens"], "steps": kl_steps, "seconds": round(rec["seconds"], 1),
@@ -203,14 +208,15 @@ def _cast_copy(model, dtype):
 
 def _train_student(teacher_fp32, teacher_train, replacements, kept, mixer, dtype, folder: Path, record_file: Path,
                    teacher_dir, *, held_out, batches, start, steps, lr, train_all, train_attention, progress, world,
-                   checkpoint_every, desc) -> dict:
+                   checkpoint_every, desc, compile=None) -> dict:
     student = build_student(teacher_train, replacements, kept, mixer)
     before = kl_divergence(student, teacher_train, held_out)
     record_file.parent.mkdir(parents=True, exist_ok=True)
     record, masters = distill_kl(student, teacher_train, record_file.with_suffix(".state.pt"), batches=batches,
                                  start=start, steps=steps, lr=lr, train_all=train_all,
                                  train_attention=TRAIN_ATTENTION if train_attention is None else train_attention,
-                                 progress=progress, world=world, desc=desc, checkpoint_every=checkpoint_every)
+                                 progress=progress, world=world, desc=desc, checkpoint_every=checkpoint_every,
+                                 compile=compile)
     after = kl_divergence(student, teacher_train, held_out)
     trained = sum(p.numel() for n, p in student.named_parameters() if n in masters and p.dim() == 2)
     hist = [h["loss"] for h in record["history"]]

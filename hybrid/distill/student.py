@@ -30,7 +30,8 @@ def build_student(teacher: HybridLM, replacements: dict[int, dict[str, torch.Ten
         prefix = f"layers.{pos}.mixer."
         for k in [k for k in state if k.startswith(prefix)]:
             del state[k]
-        state.update({prefix + k: v.to(dtype) for k, v in replacements[n].items()})
+        # copies too: several students are built from one set of replacements, each trained in place
+        state.update({prefix + k: v.to(dtype, copy=True) for k, v in replacements[n].items()})
     with torch.device("meta"):
         student = HybridLM(cfg)
     student.load_state_dict(state, strict=True, assign=True)
