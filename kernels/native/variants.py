@@ -174,7 +174,7 @@ def compile_library(cc: str, flags: tuple[str, ...], out: Path, src_dir: Path = 
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
             # (-I tmp: the generated header; the sources' own headers are found beside them)
             futures = [ex.submit(run, [cc, *flags, f"-I{tmp}", "-c", str(src_dir / name), "-o", str(obj)],
-                                 f"compiling {name}") for name, obj in zip(SOURCES, objects)]
+                                 f"compiling {name}") for name, obj in zip(SOURCES, objects, strict=True)]
             try:
                 for f in futures:
                     f.result()
