@@ -98,7 +98,25 @@ def _scan_chunks(state, xw, Bm, Cm, chunk_decay, *, mm, inplace):
     multiply-adds of this recurrence."""
     if inplace:
         return _walk_chunks(state, xw, Bm, Cm, chunk_decay, mm=mm)
-    return _chunk_walk(state, xw, Bm, Cm, chunk_decay, mm)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (state, xw, Bm, Cm, chunk_decay)):
+        return _chunk_walk(state, xw, Bm, Cm, chunk_decay, mm)
+    return _recorded_walk(state, xw, Bm, Cm, chunk_decay, mm)
+
+
+def _recorded_walk(state, xw, Bm, Cm, chunk_decay, mm):
+    """The out-of-place walk as plain ops: what the forward-only ``inductor`` backend traces (fullgraph) and
+    compiles; with autograd on, :class:`_ChunkWalk` runs instead."""
+    b, nc, T, G, GP = xw.shape
+    H, P, N = state.shape[1:]
+    Bv, Cv = Bm.view(b, nc, T, G, N), Cm.view(b, nc, T, G, N)
+    S, ys = state, []
+    for c in range(nc):
+        C_c = Cv[:, c].transpose(1, 2).reshape(b * G, T, N)
+        ys.append(torch.bmm(C_c, S.view(b * G, GP, N).transpose(1, 2).to(mm)))
+        xwT = xw[:, c].permute(0, 2, 3, 1).reshape(b * G, GP, T)
+        B_c = Bv[:, c].transpose(1, 2).reshape(b * G, T, N)
+        S = S * chunk_decay[:, c, :, None, None] + torch.bmm(xwT, B_c).float().view(b, H, P, N)
+    return torch.stack(ys).view(nc, b, G, T, GP).permute(1, 0, 3, 2, 4), S
 
 
 class _ChunkWalk(torch.autograd.Function):
