@@ -67,12 +67,20 @@ typedef struct {
    Lane l of a dpbusd then sums group l/4's products, and the nibbles' +8 comes off exactly by starting each lane
    at -8 times the sum of the codes it meets (c8): (u . n) - 8 sum u = u . (n - 8), no subtraction per weight. */
 static void w4_block_input(const uint8_t *u, int64_t K, uint8_t *up, int32_t *c8) {
-    for (int64_t blk = 0; blk < K / 128; ++blk) {
+    /* a last block of fewer than four groups (K % 128: 1..3 groups) is padded with zero codes and zero lane
+       corrections, its nibbles and scales loaded masked (w4_dots_vnni): its empty lanes sum to 0 */
+    for (int64_t blk = 0; blk < (K + 127) / 128; ++blk) {
         const uint8_t *s = u + blk * 128;
         uint8_t *d = up + blk * 128;
+        const int64_t ng = (K - blk * 128) / 32 < 4 ? (K - blk * 128) / 32 : 4;
         for (int j = 0; j < 4; ++j) {
-            memcpy(d + j * 16, s + j * 32, 16);
-            memcpy(d + 64 + j * 16, s + j * 32 + 16, 16);
+            if (j < ng) {
+                memcpy(d + j * 16, s + j * 32, 16);
+                memcpy(d + 64 + j * 16, s + j * 32 + 16, 16);
+            } else {
+                memset(d + j * 16, 0, 16);
+                memset(d + 64 + j * 16, 0, 16);
+            }
         }
         for (int l = 0; l < 16; ++l) {
             int32_t t = 0;
@@ -164,11 +172,13 @@ static int q_load_x(const void *x, int xdt, int64_t B, int64_t K, int kind, QAct
     static _Thread_local float *buf = NULL;
     static _Thread_local int64_t cap = 0;
     const int64_t qbytes = (B * K + 63) & ~(int64_t)63;
-    float *base = grow_scratch(&buf, &cap, qbytes / 4 + B * K + 5 * B + 16);
+    /* fix's region: B K int32 for int8dq's -128 positions, or (8da4w with VNNI) the blocked codes padded to whole
+       blocks, B (K + 96) bytes, then their corrections, B (K + 96) / 2 bytes: B (K + 64) int32 hold either */
+    float *base = grow_scratch(&buf, &cap, qbytes / 4 + B * (K + 64) + 5 * B + 16);
     if (!base) return 0;
     int8_t *q = (int8_t *)base;
     int32_t *fix = (int32_t *)(base + qbytes / 4);
-    float *s = (float *)(fix + B * K);
+    float *s = (float *)(fix + B * (K + 64));
     int32_t *zp = (int32_t *)(s + B);
     int64_t *nfix = (int64_t *)(((uintptr_t)(zp + B) + 7) & ~(uintptr_t)7);
     int32_t *qsum = (int32_t *)(nfix + B);
@@ -235,11 +245,12 @@ static int q_load_x(const void *x, int xdt, int64_t B, int64_t K, int kind, QAct
     a->q = q, a->s = s, a->zp = zp, a->fix = fix, a->nfix = nfix, a->qsum = qsum, a->B = B, a->K = K;
     a->up = NULL, a->c8 = NULL;
 #ifdef W4_VNNI
-    if (kind != QK_I8DQ) { /* fix's B K int32 are free here: the blocked codes (B K bytes), then c8 (B K / 2 bytes) */
+    if (kind != QK_I8DQ) { /* fix's region is free here: the blocked codes (B Kp bytes), then c8 (B Kp / 2 bytes) */
+        const int64_t Kp = (K + 127) / 128 * 128;
         uint8_t *up = (uint8_t *)fix;
-        int32_t *c8 = (int32_t *)(up + B * K);
+        int32_t *c8 = (int32_t *)(up + B * Kp);
         for (int64_t b = 0; b < B; ++b)
-            w4_block_input((const uint8_t *)q + b * K, K, up + b * K, c8 + b * (K / 128) * 16);
+            w4_block_input((const uint8_t *)q + b * K, K, up + b * Kp, c8 + b * (Kp / 128) * 16);
         a->up = up, a->c8 = c8;
     }
 #endif
@@ -354,9 +365,9 @@ static inline float w4_dot(const uint8_t *p, const float *ws, const uint8_t *u, 
    groups after the last whole block by w4_dot */
 static inline __attribute__((always_inline)) void w4_dots_vnni(const uint8_t *p, const float *ws, const QAct *a,
                                                                int64_t b, const int nr, float d[4]) {
-    const int64_t K = a->K, ng = K / 32, nblk = K / 128;
-    const uint8_t *up = a->up + b * K;
-    const int32_t *c8 = a->c8 + b * nblk * 16;
+    const int64_t K = a->K, ng = K / 32, nblk = K / 128, Kp = (K + 127) / 128 * 128;
+    const uint8_t *up = a->up + b * Kp;
+    const int32_t *c8 = a->c8 + b * (Kp / 128) * 16;
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     __m512 acc[4];
@@ -375,13 +386,23 @@ static inline __attribute__((always_inline)) void w4_dots_vnni(const uint8_t *p,
             acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(dot), acc[r]);
         }
     }
-    const int64_t g0 = nblk * 4;
-    for (int r = 0; r < nr; ++r) {
-        d[r] = _mm512_reduce_add_ps(acc[r]);
-        if (g0 < ng)
-            d[r] += w4_dot(p + r * (K / 2) + g0 * 16, ws + r * ng + g0, (const uint8_t *)a->q + b * K + g0 * 32,
-                           ng - g0);
+    const int64_t rest = ng - nblk * 4; /* groups in a last partial block: its nibbles and scales masked */
+    if (rest) {
+        const __mmask64 mb = ~0ULL >> (64 - 16 * rest);
+        const __mmask8 ms = (__mmask8)((1u << rest) - 1);
+        const __m512i lo_u = _mm512_loadu_si512((const void *)(up + nblk * 128)),
+                      hi_u = _mm512_loadu_si512((const void *)(up + nblk * 128 + 64)),
+                      c = _mm512_loadu_si512((const void *)(c8 + nblk * 16));
+        for (int r = 0; r < nr; ++r) {
+            const __m512i t = _mm512_maskz_loadu_epi8(mb, p + r * (K / 2) + nblk * 64);
+            const __m512i lo = _mm512_and_si512(t, m15), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), m15);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, lo_u, lo), hi_u, hi);
+            const __m512 sc = _mm512_permutexvar_ps(
+                idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(ms, ws + r * ng + nblk * 4)));
+            acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(dot), acc[r]);
+        }
     }
+    for (int r = 0; r < nr; ++r) d[r] = _mm512_reduce_add_ps(acc[r]);
 }
 #endif
 
