@@ -58,6 +58,7 @@ typedef struct {
     const int64_t *nfix;
     const uint8_t *up;   /* 8da4w on AVX512-VNNI: u in blocks of four groups (w4_block_input), K/128 blocks a row */
     const int32_t *c8;   /* and each block's 16 lane corrections, [B, K/128, 16] */
+    const int32_t *qsum; /* int8dq: [B] each row's sum of its entered codes (i8dq_dot's flipped-weight form) */
     int64_t B, K;
 } QAct;
 
@@ -69,12 +70,20 @@ typedef struct {
    Lane l of a dpbusd then sums group l/4's products, and the nibbles' +8 comes off exactly by starting each lane
    at -8 times the sum of the codes it meets (c8): (u . n) - 8 sum u = u . (n - 8), no subtraction per weight. */
 static void w4_block_input(const uint8_t *u, int64_t K, uint8_t *up, int32_t *c8) {
-    for (int64_t blk = 0; blk < K / 128; ++blk) {
+    /* a last block of fewer than four groups (K % 128: 1..3 groups) is padded with zero codes and zero lane
+       corrections, its nibbles and scales loaded masked (w4_dots_vnni): its empty lanes sum to 0 */
+    for (int64_t blk = 0; blk < (K + 127) / 128; ++blk) {
         const uint8_t *s = u + blk * 128;
         uint8_t *d = up + blk * 128;
+        const int64_t ng = (K - blk * 128) / 32 < 4 ? (K - blk * 128) / 32 : 4;
         for (int j = 0; j < 4; ++j) {
-            memcpy(d + j * 16, s + j * 32, 16);
-            memcpy(d + 64 + j * 16, s + j * 32 + 16, 16);
+            if (j < ng) {
+                memcpy(d + j * 16, s + j * 32, 16);
+                memcpy(d + 64 + j * 16, s + j * 32 + 16, 16);
+            } else {
+                memset(d + j * 16, 0, 16);
+                memset(d + 64 + j * 16, 0, 16);
+            }
         }
         for (int l = 0; l < 16; ++l) {
             int32_t t = 0;
@@ -85,40 +94,135 @@ static void w4_block_input(const uint8_t *u, int64_t K, uint8_t *up, int32_t *c8
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define Q_VEC 1
+/* 16 inputs from x (fp32 or bf16) as fp32, lanes past n (< 16) zero */
+static inline __m512 q_load16(const void *x, int xdt, int64_t k, int64_t n) {
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    if (xdt == DT_BF16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)x + k);
+}
+
+/* int8dq's per-row quantisation (q_load_x's scalar loop, vectorised): max|x| (a NaN ignored, as the scalar
+   comparison does), then q = clamp(rint(x * inv), -128, 127) with rint = round to nearest even as rintf in the
+   default rounding mode; products are single fp32 multiplies (no FMA to contract), so the codes equal the
+   scalar loop's bit for bit. Returns max|x|; codes, -128 positions (entered as -127) and their sum as the
+   scalar loop leaves them. */
+static float i8dq_amax(const void *x, int xdt, int64_t K) {
+    __m512 a = _mm512_setzero_ps();
+    const __m512 abs = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t k = 0; k < K; k += 16)
+        a = _mm512_max_ps(_mm512_and_ps(q_load16(x, xdt, k, K - k), abs), a); /* NaN lanes keep a */
+    return _mm512_reduce_max_ps(a);
+}
+
+static void i8dq_codes(const void *x, int xdt, int64_t K, float inv, int8_t *q, int32_t *fix, int64_t *nfix,
+                       int32_t *qsum) {
+    const __m512 vi = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f),
+                 lo1 = _mm512_set1_ps(-127.0f);
+    __m512i sum = _mm512_setzero_si512();
+    int64_t nf = 0;
+    for (int64_t k = 0; k < K; k += 16) {
+        const int64_t n = K - k;
+        __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(q_load16(x, xdt, k, n), vi),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+        __mmask16 m128 = _mm512_cmp_ps_mask(r, lo, _CMP_EQ_OQ);
+        if (m128) { /* rare: x at -max|x| */
+            while (m128) {
+                fix[nf++] = (int32_t)(k + __builtin_ctz(m128));
+                m128 &= m128 - 1;
+            }
+            r = _mm512_max_ps(r, lo1);
+        }
+        const __m512i c = _mm512_cvtps_epi32(r);
+        sum = _mm512_add_epi32(sum, c);
+        _mm512_mask_cvtepi32_storeu_epi8(q + k, n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1), c);
+    }
+    *nfix = nf, *qsum = _mm512_reduce_add_epi32(sum);
+}
+
+/* 8da4w's per-row quantisation for fp32 inputs (bf16 rounds each step to bf16: the scalar loop): min(x, 0) and
+   max(x, 0), then u = clamp(rint(x * inv) + z, -128, 127) + 128, each step as the scalar loop rounds it */
+static void w4_minmax(const float *x, int64_t K, float *mn, float *mx) {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m512 v = q_load16(x, DT_F32, k, K - k); /* zeroed lanes: min/max already include 0 */
+        a = _mm512_min_ps(v, a), b = _mm512_max_ps(v, b);
+    }
+    *mn = _mm512_reduce_min_ps(a), *mx = _mm512_reduce_max_ps(b);
+}
+
+static void w4_codes(const float *x, int64_t K, float inv, float z, uint8_t *u) {
+    const __m512 vi = _mm512_set1_ps(inv), vz = _mm512_set1_ps(z), lo = _mm512_set1_ps(-128.0f),
+                 hi = _mm512_set1_ps(127.0f);
+    const __m512i off = _mm512_set1_epi32(128);
+    for (int64_t k = 0; k < K; k += 16) {
+        const int64_t n = K - k;
+        __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(q_load16(x, DT_F32, k, n), vi),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(r, vz), lo), hi);
+        _mm512_mask_cvtepi32_storeu_epi8(u + k, n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1),
+                                         _mm512_add_epi32(_mm512_cvtps_epi32(r), off));
+    }
+}
+#endif
+
 /* the scratch an op's quantised rows live in (the calling thread's; its workers read it) */
 static int q_load_x(const void *x, int xdt, int64_t B, int64_t K, int kind, QAct *a) {
     static _Thread_local float *buf = NULL;
     static _Thread_local int64_t cap = 0;
     const int64_t qbytes = (B * K + 63) & ~(int64_t)63;
-    float *base = grow_scratch(&buf, &cap, qbytes / 4 + B * K + 4 * B + 16);
+    /* fix's region: B K int32 for int8dq's -128 positions, or (8da4w with VNNI) the blocked codes padded to whole
+       blocks, B (K + 96) bytes, then their corrections, B (K + 96) / 2 bytes: B (K + 64) int32 hold either */
+    float *base = grow_scratch(&buf, &cap, qbytes / 4 + B * (K + 64) + 5 * B + 16);
     if (!base) return 0;
     int8_t *q = (int8_t *)base;
     int32_t *fix = (int32_t *)(base + qbytes / 4);
-    float *s = (float *)(fix + B * K);
+    float *s = (float *)(fix + B * (K + 64));
     int32_t *zp = (int32_t *)(s + B);
     int64_t *nfix = (int64_t *)(((uintptr_t)(zp + B) + 7) & ~(uintptr_t)7);
+    int32_t *qsum = (int32_t *)(nfix + B);
     for (int64_t b = 0; b < B; ++b) {
         const int64_t off = b * K;
         int8_t *qb = q + off;
+        const void *xr = xdt == DT_BF16 ? (const void *)((const uint16_t *)x + off) : (const void *)((const float *)x + off);
+        (void)xr;
         if (kind == QK_I8DQ) { /* torchao: choose_qparams_affine(SYMMETRIC, eps = fp32 eps) + quantize_affine */
+#ifdef Q_VEC
+            const float amax = i8dq_amax(xr, xdt, K);
+#else
             float amax = 0.0f;
             for (int64_t k = 0; k < K; ++k) {
                 const float v = fabsf(load_as_f32(x, xdt, off + k));
                 amax = v > amax ? v : amax;
             }
+#endif
             float sc = round_to(exact(amax / exact(127.5f)), xdt); /* computed in x's dtype, kept as fp32 */
             if (sc < FLT_EPSILON) sc = round_to(FLT_EPSILON, xdt);
             const float inv = exact(1.0f / sc);
             int64_t nf = 0;
+            int32_t sum = 0;
+#ifdef Q_VEC
+            i8dq_codes(xr, xdt, K, inv, qb, fix + off, &nf, &sum);
+#else
             for (int64_t k = 0; k < K; ++k) {
                 float r = rintf(exact(load_as_f32(x, xdt, off + k) * inv));
                 r = r < -128.0f ? -128.0f : r > 127.0f ? 127.0f : r;
                 if (r == -128.0f) fix[off + nf++] = (int32_t)k, r = -127.0f;
                 qb[k] = (int8_t)r;
+                sum += (int32_t)r;
             }
-            s[b] = sc, zp[b] = 0, nfix[b] = nf;
+#endif
+            s[b] = sc, zp[b] = 0, nfix[b] = nf, qsum[b] = sum;
         } else { /* torchao: choose_qparams_affine(ASYMMETRIC, scale in x's dtype, eps = its smallest normal) */
             float mn = 0.0f, mx = 0.0f;
+#ifdef Q_VEC
+            if (xdt == DT_F32) w4_minmax(xr, K, &mn, &mx);
+            else
+#endif
             for (int64_t k = 0; k < K; ++k) {
                 const float v = load_as_f32(x, xdt, off + k);
                 mn = v < mn ? v : mn;
@@ -129,22 +233,27 @@ static int q_load_x(const void *x, int xdt, int64_t B, int64_t K, int kind, QAct
             float z = -128.0f - rintf(round_to(exact(mn / sc), xdt));
             z = z < -128.0f ? -128.0f : z > 127.0f ? 127.0f : z;
             const float inv = round_to(exact(1.0f / sc), xdt);
+#ifdef Q_VEC
+            if (xdt == DT_F32) w4_codes(xr, K, inv, z, (uint8_t *)qb);
+            else
+#endif
             for (int64_t k = 0; k < K; ++k) {
                 float r = rintf(round_to(exact(load_as_f32(x, xdt, off + k) * inv), xdt)) + z;
                 r = r < -128.0f ? -128.0f : r > 127.0f ? 127.0f : r;
                 ((uint8_t *)qb)[k] = (uint8_t)((int)r + 128);
             }
-            s[b] = sc, zp[b] = (int32_t)z, nfix[b] = 0;
+            s[b] = sc, zp[b] = (int32_t)z, nfix[b] = 0, qsum[b] = 0;
         }
     }
-    a->q = q, a->s = s, a->zp = zp, a->fix = fix, a->nfix = nfix, a->B = B, a->K = K;
+    a->q = q, a->s = s, a->zp = zp, a->fix = fix, a->nfix = nfix, a->qsum = qsum, a->B = B, a->K = K;
     a->up = NULL, a->c8 = NULL;
 #ifdef W4_VNNI
-    if (kind != QK_I8DQ) { /* fix's B K int32 are free here: the blocked codes (B K bytes), then c8 (B K / 2 bytes) */
+    if (kind != QK_I8DQ) { /* fix's region is free here: the blocked codes (B Kp bytes), then c8 (B Kp / 2 bytes) */
+        const int64_t Kp = (K + 127) / 128 * 128;
         uint8_t *up = (uint8_t *)fix;
-        int32_t *c8 = (int32_t *)(up + B * K);
+        int32_t *c8 = (int32_t *)(up + B * Kp);
         for (int64_t b = 0; b < B; ++b)
-            w4_block_input((const uint8_t *)q + b * K, K, up + b * K, c8 + b * (K / 128) * 16);
+            w4_block_input((const uint8_t *)q + b * K, K, up + b * Kp, c8 + b * (Kp / 128) * 16);
         a->up = up, a->c8 = c8;
     }
 #endif
@@ -167,23 +276,28 @@ static inline __m256i nib_group(const uint8_t *p) {
 }
 #endif
 
-/* int8dq: the integer dot of weight row w with the codes q (-128 entered as -127) */
-static inline int32_t i8dq_dot(const int8_t *w, const int8_t *q, int64_t K) {
+/* int8dq: the integer dot of weight row w with the codes q (-128 entered as -127; qsum: their sum over K) */
+static inline int32_t i8dq_dot(const int8_t *w, const int8_t *q, int64_t K, int32_t qsum) {
     int64_t k = 0;
     int32_t dot = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    /* vpdpbusd multiplies unsigned bytes by signed ones, 64 pairs an instruction (the AVX2 sign trick takes three
-       instructions per 32): q . w = (q + 128) . w - 128 sum w, with q + 128 = q ^ 0x80 as an unsigned byte and
-       sum w from a second vpdpbusd against ones. Exact integers, the AVX2 path's result. */
-    const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
-    __m512i acc = _mm512_setzero_si512(), sum = _mm512_setzero_si512();
+    /* vpdpbusd multiplies unsigned bytes by signed ones, 64 pairs an instruction: the weights flipped to unsigned
+       (w ^ 0x80 = w + 128) meet the signed codes, w . q = (w + 128) . q - 128 sum q, sum q once per input row
+       (q_load_x). One vpdpbusd and one xor per 64 weights; the K % 64 tail by masked loads (a zeroed w lane flips
+       to 128, against a zeroed code: 0). Exact integers, the AVX2 path's result. */
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i acc = _mm512_setzero_si512();
     for (; k + 64 <= K; k += 64) {
         STREAM_PREFETCH((const char *)(w + k), 1);
-        const __m512i wv = _mm512_loadu_si512((const void *)(w + k));
-        acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + k)), flip), wv);
-        sum = _mm512_dpbusd_epi32(sum, ones, wv);
+        acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + k)), flip),
+                                  _mm512_loadu_si512((const void *)(q + k)));
     }
-    dot = _mm512_reduce_add_epi32(_mm512_sub_epi32(acc, _mm512_slli_epi32(sum, 7))); /* one reduction, not two */
+    if (k < K) {
+        const __mmask64 m = ~0ULL >> (64 - (K - k));
+        acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w + k), flip),
+                                  _mm512_maskz_loadu_epi8(m, q + k));
+    }
+    return _mm512_reduce_add_epi32(acc) - 128 * qsum;
 #elif defined(__AVX2__)
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
@@ -207,6 +321,7 @@ static inline int32_t i8dq_dot(const int8_t *w, const int8_t *q, int64_t K) {
     }
     dot = hsum_i32(_mm256_add_epi32(a0, a1));
 #endif
+    (void)qsum;
     for (; k < K; ++k) dot += (int32_t)w[k] * q[k];
     return dot;
 }
@@ -253,9 +368,9 @@ static inline float w4_dot(const uint8_t *p, const float *ws, const uint8_t *u, 
    groups after the last whole block by w4_dot */
 static inline __attribute__((always_inline)) void w4_dots_vnni(const uint8_t *p, const float *ws, const QAct *a,
                                                                int64_t b, const int nr, float d[4]) {
-    const int64_t K = a->K, ng = K / 32, nblk = K / 128;
-    const uint8_t *up = a->up + b * K;
-    const int32_t *c8 = a->c8 + b * nblk * 16;
+    const int64_t K = a->K, ng = K / 32, nblk = K / 128, Kp = (K + 127) / 128 * 128;
+    const uint8_t *up = a->up + b * Kp;
+    const int32_t *c8 = a->c8 + b * (Kp / 128) * 16;
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     __m512 acc[4];
@@ -274,13 +389,23 @@ static inline __attribute__((always_inline)) void w4_dots_vnni(const uint8_t *p,
             acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(dot), acc[r]);
         }
     }
-    const int64_t g0 = nblk * 4;
-    for (int r = 0; r < nr; ++r) {
-        d[r] = _mm512_reduce_add_ps(acc[r]);
-        if (g0 < ng)
-            d[r] += w4_dot(p + r * (K / 2) + g0 * 16, ws + r * ng + g0, (const uint8_t *)a->q + b * K + g0 * 32,
-                           ng - g0);
+    const int64_t rest = ng - nblk * 4; /* groups in a last partial block: its nibbles and scales masked */
+    if (rest) {
+        const __mmask64 mb = ~0ULL >> (64 - 16 * rest);
+        const __mmask8 ms = (__mmask8)((1u << rest) - 1);
+        const __m512i lo_u = _mm512_loadu_si512((const void *)(up + nblk * 128)),
+                      hi_u = _mm512_loadu_si512((const void *)(up + nblk * 128 + 64)),
+                      c = _mm512_loadu_si512((const void *)(c8 + nblk * 16));
+        for (int r = 0; r < nr; ++r) {
+            const __m512i t = _mm512_maskz_loadu_epi8(mb, p + r * (K / 2) + nblk * 64);
+            const __m512i lo = _mm512_and_si512(t, m15), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), m15);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, lo_u, lo), hi_u, hi);
+            const __m512 sc = _mm512_permutexvar_ps(
+                idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(ms, ws + r * ng + nblk * 4)));
+            acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(dot), acc[r]);
+        }
     }
+    for (int r = 0; r < nr; ++r) d[r] = _mm512_reduce_add_ps(acc[r]);
 }
 #endif
 
@@ -303,7 +428,7 @@ static inline float i8dq_out(const QMat *m, const QAct *a, int64_t n, int64_t b,
 static void q_row(const QMat *m, const QAct *a, int64_t n, int ydt, float *out) {
     const int64_t K = m->K;
     if (m->kind == QK_I8DQ) {
-        for (int64_t b = 0; b < a->B; ++b) out[b] = i8dq_out(m, a, n, b, i8dq_dot(m->w + n * K, a->q + b * K, K), ydt);
+        for (int64_t b = 0; b < a->B; ++b) out[b] = i8dq_out(m, a, n, b, i8dq_dot(m->w + n * K, a->q + b * K, K, a->qsum[b]), ydt);
         return;
     }
     const int64_t ng = K / 32;
@@ -323,28 +448,30 @@ static void q_row(const QMat *m, const QAct *a, int64_t n, int ydt, float *out) 
    q_row each. */
 static void q_rows(const QMat *m, const QAct *a, int64_t n, int64_t nr, int ydt, float out[4][MAXB]) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (m->kind == QK_I8DQ && a->B == 1 && nr == 4) {
+    if (m->kind == QK_I8DQ && a->B == 1 && nr == 4) { /* i8dq_dot's flipped weights, four rows a pass */
         const int64_t K = m->K;
         const int8_t *w = m->w + n * K, *q = a->q;
-        const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
-        __m512i acc[4], sum[4];
-        for (int r = 0; r < 4; ++r) acc[r] = sum[r] = _mm512_setzero_si512();
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        __m512i acc[4];
+        for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_si512();
         int64_t k = 0;
         for (; k + 64 <= K; k += 64) {
-            const __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + k)), flip);
+            const __m512i u = _mm512_loadu_si512((const void *)(q + k));
             for (int r = 0; r < 4; ++r) {
                 STREAM_PREFETCH((const char *)(w + r * K + k), 1);
-                const __m512i wv = _mm512_loadu_si512((const void *)(w + r * K + k));
-                acc[r] = _mm512_dpbusd_epi32(acc[r], u, wv);
-                sum[r] = _mm512_dpbusd_epi32(sum[r], ones, wv);
+                acc[r] = _mm512_dpbusd_epi32(
+                    acc[r], _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * K + k)), flip), u);
             }
         }
-        for (int r = 0; r < 4; ++r) {
-            const int8_t *wr = w + r * K;
-            int32_t dot = _mm512_reduce_add_epi32(_mm512_sub_epi32(acc[r], _mm512_slli_epi32(sum[r], 7)));
-            for (int64_t t = k; t < K; ++t) dot += (int32_t)wr[t] * q[t];
-            out[r][0] = i8dq_out(m, a, n + r, 0, dot, ydt);
+        if (k < K) {
+            const __mmask64 mk = ~0ULL >> (64 - (K - k));
+            const __m512i u = _mm512_maskz_loadu_epi8(mk, q + k);
+            for (int r = 0; r < 4; ++r)
+                acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, w + r * K + k), flip),
+                                             u);
         }
+        for (int r = 0; r < 4; ++r)
+            out[r][0] = i8dq_out(m, a, n + r, 0, _mm512_reduce_add_epi32(acc[r]) - 128 * a->qsum[0], ydt);
         return;
     }
 #endif
