@@ -15,7 +15,6 @@ in aten's 64-row int4pack layout, bf16 activations, groups of 64 or 128 as hybri
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 
 import torch
