@@ -156,7 +156,7 @@ def distill_family(teacher: str | Path, out_dir: str | Path, *, shares: Sequence
     manifest.align_losses = aligned["losses"]
     n_attn = len(attention_positions(teacher_fp32.config))
     align_fpt = align_flops_per_token(teacher_fp32, mixer, seq_len)
-    budget = {"dtype": dname, "tokens_per_step": per_step, "seq_len": seq_len,
+    budget = {"dtype": dname, "training": precision, "tokens_per_step": per_step, "seq_len": seq_len,
               "align": {"tokens": aligned["tokens"], "steps": align_steps, "seconds": round(aligned["seconds"], 1),
                         "tokens_per_s": _per_s(aligned["tokens"], aligned["seconds"]),
                         **_rate(align_fpt, aligned["tokens"], aligned["seconds"], peak)},
