@@ -103,14 +103,17 @@ def _scan_chunks(state, xw, Bm, Cm, chunk_decay, *, mm, inplace):
     return _recorded_walk(state, xw, Bm, Cm, chunk_decay, mm)
 
 
-def _recorded_walk(state, xw, Bm, Cm, chunk_decay, mm):
+def _recorded_walk(state, xw, Bm, Cm, chunk_decay, mm, entering: list | None = None):
     """The out-of-place walk as plain ops: what the forward-only ``inductor`` backend traces (fullgraph) and
-    compiles; with autograd on, :class:`_ChunkWalk` runs instead."""
+    compiles, and :class:`_ChunkWalk`'s forward, which passes ``entering`` to collect the state entering each
+    chunk for its backward."""
     b, nc, T, G, GP = xw.shape
     H, P, N = state.shape[1:]
     Bv, Cv = Bm.view(b, nc, T, G, N), Cm.view(b, nc, T, G, N)
     S, ys = state, []
     for c in range(nc):
+        if entering is not None:
+            entering.append(S)
         C_c = Cv[:, c].transpose(1, 2).reshape(b * G, T, N)
         ys.append(torch.bmm(C_c, S.view(b * G, GP, N).transpose(1, 2).to(mm)))
         xwT = xw[:, c].permute(0, 2, 3, 1).reshape(b * G, GP, T)
@@ -134,22 +137,11 @@ class _ChunkWalk(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, state, xw, Bm, Cm, chunk_decay, mm):
-        b, nc, T, G, GP = xw.shape
-        H, P, N = state.shape[1:]
-        Bv, Cv = Bm.view(b, nc, T, G, N), Cm.view(b, nc, T, G, N)
-        entering = torch.empty(nc, b, H, P, N, device=xw.device, dtype=torch.float32)
-        ys = torch.empty(nc, b * G, T, GP, device=xw.device, dtype=mm)
-        S = state.float()
-        for c in range(nc):
-            entering[c] = S
-            C_c = Cv[:, c].transpose(1, 2).reshape(b * G, T, N)
-            torch.bmm(C_c, S.view(b * G, GP, N).transpose(1, 2).to(mm), out=ys[c])
-            xwT = xw[:, c].permute(0, 2, 3, 1).reshape(b * G, GP, T)
-            B_c = Bv[:, c].transpose(1, 2).reshape(b * G, T, N)
-            S = S * chunk_decay[:, c, :, None, None] + torch.bmm(xwT, B_c).float().view(b, H, P, N)
-        ctx.save_for_backward(entering, xw, Bm, Cm, chunk_decay)
+        entering: list[torch.Tensor] = []
+        y, S = _recorded_walk(state.float(), xw, Bm, Cm, chunk_decay, mm, entering)
+        ctx.save_for_backward(torch.stack(entering), xw, Bm, Cm, chunk_decay)
         ctx.mm = mm
-        return ys.view(nc, b, G, T, GP).permute(1, 0, 3, 2, 4), S
+        return y, S
 
     @staticmethod
     def backward(ctx, dy, dS_out):

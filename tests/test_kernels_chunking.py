@@ -69,27 +69,14 @@ def test_ssd_gradients_across_blocks_and_groups(monkeypatch, G, H):
         assert rel_err(got.grad, want.grad) < 1e-4, name
 
 
-def _recorded_walk(state, xw, Bm, Cm, chunk_decay, mm):
-    """The chunk walk as autograd records it op by op (what _ChunkWalk's backward writes out)."""
-    b, nc, T, G, GP = xw.shape
-    H, P, N = state.shape[1:]
-    Bv, Cv = Bm.view(b, nc, T, G, N), Cm.view(b, nc, T, G, N)
-    S, ys = state, []
-    for c in range(nc):
-        C_c = Cv[:, c].transpose(1, 2).reshape(b * G, T, N)
-        ys.append(torch.bmm(C_c, S.view(b * G, GP, N).transpose(1, 2).to(mm)))
-        xwT = xw[:, c].permute(0, 2, 3, 1).reshape(b * G, GP, T)
-        B_c = Bv[:, c].transpose(1, 2).reshape(b * G, T, N)
-        S = S * chunk_decay[:, c, :, None, None] + torch.bmm(xwT, B_c).float().view(b, H, P, N)
-    return torch.stack(ys).view(nc, b, G, T, GP).permute(1, 0, 3, 2, 4), S
-
-
 @pytest.mark.parametrize("mm", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("G,hpg", [(9, 1), (2, 3)])
 def test_chunk_walk_backward_equals_the_recorded_ops(mm, G, hpg):
-    """bf16 operands round where the recorded ops round them: the same gradients (equal on this CPU; the bound
-    leaves room for another accumulation order only). The shapes include SmolLM2's students': a group per head."""
-    from hybrid.kernels.ssd import _chunk_walk
+    """The written-out backward against autograd through the plain ops (kernels.ssd._recorded_walk, which the
+    Function's forward runs too): bf16 operands round where the recorded ops round them, the same gradients
+    (equal on this CPU; the bound leaves room for another accumulation order only). The shapes include SmolLM2's
+    students': a group per head."""
+    from hybrid.kernels.ssd import _chunk_walk, _recorded_walk
 
     b, nc, T, P, N = 2, 3, 8, 4, 8
     H = G * hpg
