@@ -124,16 +124,16 @@ def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff
     ``speed=False`` stops after the accuracy stage (nothing timed, no report written, no files returned): the
     training and the accuracy columns tolerate a busy machine, the timings do not, so a long run can do those
     first and a later run with the same arguments (members reused by key) times them on a quiet machine."""
-    import torch
     from tqdm import tqdm
 
     from ..distill.data import build_token_source, token_batches
+    from ..distill.pipeline import default_dtype
     from ..tokenizer import load_tokenizer
     from . import real_tradeoff_measure as measure
     from .perplexity import top1
     from .real_tradeoff_report import write_report
     from .tasks.mmlu_local_data import resolve_dir
-    from .timing import matmul_peak_flops, set_threads
+    from .timing import set_threads, training_peaks
     from .tradeoff import _load, machine_facts, timing_lock
 
     t_start = time.perf_counter()
@@ -167,9 +167,7 @@ def run(teacher: str | os.PathLike, *, output: str | os.PathLike = "out/tradeoff
 
     distill = distill or _default_distill()
     # the matmul peaks the stages' GFLOP/s are read against (their "of_peak"), probed once here
-    peaks = {"fp32": matmul_peak_flops("cpu", torch.float32)}
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        peaks["bf16"] = matmul_peak_flops("cpu", torch.bfloat16)
+    peaks = training_peaks(default_dtype())
     settings["peak_GFLOP/s"] = {k: round(v / 1e9, 1) for k, v in peaks.items()}
     folders: dict[tuple[float, str], Path] = {}
     stages["distill"] = {}

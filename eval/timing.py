@@ -190,6 +190,15 @@ def matmul_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = t
     return matmul_peak(device, dtype, **kw).flops
 
 
+def training_peaks(train_dtype: torch.dtype) -> dict[str, float]:
+    """The matmul peaks (FLOP/s) a training run's GFLOP/s are read against: fp32's, and bf16's when it trains in
+    bf16 (the keys of the distillation budget's ``peak_flops``)."""
+    peaks = {"fp32": matmul_peak_flops("cpu", torch.float32)}
+    if train_dtype == torch.bfloat16:
+        peaks["bf16"] = matmul_peak_flops("cpu", torch.bfloat16)
+    return peaks
+
+
 def peak_exceeded(rows: list[dict]) -> list[dict]:
     """The rows whose achieved rate is above the measured peak (``of_peak`` > 1): the probe read low (the
     machine was busier while it ran than during those rows), so their shares of peak are not to be trusted."""

@@ -114,12 +114,9 @@ def run(args) -> None:
         torch.set_num_threads(args.threads)
     peaks = None
     if not args.no_peak:
-        from ..eval.timing import matmul_peak_flops  # the CLI may use eval; the library does not
+        from ..eval.timing import training_peaks  # the CLI may use eval; the library does not
 
-        train_dtype = dtype or default_dtype()
-        peaks = {"fp32": matmul_peak_flops("cpu", torch.float32)}
-        if train_dtype == torch.bfloat16:
-            peaks["bf16"] = matmul_peak_flops("cpu", torch.bfloat16)
+        peaks = training_peaks(dtype or default_dtype())
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"data: {n:,} tokens; {needed:,} needed for the budget "
               f"({'wrapping around' if n < needed else 'one pass'})")
