@@ -12,7 +12,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q "torch==2.13.0"
 fi
-if ! .venv/bin/python -c "import hybrid, gguf, accelerate, lm_eval, transformers, pytest, hypothesis, triton, fastapi, uvicorn, jinja2, openai, tenacity, torchao, mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null; then
+if ! .venv/bin/python -c "import hybrid, gguf, accelerate, lm_eval, transformers, pytest, xdist, hypothesis, triton, fastapi, uvicorn, jinja2, openai, tenacity, torchao, mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null; then
   .venv/bin/pip install -q -e ".[dev]"
 fi
 # The real model the tests, examples and `hybrid.pretrained_path("smollm2-135m-instruct")` use: a GGUF shipped

@@ -57,7 +57,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 from test_eval_mmlu_local import ROWS, write_csv  # noqa: E402
-from test_wheel import installed, run  # noqa: E402,F401
+from test_wheel import run  # noqa: E402
 
 PAGES = ["README.md"] + sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")
                                if not {"results", "notes"} & set(p.relative_to(REPO / "docs").parts))
@@ -151,13 +151,13 @@ def skip_reason(text: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def workdir(installed, tmp_path_factory):  # noqa: F811
+def workdir(installed, tmp_path_factory):
     env_dir, env, outside = installed
     work = tmp_path_factory.mktemp("examples")
     (work / "path" / "to").mkdir(parents=True)
     subjects = sorted(p.stem.removeprefix("mmlu_local_") for p in (REPO / "eval" / "tasks").glob("mmlu_local_*.yaml"))
-    for subject in subjects:  # every subject, 6 questions (5 for --num-fewshot 5): mmlu_local's groups need them all
-        write_csv(work / "path" / "to" / "mmlu", subject, ROWS * 3)
+    for subject in subjects:  # every subject (mmlu_local's groups need them all): 5 dev rows for --num-fewshot 5, and
+        write_csv(work / "path" / "to" / "mmlu", subject, (ROWS * 3)[:5], test_rows=ROWS[:1])  # one question
     out = run([str(env_dir / "bin" / "python"), "-c", STAND_INS], env, work)
     assert out.returncode == 0, out.stderr[-3000:]
     env = {**env, "PATH": f"{env_dir / 'bin'}:{env['PATH']}", "HYBRID_MMLU_DIR": str(work / "path" / "to" / "mmlu")}
@@ -170,7 +170,8 @@ def pending(page: str, text: str) -> str | None:
 
 
 @pytest.mark.slow  # ~3-7 min on 2 busy cores: -m "not slow" leaves it out
-@pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)])
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.xdist_group(f"docs:{p}"))  # one worker each
+                                  for p in PAGES if blocks(p)])
 def test_examples_run_as_written(workdir, page):
     """The page's python blocks first, each in its own process after PRELUDE (they make the folders the commands
     use: the README's Build saves ckpt), then its bash commands in order. A command whose comment says it is

@@ -13,11 +13,13 @@ ROWS = [
 ]
 
 
-def write_csv(root, subject, rows, header=True):
+def write_csv(root, subject, rows, header=True, test_rows=None):
+    """MMLU's CSV layout: ``rows`` as the dev split (the few-shot examples) and as the test split, or ``test_rows``
+    there where given."""
     for split in ("dev", "test"):
         (root / split).mkdir(parents=True, exist_ok=True)
         lines = ["question,choice0,choice1,choice2,choice3,answer"] if header else []
-        for r in rows:
+        for r in (test_rows if split == "test" and test_rows is not None else rows):
             lines.append(",".join('"' + c.replace('"', '""') + '"' if ("," in c or '"' in c) else c for c in r))
         (root / split / f"{subject}_{split}.csv").write_text("\n".join(lines) + "\n")
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 from test_eval_mmlu_local import ROWS, write_csv
-from test_wheel import installed, run  # noqa: F401  (the wheel in a fresh venv, outside the repository)
+from test_wheel import run  # the `installed` fixture (conftest.py): the wheel in a fresh venv, outside the repository
 
 pytest.importorskip("lm_eval")
 
@@ -37,7 +37,7 @@ except KeyError as e:
 
 
 @pytest.fixture(scope="module")
-def tiny(installed, tmp_path_factory):  # noqa: F811
+def tiny(installed, tmp_path_factory):
     """A tiny checkpoint folder and a 2-question MMLU folder (one subject, anatomy)."""
     env_dir, env, outside = installed
     root = tmp_path_factory.mktemp("routes")
@@ -48,7 +48,7 @@ def tiny(installed, tmp_path_factory):  # noqa: F811
     return root / "ckpt", root / "mmlu"
 
 
-def test_simple_evaluate_with_the_packages_task_manager(installed, tiny):  # noqa: F811
+def test_simple_evaluate_with_the_packages_task_manager(installed, tiny):
     env_dir, env, outside = installed
     ckpt, mmlu = tiny
     out = run([str(env_dir / "bin" / "python"), "-c", SIMPLE_EVALUATE, str(ckpt), str(mmlu)], env, outside)
@@ -60,7 +60,7 @@ def test_simple_evaluate_with_the_packages_task_manager(installed, tiny):  # noq
     assert any("without task_manager:" in line and "mmlu_local_anatomy" in line for line in lines), out.stdout
 
 
-def test_hybrid_lm_eval_is_lm_evals_cli_with_our_model_and_tasks(installed, tiny):  # noqa: F811
+def test_hybrid_lm_eval_is_lm_evals_cli_with_our_model_and_tasks(installed, tiny):
     env_dir, env, outside = installed
     ckpt, mmlu = tiny
     cli = str(env_dir / "bin" / "hybrid-lm-eval")
@@ -74,7 +74,7 @@ def test_hybrid_lm_eval_is_lm_evals_cli_with_our_model_and_tasks(installed, tiny
     assert listed.returncode == 0 and "mmlu_local_anatomy" in listed.stdout and "mmlu_local " in listed.stdout
 
 
-def test_hybrid_eval(installed, tiny):  # noqa: F811
+def test_hybrid_eval(installed, tiny):
     env_dir, env, outside = installed
     ckpt, mmlu = tiny
     results = ckpt.parent / "eval_out"

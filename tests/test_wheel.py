@@ -1,20 +1,15 @@
 """The package as a user installs it: build the wheel from a copy of the sources, install it (``--no-deps``) into
 a fresh venv that sees this venv's dependencies but not the repository, and from a folder outside the repository
 import every module of it and run the ``hybrid`` command. (The rest of the suite runs the editable checkout, which
-would hide a sub-package missing from the wheel or a file the code reads that is not shipped.)"""
+would hide a sub-package missing from the wheel or a file the code reads that is not shipped.) The wheel and its venv
+are built once per run by the `installed` fixture (tests/conftest.py)."""
 
-import os
-import shutil
 import subprocess
-import sys
-import sysconfig
-import venv
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "setup.py", "LICENSE", "README.md", "hybrid", "kernels", "eval", "recipes")
 
 IMPORT_ALL = """
 import importlib, pkgutil, sys
@@ -28,36 +23,6 @@ assert (TASKS_DIR / "_mmlu_local.yaml").is_file() and (TASKS_DIR / "_default_tem
 assert (TASKS_DIR / "_cloze_template_yaml").is_file() and (TASKS_DIR / "_mmlu_local_cloze.yaml").is_file()
 print(len(names), hybrid.__file__)
 """
-
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"
-    for name in SOURCES:  # a clean copy: no build/ or egg-info left over from another build
-        from_, to = ROOT / name, src / name
-        if from_.is_dir():
-            shutil.copytree(from_, to, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            to.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(from_, to)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src),
-                    "-w", str(tmp / "dist")], check=True, capture_output=True, text=True)
-    (wheel,) = (tmp / "dist").glob("hybrid_lm-*.whl")
-    env_dir = tmp / "venv"
-    venv.create(env_dir, with_pip=False)
-    py = env_dir / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
-    # this venv's dependencies (torch, transformers, ...), appended after the fresh venv's own site-packages; the
-    # editable install's .pth hook is not run for a directory added this way, so the repository stays invisible
-    (site / "test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)],
-                   check=True, capture_output=True, text=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    outside = tmp / "elsewhere"
-    outside.mkdir()
-    return env_dir, env, outside
 
 
 def run(cmd, env, cwd):
