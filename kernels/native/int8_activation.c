@@ -364,8 +364,8 @@ static inline float w4_dot(const uint8_t *p, const float *ws, const uint8_t *u, 
 
 #ifdef W4_VNNI
 /* nr (1..4) 8da4w rows at p (row stride K/2 bytes; scales ws, stride ng) against input row b of a: the group-
-   scaled dots sum_g ws_g (u . w)_g into d[r]; whole blocks of four groups by vpdpbusd (see w4_block_input), the
-   groups after the last whole block by w4_dot */
+   scaled dots sum_g ws_g (u . w)_g into d[r]; blocks of four groups by vpdpbusd (see w4_block_input), a last
+   partial block (K % 128: 1..3 groups) too, its nibbles and scales loaded masked */
 static inline __attribute__((always_inline)) void w4_dots_vnni(const uint8_t *p, const float *ws, const QAct *a,
                                                                int64_t b, const int nr, float d[4]) {
     const int64_t K = a->K, ng = K / 32, nblk = K / 128, Kp = (K + 127) / 128 * 128;
