@@ -174,8 +174,9 @@ class _ChunkWalk(torch.autograd.Function):
 
 # left out of torch.compile's graphs: inductor (torch 2.13) miscompiles this walk's backward at some shapes (NaN
 # gradients for xw and B at b=4, G=9, 64-token chunks; right at G=3), and its eager form is already four matmuls
-# and two state passes a chunk
-@torch.compiler.disable
+# and two state passes a chunk. torch._disable_dynamo is torch.compiler.disable that imports dynamo at the first
+# call, not here: importing torch._dynamo costs seconds, and every `import hybrid` (every CLI run) would pay it.
+@torch._disable_dynamo
 def _chunk_walk(state, xw, Bm, Cm, chunk_decay, mm):
     return _ChunkWalk.apply(state, xw, Bm, Cm, chunk_decay, mm)
 
