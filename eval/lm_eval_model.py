@@ -172,15 +172,21 @@ class HybridEvalLM(TemplateLM):
 
     # ---- scoring -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _forward_logprobs(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        """Right-padded forward of ``rows``; per row its [len, V] float32 log-probabilities."""
+    def _forward_logprobs(self, rows: list[list[int]], scored: list[int]) -> list[torch.Tensor]:
+        """Right-padded forward of ``rows``; per row the float32 log-probabilities [scored[i], V] of its last
+        ``scored[i]`` positions. Only the positions some row scores go through the LM head and the softmax: a
+        5-shot MMLU input is hundreds of tokens of which one is scored, and with a 32K-50K vocabulary the head
+        over every position costs more than the layers."""
         width = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        kept = sorted({p for r, k in zip(rows, scored, strict=True) for p in range(len(r) - k, len(r))})
+        column = {p: j for j, p in enumerate(kept)}
         with use_backend(self.backend):
-            logits = self.model(ids.to(self._device))
-        return [F.log_softmax(logits[i, : len(r)].float(), dim=-1) for i, r in enumerate(rows)]
+            logits = self.model(ids.to(self._device), logits_to_keep=torch.tensor(kept, device=self._device))
+        return [F.log_softmax(logits[i, [column[p] for p in range(len(r) - k, len(r))]].float(), dim=-1)
+                for i, (r, k) in enumerate(zip(rows, scored, strict=True))]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """Score ``(key, context_ids, continuation_ids)``: sum of log P(continuation | context) and
@@ -189,6 +195,9 @@ class HybridEvalLM(TemplateLM):
         for n, (_, ctx, cont) in enumerate(requests):
             if not cont:
                 raise ValueError("an empty continuation cannot be scored")
+            if not ctx:  # its first token would have no position predicting it
+                raise ValueError("an empty context cannot be scored: start it with the prefix token "
+                                 "(lm-eval does, through prefix_token_id)")
             if len(cont) > self.max_length:
                 raise ValueError(f"a continuation of {len(cont)} tokens does not fit max_length {self.max_length}")
             # the last token is only predicted, never fed; keep at most max_length inputs (left cut)
@@ -201,10 +210,11 @@ class HybridEvalLM(TemplateLM):
         self.tokens_computed += sum(len(i) for i in order)
         batches = [order[i: i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         for batch in tqdm(batches, desc="loglikelihood", unit="batch", disable=disable_tqdm):
-            for inp, logprobs in zip(batch, self._forward_logprobs([list(b) for b in batch]), strict=True):
+            longest = [max(len(requests[n][2]) for n in inputs[inp]) for inp in batch]  # positions to score
+            for inp, logprobs in zip(batch, self._forward_logprobs([list(b) for b in batch], longest), strict=True):
                 for n in inputs[inp]:
                     key, _, cont = requests[n]
-                    scored = logprobs[len(inp) - len(cont):]
+                    scored = logprobs[len(logprobs) - len(cont):]
                     target = torch.tensor(cont, device=scored.device)
                     total = float(scored.gather(1, target[:, None]).sum())
                     greedy = bool((scored.argmax(-1) == target).all())

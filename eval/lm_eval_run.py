@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from ..model import HybridLM
-from .tasks import TASKS_DIR, task_manager
+from .tasks import TASKS_DIR, ours_first, task_manager
 
 
 def run(model: str | HybridLM | None = None, *, recipe: str | None = None, tasks: list[str],
@@ -24,11 +24,9 @@ def run(model: str | HybridLM | None = None, *, recipe: str | None = None, tasks
 
     lm = HybridEvalLM(pretrained=model, recipe=recipe, tokenizer=tokenizer, dtype=dtype, device=device,
                       batch_size=batch_size, max_length=max_length, backend=backend, **model_kwargs)
-    # indexing lm-eval's own ~15k task configs takes tens of seconds; do it only when asked for one
-    manager = task_manager(mmlu_dir, include_defaults=False)
-    if not all(t in manager.all_tasks for t in tasks):
-        manager = task_manager(mmlu_dir)
-    unknown = [t for t in tasks if t not in manager.all_tasks and not any(c in t for c in "*?[/")]
+    manager = task_manager(mmlu_dir)  # indexes lm-eval's own ~15k task configs only if a task is not ours
+    unknown = [t for t in tasks if t not in manager.hybrid_tasks and t not in manager.all_tasks
+               and not any(c in t for c in "*?[/")]
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {unknown}; this package ships mmlu_local (and "
                          f"mmlu_local_<subject>); lm-eval's own tasks are there too (`lm_eval ls tasks`)")
@@ -101,54 +99,19 @@ def lm_eval_main(argv: list[str] | None = None) -> None:
     if args and args[0] not in ("run", "ls", "validate") and not args[0].startswith("-h"):
         args = ["run", *args]  # lm-eval's default sub-command, as its own CLI inserts it
     # run, ls and validate all index tasks; a user's own --include_path replaces ours (lm-eval takes one folder)
-    ours_only = False
-    if args and args[0] in ("run", "ls", "validate") and not any(a.startswith("--include_path") for a in args):
-        ours_only = args[0] == "run" and _only_our_tasks(args)
+    ours = bool(args) and args[0] in ("run", "ls", "validate") and not any(a.startswith("--include_path") for a in args)
+    if ours:
         args += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm_eval", *args]
     import lm_eval.tasks
 
+    # lm-eval's CLI builds TaskManager(include_path=...), which indexes lm-eval's own ~15k configs (15-30 s on 2
+    # cores) even when every task asked for is ours, and has no flag against it; it imports the class at call time,
+    # so the run gets one that indexes them only when a task is not ours (eval/tasks: ours_first)
     manager = lm_eval.tasks.TaskManager
-    if ours_only:
-        lm_eval.tasks.TaskManager = _ours_only(manager)
+    if ours:
+        lm_eval.tasks.TaskManager = ours_first(manager)
     try:
         cli_evaluate()
     finally:
         lm_eval.tasks.TaskManager = manager
-
-
-def _requested_tasks(args: list[str]) -> list[str] | None:
-    """The task names of a ``run`` command line (``--tasks a b``, ``--tasks a,b``, ``--tasks=a``, ``-t a``), or None
-    where a ``--config`` file may name more."""
-    if any(a == "--config" or a.startswith("--config=") for a in args):
-        return None
-    names, taking = [], False
-    for a in args:
-        if a in ("--tasks", "-t"):
-            taking = True
-        elif a.startswith("--tasks="):
-            names += a.split("=", 1)[1].split(",")
-            taking = False
-        elif taking and not a.startswith("-"):
-            names += a.split(",")
-        else:
-            taking = False
-    return [n for n in names if n]
-
-
-def _only_our_tasks(args: list[str]) -> bool:
-    names = _requested_tasks(args)
-    return bool(names) and set(names) <= set(task_manager(include_defaults=False).all_tasks)
-
-
-def _ours_only(base: type) -> type:
-    """lm-eval's ``TaskManager`` with ``include_defaults`` False unless given: lm-eval's CLI builds
-    ``TaskManager(include_path=...)``, which also indexes lm-eval's own ~15k configs (15-25 s on 2 cores) though every
-    task asked for is ours, and has no flag against it. It imports the class at call time, so ``lm_eval_main`` puts
-    this one in ``lm_eval.tasks`` for the run."""
-
-    class OursOnly(base):
-        def __init__(self, *a, include_defaults: bool = False, **kw):
-            super().__init__(*a, include_defaults=include_defaults, **kw)
-
-    return OursOnly

@@ -78,9 +78,12 @@ def test_batch_size_does_not_change_scores_and_greedy_flag_is_right(model):
              ("The cat sat on the", " hat"), ("Question?\nAnswer:", " B")] * 2
     one = HybridEvalLM(pretrained=model, batch_size=1).loglikelihood(requests_for(pairs), disable_tqdm=True)
     eight = HybridEvalLM(pretrained=model, batch_size=8).loglikelihood(requests_for(pairs), disable_tqdm=True)
-    for (a, ga), (b, gb) in zip(one, eight, strict=True):
-        assert a == pytest.approx(b, abs=1e-4) and ga == gb
     lm = HybridEvalLM(pretrained=model)
+    for (a, ga), (b, gb), (ctx, cont) in zip(one, eight, pairs, strict=True):
+        assert a == pytest.approx(b, abs=1e-4) and ga == gb
+        # rows of different lengths and 1-3 token continuations in one batch: each row's own positions scored
+        want, want_greedy = direct_loglikelihood(model, lm.tokenizer, ctx, cont)
+        assert b == pytest.approx(want, abs=1e-4) and gb == want_greedy
     # the model's own greedy next token must be flagged greedy, any other token not
     ctx = lm.tok_encode("The cat sat on the")
     with torch.no_grad():

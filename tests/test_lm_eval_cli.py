@@ -32,29 +32,46 @@ def test_hybrid_lm_eval_runs_lm_evals_cli_with_the_hybrid_model(tmp_path, monkey
         assert "running on the CPU" in caplog.text
 
 
-def test_hybrid_lm_eval_indexes_lm_evals_own_tasks_only_when_one_is_asked_for(tmp_path, monkeypatch):
-    """Only our tasks asked for: lm-eval's ~15k configs are not indexed (tens of seconds); any other task, a config
-    file or `ls`: they are. The class lm-eval's CLI builds is lm-eval's own again after the run."""
+def test_the_task_manager_indexes_lm_evals_own_tasks_only_when_one_is_asked_for(tmp_path):
+    """Only our tasks asked for: lm-eval's ~15k configs are not indexed (tens of seconds) and the tasks load; any
+    other name (lm-eval's task, a glob) or a listing: they are, and lm-eval's task loads beside ours."""
+    from hybrid.eval.tasks import task_manager
+
+    write_csv(tmp_path, "anatomy", ROWS)
+    tm = task_manager(tmp_path)
+    assert "mmlu_local_anatomy" in tm.hybrid_tasks and "arc_easy" not in tm.hybrid_tasks
+    assert tm.match_tasks(["mmlu_local_anatomy"]) == ["mmlu_local_anatomy"]
+    loaded = tm.load(["mmlu_local_anatomy"])
+    assert list(loaded["tasks"]) == ["mmlu_local_anatomy"] and len(loaded["tasks"]["mmlu_local_anatomy"].eval_docs) == 2
+    assert tm.task_index["mmlu_local_anatomy"] is not None  # lm-eval reads the loaded tasks' entries after a run
+    assert tm._defaults_pending is not None  # still only our folder indexed
+    assert tm.match_tasks(["arc_easy", "mmlu_local_anatomy"]) == ["arc_easy", "mmlu_local_anatomy"]
+    assert tm._defaults_pending is None and "arc_easy" in tm.all_tasks and "mmlu_local" in tm.all_tasks
+    listing, asked = task_manager(tmp_path), []
+    listing.index_defaults = lambda: asked.append("indexed")  # (a second real index costs tens of seconds)
+    assert isinstance(listing.all_tasks, list) and asked == ["indexed"]  # a listing is everything
+    asked.clear()
+    listing.list_all_tasks()
+    assert asked
+    ours = task_manager(tmp_path, include_defaults=False)
+    assert ours.match_tasks(["arc_easy"]) == [] and "arc_easy" not in ours.all_tasks
+
+
+def test_hybrid_lm_eval_runs_lm_evals_cli_on_a_task_manager_that_indexes_lazily(monkeypatch):
+    """lm-eval's CLI builds its own TaskManager: for run, ls and validate it gets ours_first's (indexing lm-eval's
+    configs only for a task that is not ours); a user's own --include_path gets lm-eval's; lm-eval's class is back
+    after the run."""
     import lm_eval.tasks
     from hybrid.eval import lm_eval_run
 
-    assert lm_eval_run._requested_tasks(["run", "--tasks", "a", "b,c", "--limit", "2", "-t", "d", "--tasks=e,f"]) \
-        == ["a", "b", "c", "d", "e", "f"]
-    assert lm_eval_run._requested_tasks(["run", "--config", "x.yaml"]) is None
     seen = []
-
-    def fake_cli():
-        seen.append((lm_eval.tasks.TaskManager, lm_eval.tasks.TaskManager.__init__.__kwdefaults__))
-
-    monkeypatch.setattr("lm_eval.__main__.cli_evaluate", fake_cli)
+    monkeypatch.setattr("lm_eval.__main__.cli_evaluate", lambda: seen.append(lm_eval.tasks.TaskManager))
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     base = lm_eval.tasks.TaskManager
-    for argv, skips in ((["--model", "hybrid", "--tasks", "mmlu_local_anatomy,mmlu_local"], True),
-                        (["run", "--tasks", "mmlu_local_cloze_anatomy"], True),
-                        (["--tasks", "mmlu_local_anatomy", "arc_easy"], False),
-                        (["--config", "c.yaml", "--tasks", "mmlu_local"], False),
-                        (["ls", "tasks"], False)):
+    for argv, lazy in ((["--model", "hybrid", "--tasks", "mmlu_local_anatomy,mmlu_local"], True),
+                       (["ls", "tasks"], True),
+                       (["run", "--tasks", "x", "--include_path", "mine/"], False)):
         lm_eval_run.lm_eval_main(argv)
-        cls, defaults = seen.pop()
-        assert (cls is not base and defaults == {"include_defaults": False}) if skips else cls is base, argv
+        cls = seen.pop()
+        assert (cls is not base and issubclass(cls, base)) if lazy else cls is base, argv
         assert lm_eval.tasks.TaskManager is base
