@@ -1,11 +1,12 @@
 """llama.cpp's GGUF files -> a Hugging Face config dict and state dict, which the converter for that
 architecture (:mod:`hybrid.interop.llama`, :mod:`hybrid.interop.mamba`) turns into a ``HybridLM``.
 
-The file is read with llama.cpp's own Python reader (the ``gguf`` package): metadata from
-``GGUFReader.fields``, tensors dequantised to fp32 by ``gguf.quants.dequantize`` (every type it
-implements: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, the K-quants, the IQ types, ...; the others are refused by
-name). The tensor names are llama.cpp's (``gguf.TENSOR_NAMES``), mapped back to the names transformers
-uses, and what llama.cpp's converter (``convert_hf_to_gguf.py``) changed on the way in is undone:
+The file's layout is read by :mod:`hybrid.interop.gguf_reader` (llama.cpp's ``gguf.GGUFReader`` takes
+seconds to open a file with a large vocabulary), its tensors dequantised to fp32 by llama.cpp's
+``gguf.quants.dequantize`` (every type it implements: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, the K-quants,
+the IQ types, ...; the others are refused by name). The tensor names are llama.cpp's (``gguf.TENSOR_NAMES``),
+mapped back to the names transformers uses, and what llama.cpp's converter (``convert_hf_to_gguf.py``) changed
+on the way in is undone:
 
 - ``llama``: the q and k rows (weights and biases) are permuted from the HF rotary layout (halves) to
   llama.cpp's interleaved pairs, per head (``LlamaModel.permute``); :func:`unpermute_rows` inverts it,
@@ -48,25 +49,28 @@ def is_gguf(path: str | Path) -> bool:
 
 
 class GGUFFile:
-    """One GGUF file's metadata and tensors, read through ``gguf.GGUFReader`` (memory-mapped)."""
+    """One GGUF file's metadata and tensors (memory-mapped; :mod:`hybrid.interop.gguf_reader` reads the layout, the
+    ``gguf`` package dequantises)."""
 
     def __init__(self, path: str | Path):
-        gguf = _gguf()
+        _gguf()
+        from .gguf_reader import GGUFFormatError, GGUFMetadata
+
         self.path = Path(path)
         if not is_gguf(self.path):
             raise CheckpointError(f"{self.path} is not a GGUF file (no GGUF magic at its start)")
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
-        except (ValueError, OSError) as e:
-            raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from None
+            self.reader = GGUFMetadata(self.path)
+        except (GGUFFormatError, OSError) as e:
+            raise CheckpointError(f"{self.path}: not a readable GGUF file ({e}); download or convert it "
+                                  "again") from None
         self.arch = self.get("general.architecture")
         if self.arch is None:
             raise CheckpointError(f"{self.path}: the GGUF metadata has no general.architecture")
 
     def get(self, key: str, default=None):
         """A metadata value (str, number, or list of them), or ``default`` when the file lacks ``key``."""
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.reader.get(key, default)
 
     def arch_key(self, suffix: str, default=None):
         """``{architecture}.{suffix}``: llama.cpp prefixes the model's hyperparameters with its arch name."""
