@@ -156,19 +156,22 @@ def test_bucket_sizes():
 @pytest.mark.parametrize("name", TINY)
 def test_compiled_decode_graph_equals_eager(name):
     """Every tiny recipe: greedy tokens (and seeded samples) through the compiled decode step equal the eager
-    engine's, with batches padded to their bucket (3 requests -> bucket 4) and requests finishing at
-    different steps (the batch shrinks through buckets 4, 2, 1). Dynamo captures the real graph;
+    engine's, with the batch padded to its bucket (3 requests -> bucket 4). For one recipe the requests also finish
+    at different steps, so the batch shrinks through buckets 4, 2, 1 (each a graph of its own: the bucketing is
+    the runner's, not a mixer's, so the other recipes run one bucket). Dynamo captures the real graph;
     ``aot_eager`` runs it without Inductor's code generation (a minute or more per graph on this CPU); the
     Inductor test below compiles one recipe for real."""
     model = tiny_model(name)
     prompts = prompts_of([6, 3, 9], seed=4)
-    params = [SamplingParams(max_new_tokens=9), SamplingParams(max_new_tokens=4),
-              SamplingParams(max_new_tokens=7, temperature=1.0, seed=3)]
+    shrinking = name == "hybrid-1to7-tiny"
+    lengths = (9, 4, 7) if shrinking else (5, 5, 5)
+    params = [SamplingParams(max_new_tokens=lengths[0]), SamplingParams(max_new_tokens=lengths[1]),
+              SamplingParams(max_new_tokens=lengths[2], temperature=1.0, seed=3)]
     eager, _ = run_engine(model, prompts, params, block_size=16, max_seqs=4)
     compiled, engine = run_engine(model, prompts, params, block_size=16, max_seqs=4, compile=True,
                                   compile_backend="aot_eager")
     assert compiled == eager
-    assert sorted(engine.runner.compiled_shapes) == [(1, 1), (2, 1), (4, 1)]
+    assert sorted(engine.runner.compiled_shapes) == ([(1, 1), (2, 1), (4, 1)] if shrinking else [(4, 1)])
     assert engine.cache_manager.num_free_blocks == engine.cache.kv.num_blocks  # padded rows held nothing
 
 
