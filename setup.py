@@ -10,7 +10,9 @@ x86-64-v3, x86-64-v4, avx512-bf16), into the package's ``hybrid/kernels/native/_
 tree's ``kernels/native/_lib`` (``pip install -e .``); the import picks the one the CPU runs. Where they cannot be
 built (not x86-64, no compiler) the build says so and goes on: the package then runs torch's kernels, and says so
 when imported. ``HYBRID_NATIVE_VARIANTS=x86-64-v3,...`` (or ``none``) chooses which variants are built;
-``HYBRID_NATIVE_REQUIRED=1`` makes a failure to build them fail the build.
+``HYBRID_NATIVE_REQUIRED=1`` makes a failure to build them fail the build. A wheel built from a tree where
+``pip install -e .`` already compiled them copies the libraries whose key (a hash of the sources and flags, in the
+file name) matches, rather than compiling them again.
 """
 
 import importlib.util
@@ -55,7 +57,9 @@ class build_py_with_native(build_py):
         try:
             chosen = v.requested()
             if why is None and chosen:
-                v.build_all(lib_dir, chosen, ROOT / "kernels/native", log=lambda m: print(m, file=sys.stderr))
+                # a wheel built from a tree an editable install compiled copies its libraries of the same key
+                v.build_all(lib_dir, chosen, ROOT / "kernels/native", log=lambda m: print(m, file=sys.stderr),
+                            reuse_from=None if editable else ROOT / "kernels/native" / v.LIB_DIR)
                 return
         except v.BuildError as e:
             why = str(e)

@@ -41,6 +41,34 @@ def test_a_library_name_changes_with_its_sources(tmp_path):
         v, tmp_path).name
 
 
+def test_a_wheel_build_reuses_only_a_library_of_the_same_key(tmp_path, monkeypatch):
+    """build_all copies a library from reuse_from whose name (with the sources' key) it would build; any other
+    variant, or a library of other sources there, is compiled."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in (*variants.SOURCES, *variants.headers(), "program_ops.py"):
+        shutil.copy(variants.HERE / f, src / f)
+    v3, v4 = variants.BY_NAME["x86-64-v3"], variants.BY_NAME["x86-64-v4"]
+    ready = tmp_path / "tree_lib"
+    ready.mkdir()
+    (ready / variants.library_path(v3, src).name).write_bytes(b"v3 as the editable install built it")
+    (ready / variants.library_path(v4, src).name.replace(variants.key(v4, src), "0" * 16)).write_bytes(b"stale")
+    compiled = []
+
+    def compile_variant(v, lib_dir, src_dir):
+        compiled.append(v.name)
+        lib_dir.mkdir(parents=True, exist_ok=True)
+        variants.library_path(v, src_dir, lib_dir).write_bytes(b"compiled")
+        return variants.library_path(v, src_dir, lib_dir)
+
+    monkeypatch.setattr(variants, "compile_variant", compile_variant)
+    out = tmp_path / "wheel_lib"
+    built = variants.build_all(out, [v3, v4], src, log=lambda m: None, reuse_from=ready)
+    assert compiled == ["x86-64-v4"]
+    assert built[0].read_bytes() == b"v3 as the editable install built it" and built[1].read_bytes() == b"compiled"
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in built)
+
+
 @pytest.mark.skipif(variants.compiler() is None, reason="no C compiler")
 @pytest.mark.parametrize("name", [v.name for v in variants.VARIANTS])
 def test_each_variant_compiles_without_linux(name, tmp_path):

@@ -219,11 +219,19 @@ def requested() -> list[Variant]:
     return [BY_NAME[n.strip()] for n in names.split(",")]
 
 
-def build_all(lib_dir: Path, variants: list[Variant], src_dir: Path = HERE, log=print) -> list[Path]:
+def build_all(lib_dir: Path, variants: list[Variant], src_dir: Path = HERE, log=print,
+              reuse_from: Path | None = None) -> list[Path]:
     """Compile ``variants`` into ``lib_dir`` one after another (each one's files in parallel) and remove older
-    builds."""
+    builds. A library of the same name in ``reuse_from`` (the source tree's ``_lib``, which an editable install
+    fills) was built from these very sources and flags (:func:`key` is part of the name), and is copied instead."""
     built = []
     for v in variants:
+        ready = reuse_from / library_path(v, src_dir).name if reuse_from is not None else None
+        if ready is not None and ready.is_file() and ready.resolve() != library_path(v, src_dir, lib_dir).resolve():
+            lib_dir.mkdir(parents=True, exist_ok=True)
+            built.append(Path(shutil.copy2(ready, library_path(v, src_dir, lib_dir))))
+            log(f"hybrid-lm: reused the {v.name} native library built from the same sources ({built[-1].name})")
+            continue
         built.append(compile_variant(v, lib_dir, src_dir))
         log(f"hybrid-lm: built the {v.name} native library ({built[-1].name})")
     remove_stale(lib_dir, src_dir)
