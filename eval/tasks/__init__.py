@@ -13,6 +13,7 @@ and from lm-eval's CLI, ``--include_path`` with :data:`TASKS_DIR` (``hybrid-lm-e
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,6 +74,7 @@ def ours_first(base: type) -> type:
                 base.__init__(self, *args, include_defaults=True, **kwargs)
 
     def name_taking(method):
+        @functools.wraps(method)
         def call(self, task_list, *args, **kwargs):
             names = task_list if isinstance(task_list, (list, tuple)) else [task_list]
             if not all(isinstance(n, str) and n in self.hybrid_tasks for n in names):
@@ -82,7 +84,6 @@ def ours_first(base: type) -> type:
                 return method(self, task_list, *args, **kwargs)
             finally:
                 self._answering -= 1
-        call.__name__, call.__doc__ = method.__name__, method.__doc__
         return call
 
     def listing(prop):
@@ -93,10 +94,10 @@ def ours_first(base: type) -> type:
         return property(get, doc=prop.__doc__)
 
     def listing_method(method):
+        @functools.wraps(method)
         def call(self, *args, **kwargs):
             self.index_defaults()
             return method(self, *args, **kwargs)
-        call.__name__, call.__doc__ = method.__name__, method.__doc__
         return call
 
     if isinstance(getattr(base, "task_index", None), property):

@@ -138,7 +138,7 @@ class GGUFMetadata:
         """(value, offset after it); arrays as _Lazy."""
         if vtype in _SCALARS:
             (v,) = self._unpack(_SCALARS[vtype], offset)
-            return v, offset + struct.calcsize(_SCALARS[vtype])
+            return v, offset + struct.calcsize(self._end + _SCALARS[vtype])  # standard sizes, not the C ones
         if vtype == _STRING:
             return self._string(offset)
         if vtype != _ARRAY:
@@ -147,7 +147,7 @@ class GGUFMetadata:
         start = offset + 12
         if etype in _SCALARS:
             code = _SCALARS[etype]
-            end = start + count * struct.calcsize(code)
+            end = start + count * struct.calcsize(self._end + code)
             if end > len(self._buf):
                 raise GGUFFormatError(f"metadata {key}: its array runs past the end of the file")
             dtype = np.dtype(np.bool_ if code == "?" else self._end + code)

@@ -226,10 +226,11 @@ def build_all(lib_dir: Path, variants: list[Variant], src_dir: Path = HERE, log=
     fills) was built from these very sources and flags (:func:`key` is part of the name), and is copied instead."""
     built = []
     for v in variants:
-        ready = reuse_from / library_path(v, src_dir).name if reuse_from is not None else None
-        if ready is not None and ready.is_file() and ready.resolve() != library_path(v, src_dir, lib_dir).resolve():
+        target = library_path(v, src_dir, lib_dir)  # (the key hashes every source file: computed once)
+        ready = reuse_from / target.name if reuse_from is not None else None
+        if ready is not None and ready.is_file() and ready.resolve() != target.resolve():
             lib_dir.mkdir(parents=True, exist_ok=True)
-            built.append(Path(shutil.copy2(ready, library_path(v, src_dir, lib_dir))))
+            built.append(Path(shutil.copy2(ready, target)))
             log(f"hybrid-lm: reused the {v.name} native library built from the same sources ({built[-1].name})")
             continue
         built.append(compile_variant(v, lib_dir, src_dir))
