@@ -29,8 +29,20 @@ import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402
 
 # Every test model is tiny: a second OpenMP thread only adds hand-off and spin-waiting (tens of times
-# slower per op when the 2 cores are busy), so the suite runs single-threaded. Benchmarks set their own.
+# slower per op when the 2 cores are busy), so the suite runs single-threaded, and so do the commands it starts
+# (torch reads OMP_NUM_THREADS at start-up; the native kernels' pool follows torch). Benchmarks set their own.
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _single_threaded_after_each_test():
+    """Put torch back on one thread after a test that moved it: an API or CLI call run in-process may set its own
+    count (``--threads``; a benchmark's or the tradeoff's ``set_threads(None)``, one per core), and every later
+    test on that worker would then spin a second thread against the other worker's core (7x slower files)."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
