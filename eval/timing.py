@@ -190,12 +190,23 @@ def matmul_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = t
     return matmul_peak(device, dtype, **kw).flops
 
 
+_TRAINING_PEAKS: dict[tuple[torch.dtype, int], float] = {}
+
+
 def training_peaks(train_dtype: torch.dtype) -> dict[str, float]:
     """The matmul peaks (FLOP/s) a training run's GFLOP/s are read against: fp32's, and bf16's when it trains in
-    bf16 (the keys of the distillation budget's ``peak_flops``)."""
-    peaks = {"fp32": matmul_peak_flops("cpu", torch.float32)}
+    bf16 (the keys of the distillation budget's ``peak_flops``). Each is measured once per process and thread
+    count (seconds of matmuls; the CPU's rate does not change within a process): a session that distils or runs
+    the tradeoff again, or resumes it, reads the first measurement."""
+    def peak(dtype: torch.dtype) -> float:
+        key = (dtype, torch.get_num_threads())
+        if key not in _TRAINING_PEAKS:
+            _TRAINING_PEAKS[key] = matmul_peak_flops("cpu", dtype)
+        return _TRAINING_PEAKS[key]
+
+    peaks = {"fp32": peak(torch.float32)}
     if train_dtype == torch.bfloat16:
-        peaks["bf16"] = matmul_peak_flops("cpu", torch.bfloat16)
+        peaks["bf16"] = peak(torch.bfloat16)
     return peaks
 
 

@@ -20,9 +20,9 @@ sys.path[:] = [p for p in sys.path if p not in ("", ".", str(ROOT))] + [str(ROOT
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The distillation stages compile their trained mixers by default (hybrid.distill.compiled): seconds per stage,
-# paid back over a real budget, not over a test's few steps. The suite trains eagerly; test_distill_compiled.py
-# compiles on purpose and checks the compiled stages against these eager ones.
+# The distillation stages compile their trained mixers by default (hybrid.distill.compiled): tens of seconds a
+# mixer class, paid back over a real budget, not over a test's few steps. The suite trains eagerly;
+# test_distill_compiled.py compiles on purpose and checks the compiled stages against these eager ones.
 os.environ.setdefault("HYBRID_DISTILL_COMPILE", "0")
 
 import pytest  # noqa: E402

@@ -164,9 +164,35 @@ def workdir(installed, tmp_path_factory):
     return env_dir, env, work
 
 
+def _command_text(cmd: str) -> str:
+    return cmd.split("  #")[0].strip()  # what the shell runs: a trailing comment is not part of it
+
+
+def _first_pages() -> dict[tuple[str, str], str]:
+    """Each example that runs, keyed by (language, text), to the first page (in PAGES order) where it does."""
+    first = {}
+    for page in PAGES:
+        for lang, body in blocks(page):
+            texts = [body] if lang == "python" else [_command_text(c) for c in commands(body)]
+            for text in texts:
+                if not (skip_reason(text) or pending(page, text)):
+                    first.setdefault((lang, text), page)
+    return first
+
+
+def runs_elsewhere(page: str, lang: str, text: str) -> str | None:
+    """Why an example is not run again here: the same text runs as written on an earlier page (the manual repeats
+    the README's command overview), or None."""
+    first = FIRST_PAGES.get((lang, text if lang == "python" else _command_text(text)), page)
+    return None if first == page else f"runs as written on {first}"
+
+
 def pending(page: str, text: str) -> str | None:
     """The reason an example is known not to run as written (PENDING), or None."""
     return next((why for (p, snippet), why in PENDING.items() if p == page and snippet in text), None)
+
+
+FIRST_PAGES = _first_pages()
 
 
 @pytest.mark.slow  # ~3-7 min on 2 busy cores: -m "not slow" leaves it out
@@ -181,7 +207,7 @@ def test_examples_run_as_written(workdir, page):
     for lang, body in blocks(page):
         if lang != "python":
             continue
-        why = skip_reason(body) or pending(page, body)
+        why = skip_reason(body) or pending(page, body) or runs_elsewhere(page, "python", body)
         if why:
             skipped.append((body.strip().splitlines()[0], why))
             continue
@@ -196,7 +222,7 @@ def test_examples_run_as_written(workdir, page):
             failures.append(f"{page}, python block:\n{body}\n{out.stderr[-2000:]}")
     for lang, body in blocks(page):
         for cmd in commands(body) if lang == "bash" else ():
-            why = skip_reason(cmd) or pending(page, cmd)
+            why = skip_reason(cmd) or pending(page, cmd) or runs_elsewhere(page, "bash", cmd)
             if why:
                 skipped.append((cmd, why))
                 continue

@@ -5,7 +5,7 @@ import os
 
 import pytest
 from hybrid.eval.tasks import TASKS_DIR
-from hybrid.eval.tasks.mmlu_local_data import DEFAULT_DIR, ENV_VAR, MMLUDataError, load_subject
+from hybrid.eval.tasks.mmlu_local_data import DEFAULT_DIR, ENV_VAR, MMLUDataError, as_dataset, load_subject
 
 ROWS = [
     ["What is 1 + 1?", "1", "2", "3", "None", "1"],
@@ -32,6 +32,17 @@ def test_reads_mmlu_csv_layout_with_literal_none(tmp_path):
     assert test[0]["choices"] == ["1", "2", "3", "None"] and test[0]["answer"] == 1
     assert test[1]["choices"] == ["None", "yes, really", "no", "maybe"] and test[1]["answer"] == 0
     assert len(data["dev"]) == 2 and test[0]["subject"] == "toy"
+
+
+def test_a_split_is_the_dataset_from_list_makes_named_by_its_rows(tmp_path):
+    import datasets
+
+    write_csv(tmp_path, "toy", ROWS, test_rows=ROWS[:1])
+    data = load_subject("toy", mmlu_dir=str(tmp_path))
+    want = datasets.Dataset.from_list(list(data["test"]))
+    assert data["test"].features == want.features and data["test"].to_list() == want.to_list()
+    assert data["test"]._fingerprint == as_dataset(list(data["test"]))._fingerprint  # the same rows, the same name
+    assert data["test"]._fingerprint != data["dev"]._fingerprint  # other rows, another name
 
 
 def test_reads_headerless_csv_with_letter_answers(tmp_path):

@@ -4,6 +4,7 @@ package's tasks on the include path); lm-eval's default device ``cuda:0`` falls 
 
 import logging
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +33,25 @@ def test_hybrid_lm_eval_runs_lm_evals_cli_with_the_hybrid_model(tmp_path, monkey
         assert "running on the CPU" in caplog.text
 
 
-def test_the_task_manager_indexes_lm_evals_own_tasks_only_when_one_is_asked_for(tmp_path):
+@pytest.fixture
+def lm_evals_own_tasks_are_arc_only(monkeypatch):
+    """lm-eval's own task folder indexed as if it held only its ARC configs. The ~15k real ones take 15-50 s to
+    index (and list) on 2 cores; what these tests check (ours beside lm-eval's, lm-eval's indexed only when asked
+    for) needs one family of them. Every other folder (ours, a user's) is indexed as it is."""
+    import lm_eval.tasks
+    from lm_eval.tasks._index import TaskIndex
+
+    own = Path(lm_eval.tasks.__file__).resolve().parent
+    real = TaskIndex._iter_yaml_files
+
+    def arc_only(root):
+        return real(own / "arc" if Path(root).resolve() == own else root)
+
+    monkeypatch.setattr(TaskIndex, "_iter_yaml_files", staticmethod(arc_only))
+
+
+def test_the_task_manager_indexes_lm_evals_own_tasks_only_when_one_is_asked_for(tmp_path,
+                                                                                  lm_evals_own_tasks_are_arc_only):
     """Only our tasks asked for: lm-eval's ~15k configs are not indexed (tens of seconds) and the tasks load; any
     other name (lm-eval's task, a glob) or a listing: they are, and lm-eval's task loads beside ours."""
     from hybrid.eval.tasks import task_manager
@@ -75,3 +94,23 @@ def test_hybrid_lm_eval_runs_lm_evals_cli_on_a_task_manager_that_indexes_lazily(
         cls = seen.pop()
         assert (cls is not base and issubclass(cls, base)) if lazy else cls is base, argv
         assert lm_eval.tasks.TaskManager is base
+
+
+def test_hybrid_lm_eval_ls_lists_our_tasks_beside_lm_evals(monkeypatch, capsys, lm_evals_own_tasks_are_arc_only):
+    """``hybrid-lm-eval ls tasks``: lm-eval's own listing, with ours in it."""
+    from hybrid.eval.lm_eval_run import lm_eval_main
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    lm_eval_main(["ls", "tasks"])
+    out = capsys.readouterr().out
+    assert "mmlu_local_anatomy" in out and "mmlu_local " in out and "arc_easy" in out, out[-2000:]
+
+
+def test_simple_evaluate_without_our_task_manager_fails_as_lm_eval_fails(lm_evals_own_tasks_are_arc_only):
+    """The documented limit (docs/evaluation.md): lm-eval's own TaskManager does not know our tasks, and says so by
+    name; ``task_manager=hybrid.eval.tasks.task_manager(...)`` is the way (tests/test_lm_eval_routes.py)."""
+    import hybrid.eval.lm_eval_model  # noqa: F401  (registers the model "hybrid")
+    import lm_eval
+
+    with pytest.raises(KeyError, match="mmlu_local_anatomy"):
+        lm_eval.simple_evaluate(model="hybrid", model_args="recipe=llama-tiny", tasks=["mmlu_local_anatomy"], limit=1)

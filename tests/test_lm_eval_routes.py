@@ -6,7 +6,8 @@ finding the ``hybrid`` model and the ``mmlu_local_*`` tasks on a tiny checkpoint
   own folder and reads no plugin entry points, so its own ``task_manager=`` argument is how our tasks get in;
 - ``hybrid-lm-eval``: lm-eval's own command line, every flag passed through (``run``, ``ls``);
 - ``hybrid eval``.
-And the plain call without ``task_manager=`` fails as lm-eval fails (documented, not hidden)."""
+(``hybrid-lm-eval ls`` and the plain call without ``task_manager=``, which fails as lm-eval fails, run in-process
+in tests/test_lm_eval_cli.py, on lm-eval's ARC configs alone: a listing of all its ~15k takes ~50 s on 2 cores.)"""
 
 import json
 
@@ -29,10 +30,6 @@ results = lm_eval.simple_evaluate(model="hybrid", model_args=f"pretrained={ckpt}
 print(json.dumps({"acc": results["results"]["mmlu_local_anatomy"]["acc,none"], "n_shot": results["n-shot"],
                   "n": results["n-samples"]["mmlu_local_anatomy"]["effective"],
                   "model": results["config"]["model"]}))
-try:
-    lm_eval.simple_evaluate(model="hybrid", model_args=f"pretrained={ckpt}", tasks=["mmlu_local_anatomy"], limit=1)
-except KeyError as e:
-    print("without task_manager:", e)
 """
 
 
@@ -57,7 +54,6 @@ def test_simple_evaluate_with_the_packages_task_manager(installed, tiny):
     got = json.loads(next(line for line in lines if line.startswith("{")))
     assert got["model"] == "hybrid" and got["n"] == 2 and got["n_shot"] == {"mmlu_local_anatomy": 1}
     assert 0.0 <= got["acc"] <= 1.0
-    assert any("without task_manager:" in line and "mmlu_local_anatomy" in line for line in lines), out.stdout
 
 
 def test_hybrid_lm_eval_is_lm_evals_cli_with_our_model_and_tasks(installed, tiny):
@@ -70,8 +66,6 @@ def test_hybrid_lm_eval_is_lm_evals_cli_with_our_model_and_tasks(installed, tiny
     assert out.returncode == 0, out.stderr[-3000:]
     assert "|anatomy|" in out.stdout and "|acc   |" in out.stdout, out.stdout[-2000:]
     assert list((ckpt.parent / "lm_eval_out").rglob("results_*.json")), "--output_path was not passed through"
-    listed = run([cli, "ls", "tasks"], env, outside)
-    assert listed.returncode == 0 and "mmlu_local_anatomy" in listed.stdout and "mmlu_local " in listed.stdout
 
 
 def test_hybrid_eval(installed, tiny):

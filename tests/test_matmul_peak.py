@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from hybrid.eval import timing
 from hybrid.eval.timing import MatmulPeak, matmul_peak, matmul_peak_flops, peak_exceeded
 
 SMALL = ((64, 32, 48), (96, 96, 96))
@@ -33,3 +34,18 @@ def test_bad_shapes_say_what_is_wanted(shapes):
 def test_rows_above_the_peak_are_flagged():
     rows = [{"of_peak": 0.8}, {"of_peak": 1.13}, {"skipped": "out of memory"}]
     assert peak_exceeded(rows) == [{"of_peak": 1.13}]
+
+
+def test_training_peaks_are_measured_once_per_dtype_and_thread_count(monkeypatch):
+    measured = []
+    monkeypatch.setattr(timing, "_TRAINING_PEAKS", {})
+    monkeypatch.setattr(timing, "matmul_peak_flops", lambda _, dtype: measured.append(dtype) or 1e9 * len(measured))
+    assert timing.training_peaks(torch.float32) == {"fp32": 1e9}
+    assert timing.training_peaks(torch.bfloat16) == {"fp32": 1e9, "bf16": 2e9}
+    assert timing.training_peaks(torch.bfloat16) == {"fp32": 1e9, "bf16": 2e9} and len(measured) == 2
+    n = torch.get_num_threads()
+    torch.set_num_threads(n + 1)
+    try:
+        assert timing.training_peaks(torch.float32) == {"fp32": 3e9}  # another thread count: measured again
+    finally:
+        torch.set_num_threads(n)
