@@ -7,5 +7,9 @@
 # Extra args go to the command (e.g. --lock /tmp/bench.lock on a shared machine, --threads N).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Where PYTHONDONTWRITEBYTECODE is set (as on this project's build machines) Python caches no compiled module, and
+# every process compiles every module it imports again: torch's ~3k take seconds of each interpreter's start-up.
+# Unset, each is compiled once, at its first import, into the .venv and the source tree's __pycache__ (ignored).
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 .venv/bin/hybrid tradeoff "$@"

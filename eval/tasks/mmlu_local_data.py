@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 import datasets
+from datasets.table import InMemoryTable
 
 ENV_VAR = "HYBRID_MMLU_DIR"
 # A source checkout keeps MMLU beside the repository: <repo>/../shared/data/mmlu. An installed package has no
@@ -112,9 +113,9 @@ def load_subject(subject: str, mmlu_dir: str | None = None, **task_metadata) -> 
 
 
 def as_dataset(docs: list[dict]) -> datasets.Dataset:
-    """``datasets.Dataset.from_list(docs)``, named by a digest of the rows. ``from_list`` fingerprints a new
-    dataset by pickling its rows through dill, 1.5 of the 10 s a 57-subject ``mmlu_local`` run takes here; the
-    rows' JSON digest identifies them as well (the fingerprint names the dataset in ``datasets``' caches)."""
-    table = datasets.table.InMemoryTable.from_pylist(docs)
+    """``datasets.Dataset.from_list(docs)``, named by a digest of the rows. ``from_list`` names a new dataset by
+    pickling its rows through dill (for the 114 splits of all of MMLU, a sixth of a short ``hybrid eval`` run);
+    the rows' JSON digest identifies them as well (the fingerprint names the dataset in ``datasets``' caches)."""
+    table = InMemoryTable.from_pylist(docs)
     digest = hashlib.sha256(json.dumps(docs, sort_keys=True).encode()).hexdigest()[:16]
     return datasets.Dataset(table, fingerprint=f"mmlu_local-{digest}")
