@@ -164,8 +164,9 @@ def workdir(installed, tmp_path_factory):
     return env_dir, env, work
 
 
-def _command_text(cmd: str) -> str:
-    return cmd.split("  #")[0].strip()  # what the shell runs: a trailing comment is not part of it
+def _code(text: str) -> str:
+    """What runs: the text less its trailing comments (two spaces and a #), which pages word differently."""
+    return "\n".join(line.split("  #")[0].rstrip() for line in text.strip().splitlines())
 
 
 def _first_pages() -> dict[tuple[str, str], str]:
@@ -173,17 +174,16 @@ def _first_pages() -> dict[tuple[str, str], str]:
     first = {}
     for page in PAGES:
         for lang, body in blocks(page):
-            texts = [body] if lang == "python" else [_command_text(c) for c in commands(body)]
-            for text in texts:
+            for text in [body] if lang == "python" else commands(body):
                 if not (skip_reason(text) or pending(page, text)):
-                    first.setdefault((lang, text), page)
+                    first.setdefault((lang, _code(text)), page)
     return first
 
 
 def runs_elsewhere(page: str, lang: str, text: str) -> str | None:
-    """Why an example is not run again here: the same text runs as written on an earlier page (the manual repeats
-    the README's command overview), or None."""
-    first = FIRST_PAGES.get((lang, text if lang == "python" else _command_text(text)), page)
+    """Why an example is not run again here: the same code runs as written on an earlier page (the manual repeats
+    the README's command overview and its lm-eval example), or None."""
+    first = FIRST_PAGES.get((lang, _code(text)), page)
     return None if first == page else f"runs as written on {first}"
 
 
