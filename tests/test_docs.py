@@ -142,8 +142,13 @@ def commands(body: str) -> list[str]:
     return out
 
 
+def _code(text: str) -> str:
+    """What runs: the text less its trailing comments (two spaces and a #), which pages word differently."""
+    return "\n".join(line.split("  #")[0].rstrip() for line in text.strip().splitlines())
+
+
 def skip_reason(text: str) -> str | None:
-    code = "\n".join(line.split("  #")[0] for line in text.splitlines())  # a comment's words are not the command
+    code = _code(text)  # a comment's words are not the command
     for pattern, reason in SKIP_RULES:
         if re.search(pattern, code, re.M):
             return reason
@@ -162,11 +167,6 @@ def workdir(installed, tmp_path_factory):
     assert out.returncode == 0, out.stderr[-3000:]
     env = {**env, "PATH": f"{env_dir / 'bin'}:{env['PATH']}", "HYBRID_MMLU_DIR": str(work / "path" / "to" / "mmlu")}
     return env_dir, env, work
-
-
-def _code(text: str) -> str:
-    """What runs: the text less its trailing comments (two spaces and a #), which pages word differently."""
-    return "\n".join(line.split("  #")[0].rstrip() for line in text.strip().splitlines())
 
 
 def _first_pages() -> dict[tuple[str, str], str]:

@@ -226,7 +226,7 @@ def build_all(lib_dir: Path, variants: list[Variant], src_dir: Path = HERE, log=
     fills) was built from these very sources and flags (:func:`key` is part of the name), and is copied instead."""
     built = []
     for v in variants:
-        target = library_path(v, src_dir, lib_dir)  # (the key hashes every source file: computed once)
+        target = library_path(v, src_dir, lib_dir)
         ready = reuse_from / target.name if reuse_from is not None else None
         if ready is not None and ready.is_file() and ready.resolve() != target.resolve():
             lib_dir.mkdir(parents=True, exist_ok=True)
